@@ -1,0 +1,253 @@
+"""The SpecEE engine: loading, batched prefill and the decode loop (the only place that
+advances positions). Dense decoding runs every layer; mode="specee" hands each decode step
+to the early-exit stepper (specee_core.early_exit)."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specee_core.config import ModelConfig
+from specee_core.loader import load_model, load_tokenizer
+from specee_core.model import LlamaModel
+from specee_core.sampling import SamplingParams, sample
+
+log = logging.getLogger(__name__)
+
+MODES = ("dense", "specee")
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot run (wrong type, empty, longer than the context)."""
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) | "length"
+    exit_layers: list[int]  # per generated token: layers run (1-based); num_layers in dense mode
+    prompt_tokens: int
+    metrics: dict = field(default_factory=dict)  # ttft_s, tpot_s, e2e_latency_s, tokens_per_s, ...
+    stats: dict = field(default_factory=dict)  # early-exit statistics (histogram, average layers, ...)
+
+
+@dataclass
+class EngineOptions:
+    max_batch_size: int = 32
+    context_len: int | None = None  # default: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+
+
+@dataclass
+class Batch:
+    """Decode state of one generate() batch. Row b of every tensor is prompt b of the batch."""
+    prompt_ids: list[list[int]]
+    params: SamplingParams
+    max_new: list[int]  # per row, clipped to the context
+    generated: list[list[int]]
+    exit_layers: list[list[int]]
+    finish: list[str | None]
+    texts: list[str]
+    positions: torch.Tensor  # [B] host: position of the next token to feed
+    next_tokens: torch.Tensor  # [B] device: the token to feed next
+    last_hidden: torch.Tensor | None = None  # [B, D] hidden state of the last fed token (draft heads use it)
+    t_first: float = 0.0
+    t_done: list[float] = field(default_factory=list)
+
+    def alive(self) -> list[int]:
+        return [b for b, f in enumerate(self.finish) if f is None]
+
+
+class SpecEEEngine:
+    def __init__(self, model: LlamaModel, tokenizer, options: EngineOptions | None = None, early_exit=None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.options = options or EngineOptions()
+        self.early_exit = early_exit  # specee_core.early_exit.EarlyExit, when draft/predictors are present
+        c = model.config
+        self.context_len = self.options.context_len or default_context_len(c)
+        eos = set(c.eos_token_id)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_ids = eos
+        self._cache = None
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype=None, **options) -> SpecEEEngine:
+        """Load the model and tokenizer from a local HF-layout directory, plus the draft head,
+        predictors and schedule stored beside it when present. options: EngineOptions fields and
+        early-exit options (see specee_core.early_exit.EarlyExitOptions)."""
+        model = load_model(path, device=device, dtype=dtype)
+        tokenizer = load_tokenizer(path)
+        engine_opts = {k: options.pop(k) for k in list(options) if k in EngineOptions.__dataclass_fields__}
+        from specee_core.early_exit import load_early_exit
+
+        early_exit = load_early_exit(Path(path), model, tokenizer, **options)
+        return cls(model, tokenizer, EngineOptions(**engine_opts), early_exit)
+
+    # ---- input checks -----------------------------------------------------------------------
+    def encode_prompt(self, prompt) -> list[int]:
+        """Token ids of one prompt; PromptError when it cannot run."""
+        if not isinstance(prompt, str):
+            raise PromptError(f"prompt must be a string, got {type(prompt).__name__}")
+        if not prompt:
+            raise PromptError("prompt is empty")
+        ids = self.tokenizer(prompt)["input_ids"]
+        if len(ids) >= self.context_len:
+            raise PromptError(f"prompt has {len(ids)} tokens; the context holds {self.context_len} "
+                              f"(prompt plus at least one new token)")
+        return ids
+
+    # ---- generation -------------------------------------------------------------------------
+    def generate(self, prompts: list[str], max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, stop: list[str] | str | None = None,
+                 seed: int | None = None, mode: str = "dense") -> list[GenerationResult]:
+        """Generate a completion for each prompt, in batches of options.max_batch_size."""
+        if isinstance(prompts, str):
+            raise PromptError("prompts must be a list of strings, got a single string")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "specee" and self.early_exit is None:
+            raise ValueError("mode='specee' needs predictors and a speculator: none were found beside the model")
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                top_k=top_k, stop=stop or [], seed=seed)
+        ids = []
+        for i, p in enumerate(prompts):
+            try:
+                ids.append(self.encode_prompt(p))
+            except PromptError as e:
+                raise PromptError(f"prompt {i}: {e}") from None
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        out: list[GenerationResult] = []
+        bs = self.options.max_batch_size
+        for s in range(0, len(ids), bs):
+            out += self._generate_batch(ids[s : s + bs], params, mode, generator)
+        return out
+
+    def _get_cache(self, batch: int, max_len: int):
+        c = self._cache
+        if c is None or c.batch < batch or c.max_len < max_len:
+            self._cache = self.model.new_cache(batch, max_len)
+        self._cache.reset()
+        return self._cache
+
+    @torch.inference_mode()
+    def _generate_batch(self, prompt_ids: list[list[int]], params: SamplingParams, mode: str,
+                        generator: torch.Generator | None) -> list[GenerationResult]:
+        t0 = time.perf_counter()
+        model, dev = self.model, self.device
+        n = len(prompt_ids)
+        lens = torch.tensor([len(p) for p in prompt_ids])
+        max_new = [min(params.max_new_tokens, self.context_len - len(p)) for p in prompt_ids]
+        cache = self._get_cache(n, int(max(len(p) + m for p, m in zip(prompt_ids, max_new))))
+        # full batch of the cache object may be larger than n: rows 0..n-1 are ours
+        rows_all = torch.arange(n, device=dev) if cache.batch != n else None
+
+        # prefill: right-padded, every layer, never early exit
+        t_max = int(lens.max())
+        tokens = torch.zeros(n, t_max, dtype=torch.int64)
+        for b, p in enumerate(prompt_ids):
+            tokens[b, : len(p)] = torch.tensor(p)
+        positions = torch.arange(t_max).expand(n, t_max)
+        h = model.forward(tokens.to(dev), positions.to(dev), cache, rows_all, n_valid=lens)
+        last = h[torch.arange(n, device=dev), (lens - 1).to(dev)]  # [B, D]
+        first = sample(model.logits(last), params, generator)
+
+        batch = Batch(prompt_ids=prompt_ids, params=params, max_new=max_new, generated=[[] for _ in range(n)],
+                      exit_layers=[[] for _ in range(n)], finish=[None] * n, texts=[""] * n,
+                      positions=lens.clone(), next_tokens=first, last_hidden=last, t_done=[0.0] * n)
+        stepper = self.early_exit.new_stepper(self, batch, cache) if mode == "specee" else None
+        batch.t_first = time.perf_counter()
+        self._record(batch, list(range(n)), first.tolist(), [model.num_layers] * n)
+
+        while alive := batch.alive():
+            rows = torch.tensor(alive, device=dev) if (len(alive) < cache.batch) else None
+            if stepper is None:
+                toks, layers = self._dense_step(batch, alive, rows, cache, generator)
+            else:
+                toks, layers = stepper.step(alive, rows, generator)
+            self._record(batch, alive, toks, layers)
+        return [self._result(batch, b, t0) for b in range(n)]
+
+    def _dense_step(self, batch: Batch, alive: list[int], rows, cache, generator) -> tuple[list[int], list[int]]:
+        idx = torch.tensor(alive)
+        h = self.model.forward(batch.next_tokens[idx].unsqueeze(1) if rows is not None else batch.next_tokens.unsqueeze(1),
+                               batch.positions[idx].unsqueeze(1).to(self.device), cache, rows)
+        h = h[:, 0]
+        toks = sample(self.model.logits(h), batch.params, generator)
+        batch.next_tokens[idx.to(self.device)] = toks
+        batch.last_hidden[idx.to(self.device)] = h
+        return toks.tolist(), [self.model.num_layers] * len(alive)
+
+    def _record(self, batch: Batch, alive: list[int], toks: list[int], layers: list[int]) -> None:
+        """Append one new token per alive row, advance positions, and settle finished rows."""
+        now = time.perf_counter()
+        for b, tok, layer in zip(alive, toks, layers):
+            batch.generated[b].append(tok)
+            batch.exit_layers[b].append(layer)
+            batch.positions[b] += 1
+            if tok in self.eos_ids:
+                batch.finish[b] = "stop"
+            elif batch.params.stop:
+                text = self.tokenizer.decode(batch.generated[b], skip_special_tokens=True)
+                cut = min((i for i in (text.find(s) for s in batch.params.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    batch.texts[b] = text[:cut]
+                    batch.finish[b] = "stop"
+            if batch.finish[b] is None and len(batch.generated[b]) >= batch.max_new[b]:
+                batch.finish[b] = "length"
+            if batch.finish[b] is not None:
+                batch.t_done[b] = now
+
+    def _result(self, batch: Batch, b: int, t0: float) -> GenerationResult:
+        ids = batch.generated[b]
+        text = batch.texts[b] or self.tokenizer.decode(ids, skip_special_tokens=True)
+        n_tok = len(ids)
+        ttft = batch.t_first - t0
+        e2e = batch.t_done[b] - t0
+        decode_s = batch.t_done[b] - batch.t_first
+        metrics = {
+            "ttft_s": ttft,
+            "tpot_s": decode_s / max(n_tok - 1, 1),  # mean inter-token latency after the first token
+            "e2e_latency_s": e2e,
+            "tokens_per_s": n_tok / e2e if e2e > 0 else 0.0,
+            "decode_tokens_per_s": (n_tok - 1) / decode_s if decode_s > 0 else 0.0,
+        }
+        layers = batch.exit_layers[b]
+        stats = exit_stats(layers, self.model.num_layers)
+        return GenerationResult(text=text, token_ids=ids, finish_reason=batch.finish[b], exit_layers=layers,
+                                prompt_tokens=len(batch.prompt_ids[b]), metrics=metrics, stats=stats)
+
+
+def default_context_len(c: ModelConfig) -> int:
+    """max_position_embeddings, stretched by the factor of dynamic (NTK) RoPE, which extrapolates."""
+    if c.rope_type == "dynamic":
+        return int(c.max_position_embeddings * c.rope_scaling["factor"])
+    return c.max_position_embeddings
+
+
+def exit_stats(exit_layers: list[int], num_layers: int) -> dict:
+    """Histogram (index = layers run, 1..L) and average layers of one request's tokens."""
+    hist = [0] * (num_layers + 1)
+    for l in exit_layers:
+        hist[l] += 1
+    n = max(len(exit_layers), 1)
+    avg = sum(exit_layers) / n
+    return {"exit_histogram": hist[1:], "avg_layers": avg, "layer_fraction": avg / num_layers}

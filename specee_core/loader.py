@@ -1,0 +1,142 @@
+"""Load an HF-layout Llama checkpoint from a local directory. Never downloads anything.
+
+Reads config.json and one of: model.safetensors, model.safetensors.index.json (sharded), or
+pytorch_model.bin (torch.load with weights_only=True). Every problem is an error that names
+the file and what is wrong.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from specee_core.config import ModelConfig, resolve_dtype
+from specee_core.model import LayerWeights, LlamaModel, ModelWeights
+
+log = logging.getLogger(__name__)
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def find_model_dir(path: str | Path) -> Path:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model directory not found: {path}")
+    if not path.is_dir():
+        raise NotADirectoryError(f"model path is not a directory: {path}")
+    return path
+
+
+def read_state_dict(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """Return (tensors by name, file each came from)."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
+
+    def add(file: Path, loaded: dict[str, torch.Tensor]) -> None:
+        for name, t in loaded.items():
+            tensors[name] = t
+            origin[name] = file
+
+    def load_one(file: Path) -> dict[str, torch.Tensor]:
+        if not file.is_file():
+            raise FileNotFoundError(f"weight file not found: {file}")
+        try:
+            if file.suffix == ".safetensors":
+                return load_file(str(file))
+            return torch.load(file, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, ValueError) as e:  # corrupt or truncated file
+            raise ValueError(f"{file}: cannot read weights ({type(e).__name__}: {e})") from e
+
+    for name in WEIGHT_FILES:
+        file = model_dir / name
+        if not file.is_file():
+            continue
+        if name.endswith(".index.json"):
+            try:
+                weight_map = json.loads(file.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"{file}: not a valid weight index ({e})") from None
+            for shard in sorted(set(weight_map.values())):
+                add(model_dir / shard, load_one(model_dir / shard))
+        else:
+            add(file, load_one(file))
+        return tensors, origin
+    raise FileNotFoundError(f"{model_dir}: no weights found (expected one of {', '.join(WEIGHT_FILES)})")
+
+
+def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin: dict[str, Path],
+                  device: torch.device, dtype: torch.dtype, model_dir: Path) -> ModelWeights:
+    c = config
+    q, kv, d, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.hidden_size, c.intermediate_size
+
+    def get(name: str, shape: tuple[int, ...], optional: bool = False) -> torch.Tensor | None:
+        t = tensors.get(name)
+        if t is None:
+            if optional:
+                return None
+            raise ValueError(f"{model_dir}: tensor {name!r} missing from the checkpoint")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{origin[name]}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape} "
+                             f"from config.json")
+        return t
+
+    def put(*parts: torch.Tensor | None) -> torch.Tensor | None:
+        if parts[0] is None:
+            return None
+        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return t.to(device=device, dtype=dtype).contiguous()
+
+    layers = []
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        bias = c.attention_bias
+        layers.append(LayerWeights(
+            input_norm=put(get(p + "input_layernorm.weight", (d,))),
+            wqkv=put(get(a + "q_proj.weight", (q, d)), get(a + "k_proj.weight", (kv, d)), get(a + "v_proj.weight", (kv, d))),
+            bqkv=put(get(a + "q_proj.bias", (q,)), get(a + "k_proj.bias", (kv,)), get(a + "v_proj.bias", (kv,))) if bias else None,
+            wo=put(get(a + "o_proj.weight", (d, q))),
+            bo=put(get(a + "o_proj.bias", (d,), optional=not bias)) if bias else None,
+            post_norm=put(get(p + "post_attention_layernorm.weight", (d,))),
+            w_gate_up=put(get(m + "gate_proj.weight", (inter, d)), get(m + "up_proj.weight", (inter, d))),
+            b_gate_up=put(get(m + "gate_proj.bias", (inter,)), get(m + "up_proj.bias", (inter,))) if c.mlp_bias else None,
+            w_down=put(get(m + "down_proj.weight", (d, inter))),
+            b_down=put(get(m + "down_proj.bias", (d,))) if c.mlp_bias else None,
+        ))
+    embed = put(get("model.embed_tokens.weight", (c.vocab_size, d)))
+    head = tensors.get("lm_head.weight")
+    if head is None and not c.tie_word_embeddings:
+        raise ValueError(f"{model_dir}: tensor 'lm_head.weight' missing and tie_word_embeddings is false")
+    lm_head = embed if c.tie_word_embeddings or head is None else put(get("lm_head.weight", (c.vocab_size, d)))
+    return ModelWeights(embed=embed, layers=layers, norm=put(get("model.norm.weight", (d,))), lm_head=lm_head)
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu",
+               dtype: str | torch.dtype | None = None) -> LlamaModel:
+    """Load config and weights from a local HF-layout directory. dtype None: fp32 on CPU, the
+    checkpoint's own dtype on CUDA."""
+    model_dir = find_model_dir(path)
+    config = ModelConfig.from_file(model_dir / "config.json")
+    device = torch.device(device)
+    if dtype is None:
+        dtype = resolve_dtype(config.torch_dtype) if device.type == "cuda" and config.torch_dtype else torch.float32
+    dtype = resolve_dtype(dtype)
+    tensors, origin = read_state_dict(model_dir)
+    weights = build_weights(config, tensors, origin, device, dtype, model_dir)
+    log.info("loaded %s: %d layers, d=%d, %s on %s", model_dir, config.num_hidden_layers, config.hidden_size, dtype, device)
+    return LlamaModel(config, weights, device, dtype)
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer saved beside the model (tokenizer.json / tokenizer_config.json), offline."""
+    from transformers import AutoTokenizer
+
+    model_dir = find_model_dir(path)
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"{model_dir}: no tokenizer found (expected tokenizer.json or tokenizer_config.json)")
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)

@@ -1,0 +1,123 @@
+"""Llama-family decoder written for decoding: fused QKV and gate/up weights, a layer-by-layer
+API (embed, layer i, final norm, LM head) so a caller can stop after any layer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specee_core.config import ModelConfig
+from specee_core.kv_cache import KVCache
+from specee_core.rope import RotaryEmbedding, apply_rope
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [D]
+    wqkv: torch.Tensor  # [(H + 2 Hkv) hd, D]
+    bqkv: torch.Tensor | None  # [(H + 2 Hkv) hd]
+    wo: torch.Tensor  # [D, H hd]
+    bo: torch.Tensor | None  # [D]
+    post_norm: torch.Tensor  # [D]
+    w_gate_up: torch.Tensor  # [2 I, D]
+    b_gate_up: torch.Tensor | None  # [2 I]
+    w_down: torch.Tensor  # [D, I]
+    b_down: torch.Tensor | None  # [D]
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [V, D]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [D]
+    lm_head: torch.Tensor  # [V, D]; the embedding itself when tied
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Computed in fp32 and cast back before the weight, as HF Llama does (bit-compatible)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device | str, dtype: torch.dtype):
+        self.config = config
+        self.w = weights
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.rope = RotaryEmbedding(config, self.device)
+        c = config
+        self.q_size = c.num_attention_heads * c.head_dim
+        self.kv_size = c.num_key_value_heads * c.head_dim
+        self.scale = c.head_dim ** -0.5
+        self.gqa = c.num_attention_heads != c.num_key_value_heads
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, self.dtype, self.device)
+
+    # ---- the layer-by-layer API -------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [N, T] -> hidden [N, T, D]."""
+        return F.embedding(input_ids, self.w.embed)
+
+    def rope_for(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N, T] -> (cos, sin) [N, 1, T, hd], computed once per step for all layers."""
+        return self.rope(positions, self.dtype)
+
+    def layer(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+              rows: torch.Tensor | None = None, n_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Run decoder layer i on hidden h [N, T, D] of cache rows `rows` [N] (None = all rows)."""
+        c, lw = self.config, self.w.layers[i]
+        n, t, _ = h.shape
+        x = rms_norm(h, lw.input_norm, c.rms_norm_eps)
+        qkv = F.linear(x, lw.wqkv, lw.bqkv)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(n, t, c.num_attention_heads, c.head_dim).transpose(1, 2)  # [N, H, T, hd]
+        k = k.view(n, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # [N, Hkv, T, hd]
+        v = v.view(n, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values, mask = cache.append(i, rows, k, v, n_valid)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
+        h = h + F.linear(o.transpose(1, 2).reshape(n, t, self.q_size), lw.wo, lw.bo)
+        x = rms_norm(h, lw.post_norm, c.rms_norm_eps)
+        gate, up = F.linear(x, lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, lw.w_down, lw.b_down)
+
+    def write_kv(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+                 rows: torch.Tensor | None = None) -> None:
+        """Store layer i's K/V computed from hidden h [N, T, D] without running the layer
+        (the "propagate" mode for layers an early exit skipped)."""
+        c, lw = self.config, self.w.layers[i]
+        n, t, _ = h.shape
+        x = rms_norm(h, lw.input_norm, c.rms_norm_eps)
+        kv = F.linear(x, lw.wqkv[self.q_size:], None if lw.bqkv is None else lw.bqkv[self.q_size:])
+        k, v = kv.view(n, t, 2 * c.num_key_value_heads, c.head_dim).transpose(1, 2).chunk(2, dim=1)
+        cache.append(i, rows, apply_rope(k, *rope), v)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return rms_norm(h, self.w.norm, self.config.rms_norm_eps)
+
+    def lm_head(self, h_normed: torch.Tensor) -> torch.Tensor:
+        """[..., D] -> logits [..., V]."""
+        return F.linear(h_normed, self.w.lm_head)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.final_norm(h))
+
+    # ---- whole passes -----------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                rows: torch.Tensor | None = None, n_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """All layers over input_ids [N, T]; returns the last hidden state [N, T, D] (before the final norm)."""
+        h = self.embed(input_ids)
+        rope = self.rope_for(positions)
+        for i in range(self.num_layers):
+            h = self.layer(i, h, rope, cache, rows, n_valid)
+        return h

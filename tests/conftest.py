@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random Llama checkpoints written by transformers' save_pretrained."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+BUNDLED = REPO / "models" / "specee-tiny"
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def make_hf_model(path: Path, *, layers: int = 4, hidden: int = 64, heads: int = 4, kv_heads: int = 4,
+                  tied: bool = True, rope_scaling: dict | None = None, max_pos: int = 256, seed: int = 0,
+                  dtype=torch.float32, max_shard_size: str | None = None, safe: bool = True):
+    """A random LlamaForCausalLM saved in HF layout with the bundled tokenizer beside it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = {}
+    if rope_scaling is not None:
+        kw["rope_scaling"] = rope_scaling
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=hidden, intermediate_size=hidden * 3 - 8,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=max_pos, tie_word_embeddings=tied, rms_norm_eps=1e-5,
+                      bos_token_id=0, eos_token_id=1, **kw)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    with torch.no_grad():  # random init is too flat to exercise anything: sharpen the logits
+        model.lm_head.weight.mul_(8) if not tied else model.model.embed_tokens.weight.mul_(4)
+    save_kw = {"safe_serialization": safe}
+    if max_shard_size:
+        save_kw["max_shard_size"] = max_shard_size
+    model.save_pretrained(path, **save_kw)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUNDLED / f, path / f)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_hf_model(path, layers=4, hidden=64, heads=4, kv_heads=2, tied=False)
+    return path

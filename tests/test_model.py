@@ -1,0 +1,107 @@
+"""Our dense engine against transformers' LlamaForCausalLM on the same weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specee_core import SpecEEEngine, load_model
+from tests.conftest import make_hf_model
+
+PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\nclass Foo(object):", "x = 1"]
+
+CONFIGS = {
+    "mha-tied": dict(heads=4, kv_heads=4, tied=True),
+    "gqa-untied": dict(heads=4, kv_heads=2, tied=False),
+    "mqa-linear-rope": dict(heads=4, kv_heads=1, tied=True, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "gqa-dynamic-rope": dict(heads=4, kv_heads=2, tied=False, max_pos=16,
+                             rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+    "gqa-llama3-rope": dict(heads=4, kv_heads=2, tied=True, max_pos=256,
+                            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = make_hf_model(path, layers=3, hidden=64, **CONFIGS[request.param])
+    return hf, SpecEEEngine.from_pretrained(path)
+
+
+def test_logits_match_transformers(pair):
+    hf, engine = pair
+    model = engine.model
+    for prompt in PROMPTS:
+        ids = torch.tensor([engine.tokenizer(prompt)["input_ids"]])
+        ref = hf(input_ids=ids).logits[0]
+        cache = model.new_cache(1, ids.shape[1])
+        ours = model.logits(model.forward(ids, torch.arange(ids.shape[1])[None], cache))[0]
+        torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_greedy_tokens_match_transformers(pair):
+    hf, engine = pair
+    for prompt in PROMPTS[:2]:
+        ids = torch.tensor([engine.tokenizer(prompt)["input_ids"]])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                          eos_token_id=None, pad_token_id=1)[0, ids.shape[1]:]
+        ours = engine.generate([prompt], max_new_tokens=12)[0]
+        n = len(ours.token_ids)
+        assert ours.token_ids == ref.tolist()[:n]
+        assert n == 12 or ours.finish_reason == "stop"
+
+
+def test_ragged_batch_equals_single_prompts(tiny_model_dir):
+    engine = SpecEEEngine.from_pretrained(tiny_model_dir)
+    singles = [engine.generate([p], max_new_tokens=10)[0] for p in PROMPTS]
+    batched = engine.generate(PROMPTS, max_new_tokens=10)
+    for s, b in zip(singles, batched):
+        assert s.token_ids == b.token_ids
+        assert s.exit_layers == b.exit_layers == [engine.config.num_hidden_layers] * len(b.token_ids)
+
+
+def test_ragged_prefill_logits_equal_single(tiny_model_dir):
+    model = load_model(tiny_model_dir)
+    seqs = [torch.randint(2, 8000, (n,)) for n in (5, 11, 8)]
+    t = max(len(s) for s in seqs)
+    tokens = torch.zeros(3, t, dtype=torch.int64)
+    for b, s in enumerate(seqs):
+        tokens[b, : len(s)] = s
+    lens = torch.tensor([len(s) for s in seqs])
+    cache = model.new_cache(3, 32)
+    h = model.forward(tokens, torch.arange(t).expand(3, t), cache, n_valid=lens)
+    assert cache.lengths.tolist() == [lens.tolist()] * model.num_layers
+    for b, s in enumerate(seqs):
+        c1 = model.new_cache(1, 32)
+        h1 = model.forward(s[None], torch.arange(len(s))[None], c1)
+        torch.testing.assert_close(h[b, : len(s)], h1[0], atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_tracks_lengths_per_layer_and_row(tiny_model_dir):
+    """A row can skip a layer (gap) and the layer's length for that row stays behind."""
+    model = load_model(tiny_model_dir)
+    cache = model.new_cache(2, 16)
+    ids = torch.randint(2, 8000, (2, 4))
+    model.forward(ids, torch.arange(4).expand(2, 4), cache)
+    h = model.embed(torch.tensor([[5], [6]]))
+    rope = model.rope_for(torch.tensor([[4], [4]]))
+    h = model.layer(0, h, rope, cache)  # both rows run layer 0
+    model.layer(1, h[1:], (rope[0][1:], rope[1][1:]), cache, rows=torch.tensor([1]))  # row 1 only
+    assert cache.lengths[:, 0].tolist() == [5, 4, 4, 4]
+    assert cache.lengths[:, 1].tolist() == [5, 5, 4, 4]
+    model.write_kv(2, h[:1], (rope[0][:1], rope[1][:1]), cache, rows=torch.tensor([0]))  # propagate for row 0
+    assert cache.lengths[2].tolist() == [5, 4]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_close_to_transformers(tmp_path, dtype):
+    torch_dtype = getattr(torch, dtype)
+    hf = make_hf_model(tmp_path, layers=2, hidden=64, heads=4, kv_heads=2, dtype=torch_dtype)
+    engine = SpecEEEngine.from_pretrained(tmp_path, dtype=dtype)
+    ids = torch.tensor([engine.tokenizer(PROMPTS[0])["input_ids"]])
+    ref = hf(input_ids=ids).logits[0].float()
+    model = engine.model
+    ours = model.logits(model.forward(ids, torch.arange(ids.shape[1])[None], model.new_cache(1, 32)))[0].float()
+    assert model.w.layers[0].wqkv.dtype == torch_dtype
+    torch.testing.assert_close(ours, ref, atol=0.1, rtol=0.05)
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
