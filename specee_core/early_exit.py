@@ -1,8 +1,239 @@
-"""Speculative early exit (placeholder loader until the predictors land)."""
+"""Speculative early exit: the decode step that stops a row at a middle layer once its
+predictor fires and the token is verified against the speculator's candidates.
+
+Files beside the model (all optional; predictors are what turns the mode on):
+    predictors.safetensors   per-layer exit MLPs (+ k and the layer list in its metadata)
+    draft/                   EAGLE-1-layout draft head (config.json + weights)
+    schedule.json            the offline predictor layers (specee_core.scheduler.Schedule)
+"""
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
-def load_early_exit(model_dir, model, tokenizer, **options):
-    if options:
-        raise TypeError(f"unknown engine options: {sorted(options)}")
-    return None
+import torch
+
+from specee_core.predictors import PredictorBank
+from specee_core.sampling import sample
+from specee_core.scheduler import OnlineWindow, Schedule
+from specee_core.speculators import DraftHead, DraftSpeculator, PromptLookupSpeculator, Speculator
+
+log = logging.getLogger(__name__)
+
+PREDICTORS_FILE, DRAFT_DIR, SCHEDULE_FILE = "predictors.safetensors", "draft", "schedule.json"
+
+
+@dataclass
+class EarlyExitOptions:
+    speculator: str = "auto"  # "draft" | "lookup" (prompt lookup, draft as fallback if present) | "auto"
+    threshold: float = 0.5  # exit when sigmoid(predictor) > threshold; > 1 switches exits off
+    verify: str = "local"  # "local": argmax among the k candidates | "full": LM-head argmax at the exit layer
+    kv_mode: str = "propagate"  # skipped layers' KV: "propagate" (from the exit hidden state) | "gap"
+    window: int | None = None  # online window N; None = the schedule's
+    offsets: tuple[int, ...] | None = None  # online offsets; None = the schedule's
+    explore_every: int = 0  # every n-th step runs every predictor (unbiased stats for re-tuning); 0 = never
+    predictor_backend: str = "auto"  # "auto" (Triton on CUDA) | "triton" | "torch"
+    schedule: str | None = None  # path of a schedule JSON; None = schedule.json beside the model
+
+    def __post_init__(self) -> None:
+        checks = {"speculator": ("auto", "draft", "lookup"), "verify": ("local", "full"),
+                  "kv_mode": ("propagate", "gap"), "predictor_backend": ("auto", "triton", "torch")}
+        for name, allowed in checks.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not 0 <= self.threshold:
+            raise ValueError(f"threshold must be >= 0, got {self.threshold}")
+        if self.explore_every < 0:
+            raise ValueError(f"explore_every must be >= 0, got {self.explore_every}")
+
+
+class EarlyExit:
+    """What mode="specee" needs: speculator, predictors, schedule, options."""
+
+    def __init__(self, model, speculator: Speculator, predictors: PredictorBank, schedule: Schedule,
+                 options: EarlyExitOptions):
+        if speculator.k != predictors.k:
+            raise ValueError(f"speculator proposes {speculator.k} candidates, predictors expect {predictors.k}")
+        self.model = model
+        self.speculator = speculator
+        self.predictors = predictors.to(model.device)
+        self.schedule = schedule
+        self.options = options
+
+    def new_stepper(self, engine, batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor) -> Stepper:
+        return Stepper(self, engine, batch, cache, prefill_hidden, lens)
+
+
+def load_early_exit(model_dir: Path, model, tokenizer, **options) -> EarlyExit | None:
+    """EarlyExit from the files beside the model, or None when there are no predictors."""
+    unknown = set(options) - {f.name for f in fields(EarlyExitOptions)}
+    if unknown:
+        raise TypeError(f"unknown engine options: {sorted(unknown)}")
+    opts = EarlyExitOptions(**options)
+    model_dir = Path(model_dir)
+    if not (model_dir / PREDICTORS_FILE).is_file():
+        return None
+    predictors = PredictorBank.load(model_dir / PREDICTORS_FILE)
+    schedule_path = Path(opts.schedule) if opts.schedule else model_dir / SCHEDULE_FILE
+    if opts.schedule or schedule_path.is_file():
+        schedule = Schedule.load(schedule_path)
+    else:
+        schedule = Schedule(num_layers=model.num_layers, offline_layers=sorted(predictors.layers), source="predictors")
+    schedule = Schedule(num_layers=schedule.num_layers, offline_layers=schedule.offline_layers,
+                        window=schedule.window if opts.window is None else opts.window,
+                        offsets=schedule.offsets if opts.offsets is None else opts.offsets,
+                        version=schedule.version, source=schedule.source)
+    draft = None
+    if (model_dir / DRAFT_DIR / "config.json").is_file():
+        draft = DraftSpeculator(DraftHead.load(model_dir / DRAFT_DIR, model.config), model, k=predictors.k)
+    if opts.speculator == "draft":
+        if draft is None:
+            raise FileNotFoundError(f"speculator='draft' but no draft head at {model_dir / DRAFT_DIR}")
+        speculator: Speculator = draft
+    elif opts.speculator == "lookup" or draft is None:
+        speculator = PromptLookupSpeculator(k=predictors.k, fallback=draft)
+    else:
+        speculator = draft
+    return EarlyExit(model, speculator, predictors, schedule, opts)
+
+
+@dataclass
+class RowStats:
+    predictor_calls: int = 0
+    explore_histogram: list[int] = field(default_factory=list)
+
+
+class Stepper:
+    """Decode steps of one batch in SpecEE mode. Rows exit independently; after an exit the
+    remaining layers run only over the rows still active (compacted)."""
+
+    def __init__(self, ee: EarlyExit, engine, batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor):
+        self.ee, self.engine, self.batch, self.cache = ee, engine, batch, cache
+        self.model = m = engine.model
+        n = len(batch.prompt_ids)
+        self.histories = [list(p) for p in batch.prompt_ids]
+        self.windows = [OnlineWindow(ee.schedule) for _ in range(n)]
+        self.rows = [RowStats(explore_histogram=[0] * m.num_layers) for _ in range(n)]
+        self.features = m.final_norm(batch.last_hidden)  # [B, D] feature of the last fed position
+        self.has_pred = torch.zeros(m.num_layers + 1, dtype=torch.bool)
+        self.has_pred[sorted(ee.predictors.layers)] = True
+        self.t_draft = self.t_pred = self.t_total = 0.0
+        self.step_no = 0
+        t0 = time.perf_counter()
+        ee.speculator.start(batch.prompt_ids, m.final_norm(prefill_hidden), lens, cache.max_len)
+        self.t_draft += time.perf_counter() - t0
+
+    def _predictor_mask(self, alive: list[int], explore: bool) -> torch.Tensor:
+        """[N, L+1] bool: row j runs the predictor after layer l."""
+        L = self.model.num_layers
+        if explore:
+            return self.has_pred.expand(len(alive), L + 1)
+        mask = torch.zeros(len(alive), L + 1, dtype=torch.bool)
+        for j, b in enumerate(alive):
+            mask[j, list(self.windows[b].active_layers())] = True
+        return mask & self.has_pred
+
+    def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> tuple[list[int], list[int]]:
+        t_start = time.perf_counter()
+        ee, m, batch, cache = self.ee, self.model, self.batch, self.cache
+        opts, L, dev = ee.options, m.num_layers, m.device
+        for b in alive:  # bring histories up to date with the tokens recorded since the last step
+            self.histories[b].extend(batch.generated[b][len(self.histories[b]) - len(batch.prompt_ids[b]):])
+        n = len(alive)
+        idx = torch.tensor(alive, device=dev)
+        toks = batch.next_tokens[idx]
+        cand = ee.speculator.propose(alive, self.histories, toks, self.features[idx])  # [N, K]
+        t_spec = time.perf_counter()
+        self.t_draft += t_spec - t_start
+
+        explore = opts.explore_every > 0 and self.step_no % opts.explore_every == 0
+        self.step_no += 1
+        pmask = self._predictor_mask(alive, explore)
+        h = m.embed(toks[:, None])  # [N, 1, D]
+        cos, sin = m.rope_for(batch.positions[idx.cpu()].to(dev)[:, None])
+        local = torch.arange(n)  # current active rows, as indices into alive
+        cache_rows = rows
+        prev = torch.zeros(n, ee.predictors.k, device=dev)
+        out_tok = torch.empty(n, dtype=torch.int64, device=dev)
+        out_layer = torch.full((n,), L, dtype=torch.int64)
+        out_feat = torch.empty(n, m.config.hidden_size, dtype=m.dtype, device=dev)
+        from kernels import predictor_forward
+
+        t_pred = 0.0
+        for i in range(L):
+            h = m.layer(i, h, (cos, sin), cache, cache_rows)
+            layer = i + 1
+            if layer == L:
+                break
+            sel = pmask[local, layer]
+            if not bool(sel.any()):
+                continue
+            tp = time.perf_counter()
+            si = sel.nonzero().squeeze(1)  # into the active rows
+            rows_sel = local[si]  # into alive
+            hn = m.final_norm(h[si.to(dev), 0])
+            p = ee.predictors.layers[layer]
+            p_exit, prob, local_arg = predictor_forward(hn, cand[rows_sel.to(dev)], m.w.lm_head, prev[rows_sel.to(dev)],
+                                                        p.w1, p.b1, p.w2, p.b2, backend=opts.predictor_backend)
+            prev[rows_sel.to(dev)] = prob
+            for r in rows_sel.tolist():
+                self.rows[alive[r]].predictor_calls += 1
+            fire = (p_exit > opts.threshold).cpu()
+            exit_at = None
+            if bool(fire.any()):
+                hf = hn[fire.to(dev)]
+                if opts.verify == "local" and batch.params.greedy:
+                    tok = local_arg[fire.to(dev)]
+                    ok = torch.ones(len(tok), dtype=torch.bool)
+                else:  # one full LM-head product, only for the rows whose predictor fired
+                    tok = sample(m.lm_head(hf), batch.params, generator)
+                    ok = (tok[:, None] == cand[rows_sel[fire].to(dev)]).any(1).cpu() if batch.params.greedy \
+                        else torch.ones(len(tok), dtype=torch.bool)
+                if bool(ok.any()):
+                    exit_at = si[fire][ok]  # into the active rows
+                    exiting = local[exit_at]
+                    out_tok[exiting.to(dev)] = tok[ok.to(dev)]
+                    out_layer[exiting] = layer
+                    out_feat[exiting.to(dev)] = hf[ok.to(dev)]
+            t_pred += time.perf_counter() - tp
+            if exit_at is None:
+                continue
+            e_dev = exit_at.to(dev)
+            if opts.kv_mode == "propagate":
+                crows = idx[exit_at.to(dev)] if cache_rows is None else cache_rows[e_dev]
+                rope_e = (cos[e_dev], sin[e_dev])
+                for j in range(layer, L):
+                    m.write_kv(j, h[e_dev], rope_e, cache, crows)
+            keep = torch.ones(len(local), dtype=torch.bool)
+            keep[exit_at] = False
+            if not bool(keep.any()):
+                local = local[keep]
+                break
+            k_dev = keep.to(dev)
+            h, cos, sin, local = h[k_dev], cos[k_dev], sin[k_dev], local[keep]
+            cache_rows = idx[local.to(dev)]
+        if len(local):  # rows that ran every layer: the normal LM head
+            hn = m.final_norm(h[:, 0])
+            l_dev = local.to(dev)
+            out_tok[l_dev] = sample(m.lm_head(hn), batch.params, generator)
+            out_feat[l_dev] = hn
+        self.t_pred += t_pred
+        batch.next_tokens[idx] = out_tok
+        self.features[idx] = out_feat
+        layers = out_layer.tolist()
+        for b, l in zip(alive, layers):
+            self.windows[b].push(l)
+            if explore:
+                self.rows[b].explore_histogram[l - 1] += 1
+        self.t_total += time.perf_counter() - t_start
+        return out_tok.tolist(), layers
+
+    def row_stats(self, b: int) -> dict:
+        total = max(self.t_total, 1e-9)
+        r = self.rows[b]
+        explore = self.ee.options.explore_every > 0
+        return {"predictor_calls": r.predictor_calls, "explore_histogram": r.explore_histogram if explore else None,
+                "draft_time_share": self.t_draft / total, "predictor_time_share": self.t_pred / total,
+                "schedule_version": self.ee.schedule.version}

@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -60,6 +61,7 @@ class Batch:
     last_hidden: torch.Tensor | None = None  # [B, D] hidden state of the last fed token (draft heads use it)
     t_first: float = 0.0
     t_done: list[float] = field(default_factory=list)
+    on_token: Callable[[int, int], None] | None = None
 
     def alive(self) -> list[int]:
         return [b for b, f in enumerate(self.finish) if f is None]
@@ -86,6 +88,19 @@ class SpecEEEngine:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @property
+    def schedule(self):
+        """The active predictor schedule (specee_core.scheduler.Schedule), or None without predictors."""
+        return None if self.early_exit is None else self.early_exit.schedule
+
+    def set_schedule(self, schedule) -> None:
+        """Switch to another predictor schedule (the Ray pipeline does this between waves)."""
+        if self.early_exit is None:
+            raise ValueError("this engine has no predictors: a schedule cannot be set")
+        if schedule.num_layers != self.model.num_layers:
+            raise ValueError(f"schedule is for {schedule.num_layers} layers, the model has {self.model.num_layers}")
+        self.early_exit.schedule = schedule
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype=None, **options) -> SpecEEEngine:
@@ -116,8 +131,12 @@ class SpecEEEngine:
     # ---- generation -------------------------------------------------------------------------
     def generate(self, prompts: list[str], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, stop: list[str] | str | None = None,
-                 seed: int | None = None, mode: str = "dense") -> list[GenerationResult]:
-        """Generate a completion for each prompt, in batches of options.max_batch_size."""
+                 seed: int | None = None, mode: str = "dense", ignore_eos: bool = False,
+                 on_token: Callable[[int, int], None] | None = None) -> list[GenerationResult]:
+        """Generate a completion for each prompt, in batches of options.max_batch_size.
+
+        on_token(prompt_index, token_id) is called for every generated token as it is chosen
+        (streaming); tokens after a stop string are still reported, the final text is cut."""
         if isinstance(prompts, str):
             raise PromptError("prompts must be a list of strings, got a single string")
         if mode not in MODES:
@@ -125,7 +144,8 @@ class SpecEEEngine:
         if mode == "specee" and self.early_exit is None:
             raise ValueError("mode='specee' needs predictors and a speculator: none were found beside the model")
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k, stop=stop or [], seed=seed)
+                                top_k=top_k, stop=stop or [], seed=seed,
+                                ignore_eos=ignore_eos)
         ids = []
         for i, p in enumerate(prompts):
             try:
@@ -138,7 +158,8 @@ class SpecEEEngine:
         out: list[GenerationResult] = []
         bs = self.options.max_batch_size
         for s in range(0, len(ids), bs):
-            out += self._generate_batch(ids[s : s + bs], params, mode, generator)
+            report = None if on_token is None else (lambda b, tok, _s=s: on_token(_s + b, tok))
+            out += self._generate_batch(ids[s : s + bs], params, mode, generator, report)
         return out
 
     def _get_cache(self, batch: int, max_len: int):
@@ -150,7 +171,7 @@ class SpecEEEngine:
 
     @torch.inference_mode()
     def _generate_batch(self, prompt_ids: list[list[int]], params: SamplingParams, mode: str,
-                        generator: torch.Generator | None) -> list[GenerationResult]:
+                        generator: torch.Generator | None, on_token=None) -> list[GenerationResult]:
         t0 = time.perf_counter()
         model, dev = self.model, self.device
         n = len(prompt_ids)
@@ -172,8 +193,10 @@ class SpecEEEngine:
 
         batch = Batch(prompt_ids=prompt_ids, params=params, max_new=max_new, generated=[[] for _ in range(n)],
                       exit_layers=[[] for _ in range(n)], finish=[None] * n, texts=[""] * n,
-                      positions=lens.clone(), next_tokens=first, last_hidden=last, t_done=[0.0] * n)
-        stepper = self.early_exit.new_stepper(self, batch, cache) if mode == "specee" else None
+                      positions=lens.clone(), next_tokens=first, last_hidden=last, t_done=[0.0] * n,
+                      on_token=on_token)
+        stepper = self.early_exit.new_stepper(self, batch, cache, h, lens) if mode == "specee" else None
+        del h
         batch.t_first = time.perf_counter()
         self._record(batch, list(range(n)), first.tolist(), [model.num_layers] * n)
 
@@ -184,7 +207,7 @@ class SpecEEEngine:
             else:
                 toks, layers = stepper.step(alive, rows, generator)
             self._record(batch, alive, toks, layers)
-        return [self._result(batch, b, t0) for b in range(n)]
+        return [self._result(batch, b, t0, stepper) for b in range(n)]
 
     def _dense_step(self, batch: Batch, alive: list[int], rows, cache, generator) -> tuple[list[int], list[int]]:
         idx = torch.tensor(alive)
@@ -201,9 +224,11 @@ class SpecEEEngine:
         now = time.perf_counter()
         for b, tok, layer in zip(alive, toks, layers):
             batch.generated[b].append(tok)
+            if batch.on_token is not None:
+                batch.on_token(b, tok)
             batch.exit_layers[b].append(layer)
             batch.positions[b] += 1
-            if tok in self.eos_ids:
+            if tok in self.eos_ids and not batch.params.ignore_eos:
                 batch.finish[b] = "stop"
             elif batch.params.stop:
                 text = self.tokenizer.decode(batch.generated[b], skip_special_tokens=True)
@@ -216,7 +241,7 @@ class SpecEEEngine:
             if batch.finish[b] is not None:
                 batch.t_done[b] = now
 
-    def _result(self, batch: Batch, b: int, t0: float) -> GenerationResult:
+    def _result(self, batch: Batch, b: int, t0: float, stepper) -> GenerationResult:
         ids = batch.generated[b]
         text = batch.texts[b] or self.tokenizer.decode(ids, skip_special_tokens=True)
         n_tok = len(ids)
@@ -232,6 +257,11 @@ class SpecEEEngine:
         }
         layers = batch.exit_layers[b]
         stats = exit_stats(layers, self.model.num_layers)
+        stats["mode"] = "dense" if stepper is None else "specee"
+        if stepper is not None:
+            stats.update(stepper.row_stats(b))
+        # what the scheduler's update rule should consume: unbiased exploration exits when taken
+        stats["retune_histogram"] = stats.get("explore_histogram") or stats["exit_histogram"]
         return GenerationResult(text=text, token_ids=ids, finish_reason=batch.finish[b], exit_layers=layers,
                                 prompt_tokens=len(batch.prompt_ids[b]), metrics=metrics, stats=stats)
 

@@ -32,6 +32,7 @@ def find_model_dir(path: str | Path) -> Path:
 
 def read_state_dict(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
     """Return (tensors by name, file each came from)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
@@ -49,7 +50,7 @@ def read_state_dict(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str,
             if file.suffix == ".safetensors":
                 return load_file(str(file))
             return torch.load(file, map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError, ValueError) as e:  # corrupt or truncated file
+        except (OSError, RuntimeError, ValueError, SafetensorError, EOFError) as e:  # corrupt or truncated
             raise ValueError(f"{file}: cannot read weights ({type(e).__name__}: {e})") from e
 
     for name in WEIGHT_FILES:
@@ -74,11 +75,9 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin:
     c = config
     q, kv, d, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.hidden_size, c.intermediate_size
 
-    def get(name: str, shape: tuple[int, ...], optional: bool = False) -> torch.Tensor | None:
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = tensors.get(name)
         if t is None:
-            if optional:
-                return None
             raise ValueError(f"{model_dir}: tensor {name!r} missing from the checkpoint")
         if tuple(t.shape) != shape:
             raise ValueError(f"{origin[name]}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape} "
@@ -101,7 +100,7 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin:
             wqkv=put(get(a + "q_proj.weight", (q, d)), get(a + "k_proj.weight", (kv, d)), get(a + "v_proj.weight", (kv, d))),
             bqkv=put(get(a + "q_proj.bias", (q,)), get(a + "k_proj.bias", (kv,)), get(a + "v_proj.bias", (kv,))) if bias else None,
             wo=put(get(a + "o_proj.weight", (d, q))),
-            bo=put(get(a + "o_proj.bias", (d,), optional=not bias)) if bias else None,
+            bo=put(get(a + "o_proj.bias", (d,))) if bias else None,
             post_norm=put(get(p + "post_attention_layernorm.weight", (d,))),
             w_gate_up=put(get(m + "gate_proj.weight", (inter, d)), get(m + "up_proj.weight", (inter, d))),
             b_gate_up=put(get(m + "gate_proj.bias", (inter,)), get(m + "up_proj.bias", (inter,))) if c.mlp_bias else None,

@@ -14,7 +14,7 @@ from specee_core.rope import RotaryEmbedding, apply_rope
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor  # [D]
+    input_norm: torch.Tensor | None  # [D]; None = no norm (EAGLE-1's draft layer skips it)
     wqkv: torch.Tensor  # [(H + 2 Hkv) hd, D]
     bqkv: torch.Tensor | None  # [(H + 2 Hkv) hd]
     wo: torch.Tensor  # [D, H hd]
@@ -76,7 +76,7 @@ class LlamaModel:
         """Run decoder layer i on hidden h [N, T, D] of cache rows `rows` [N] (None = all rows)."""
         c, lw = self.config, self.w.layers[i]
         n, t, _ = h.shape
-        x = rms_norm(h, lw.input_norm, c.rms_norm_eps)
+        x = h if lw.input_norm is None else rms_norm(h, lw.input_norm, c.rms_norm_eps)
         qkv = F.linear(x, lw.wqkv, lw.bqkv)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(n, t, c.num_attention_heads, c.head_dim).transpose(1, 2)  # [N, H, T, hd]

@@ -14,6 +14,7 @@ class SamplingParams:
     top_k: int = 0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

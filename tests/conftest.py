@@ -33,10 +33,11 @@ def make_hf_model(path: Path, *, layers: int = 4, hidden: int = 64, heads: int =
     model = LlamaForCausalLM(cfg).to(dtype).eval()
     with torch.no_grad():  # random init is too flat to exercise anything: sharpen the logits
         model.lm_head.weight.mul_(8) if not tied else model.model.embed_tokens.weight.mul_(4)
-    save_kw = {"safe_serialization": safe}
-    if max_shard_size:
-        save_kw["max_shard_size"] = max_shard_size
+    save_kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **save_kw)
+    if not safe:  # the legacy format (transformers 5 writes safetensors only)
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, path / "pytorch_model.bin")
+        (path / "model.safetensors").unlink()
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(BUNDLED / f, path / f)
     return model
@@ -46,4 +47,26 @@ def make_hf_model(path: Path, *, layers: int = 4, hidden: int = 64, heads: int =
 def tiny_model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     make_hf_model(path, layers=4, hidden=64, heads=4, kv_heads=2, tied=False)
+    return path
+
+
+def add_early_exit_files(path: Path, *, k: int = 4, seed: int = 0, offline=(1, 2)) -> None:
+    """Random (untrained) draft head, predictors after every layer, and a schedule beside a model."""
+    from specee_core.config import ModelConfig
+    from specee_core.predictors import ExitMLP, PredictorBank
+    from specee_core.scheduler import Schedule
+    from specee_core.speculators import DraftHead
+
+    cfg = ModelConfig.from_file(path / "config.json")
+    torch.manual_seed(seed)
+    DraftHead(cfg).save(path / "draft")
+    PredictorBank.from_mlps(k, {l: ExitMLP(k) for l in range(1, cfg.num_hidden_layers)}).save(path / "predictors.safetensors")
+    Schedule(num_layers=cfg.num_hidden_layers, offline_layers=list(offline)).save(path / "schedule.json")
+
+
+@pytest.fixture(scope="session")
+def ee_model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-ee")
+    make_hf_model(path, layers=4, hidden=64, heads=4, kv_heads=2, tied=True, seed=1)
+    add_early_exit_files(path)
     return path

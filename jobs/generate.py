@@ -1,0 +1,94 @@
+"""Batch generation with Ray Data: prompt files in, one Parquet row per prompt out.
+
+    python -m jobs.generate --output out/gen                     # bundled sample prompts, bundled model
+    python -m jobs.generate --input prompts.jsonl --output out/gen --mode dense --max-new-tokens 32
+    ray job submit --working-dir . -- python -m jobs.generate --output /abs/path/out/gen
+
+Rerun with the same --output to finish a job that stopped: rows already written are skipped.
+Prints progress while it runs and the summary as JSON at the end (also saved as summary.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = REPO / "models" / "specee-tiny"
+DEFAULT_INPUT = REPO / "prompts" / "sample_prompts.jsonl"
+
+
+def has_predictors(model: str | Path) -> bool:
+    """Whether the model ships an early-exit schedule (with its draft head and predictors)."""
+    return (Path(model) / "schedule.json").is_file()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", default=[str(DEFAULT_INPUT)],
+                   help="JSONL/CSV/Parquet files or directories with a prompt column (default: bundled samples)")
+    p.add_argument("--output", required=True, help="output directory (local or mounted; absolute under ray job submit)")
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--mode", choices=["dense", "specee"], default=None,
+                   help="default: specee when the model has predictors beside it, else dense")
+    p.add_argument("--waves", type=int, default=4, help="re-tune the predictor schedule between waves")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--num-actors", type=int, default=2, help="engine replicas (one GPU each on a GPU cluster)")
+    p.add_argument("--batch-size", type=int, default=16, help="rows per actor call and engine batch")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda: one GPU per actor)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default float32)")
+    p.add_argument("--cpus-per-actor", type=float, default=None)
+    p.add_argument("--torch-threads", type=int, default=None, help="default: the actor's CPUs, at least 1")
+    p.add_argument("--limit", type=int, default=None, help="only the first N rows, in file order")
+    p.add_argument("--input-format", choices=["jsonl", "csv", "parquet"], default=None)
+    p.add_argument("--prompt-column", default="prompt")
+    p.add_argument("--id-column", default="id")
+    p.add_argument("--schedule", default=None, help="specee: initial schedule JSON (default: the model's)")
+    p.add_argument("--rows-per-file", type=int, default=1000)
+    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, a local cluster "
+                                                   "started with `ray start`, or a new local instance)")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace):
+    from pipeline.batch import BatchConfig
+    from pipeline.stage import StageConfig
+
+    mode = args.mode or ("specee" if has_predictors(args.model) else "dense")
+    stage = StageConfig(model=args.model, mode=mode, device=args.device, dtype=args.dtype,
+                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                        top_k=args.top_k, stop=tuple(args.stop), seed=args.seed, batch_size=args.batch_size,
+                        torch_threads=args.torch_threads)
+    return BatchConfig(input=args.input, output=args.output, stage=stage, waves=args.waves,
+                       num_actors=args.num_actors, cpus_per_actor=args.cpus_per_actor,
+                       input_format=args.input_format, prompt_column=args.prompt_column, id_column=args.id_column,
+                       limit=args.limit, schedule=args.schedule, rows_per_file=args.rows_per_file,
+                       show_progress=not args.no_progress)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import ray
+
+    from pipeline.batch import run
+
+    cfg = build_config(args)
+    if not ray.is_initialized():
+        ray.init(address=args.address)
+    summary = run(cfg)
+    print(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

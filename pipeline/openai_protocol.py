@@ -1,0 +1,330 @@
+"""OpenAI wire format for the Serve app (pipeline/serve.py): request bodies parsed and validated
+with pydantic, OpenAI-style error bodies, and response / stream-chunk builders. No Ray, no
+engine: everything here is plain data, unit-tested in tests/serve/test_serve_protocol.py."""
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+INT64 = 2**63
+MAX_STOP = 4  # OpenAI's limit on stop strings
+
+
+class APIError(Exception):
+    """An error returned to the client as {"error": {...}} with an HTTP status."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
+
+    def body(self) -> dict:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ---- requests --------------------------------------------------------------------------------
+def _check_text(value: str, what: str) -> str:
+    """JSON escapes can carry lone surrogates (\\ud800) that no tokenizer can encode."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} is not valid Unicode (lone surrogate)") from None
+    return value
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions. strict: "5" is not an int and
+    true is not 1, as in OpenAI's API; unknown fields are ignored (clients send extras like `user`).
+    None means "the default", as OpenAI accepts explicit nulls."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)  # upper bound checked by the server: it depends on the model
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)  # extension (as in vLLM): -1 or 0 = off
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    user: str | None = None
+    mode: Literal["dense", "specee"] | None = None  # extension: override the server's decode mode
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if v is None:
+            return v
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(stops)}")
+        for s in stops:
+            if not s:
+                raise ValueError("stop sequences must be non-empty strings")
+            _check_text(s, "stop")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v):
+        if v not in (None, 1):
+            raise ValueError(f"only n=1 is supported, got {v}")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v):
+        if v not in (None, 0):
+            raise ValueError(f"penalties are not supported (only 0), got {v}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    def sampling(self, max_tokens: int) -> dict:
+        """Keyword arguments of SpecEEEngine.generate (without prompts and mode)."""
+        stop = self.stop if self.stop is None or isinstance(self.stop, list) else [self.stop]
+        return {"max_new_tokens": max_tokens,
+                "temperature": 1.0 if self.temperature is None else float(self.temperature),
+                "top_p": 1.0 if self.top_p is None else float(self.top_p),
+                "top_k": max(self.top_k or 0, 0), "stop": tuple(stop or ()), "seed": self.seed}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str]
+    echo: bool | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v):
+        # checked before pydantic's union so the message names the real problem
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            return _check_text(v, "prompt")
+        if not isinstance(v, list):
+            raise ValueError(f"prompt must be a string or a list of strings, got {type(v).__name__}")
+        if not v:
+            raise ValueError("prompt must not be an empty list")
+        for i, p in enumerate(v):
+            if isinstance(p, (int, list)):
+                raise ValueError("token-id prompts are not supported: send text")
+            if not isinstance(p, str):
+                raise ValueError(f"prompt[{i}] must be a string, got {type(p).__name__}")
+            if not p:
+                raise ValueError(f"prompt[{i}] must not be empty")
+            _check_text(p, f"prompt[{i}]")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        if v not in (None, 1):
+            raise ValueError(f"only best_of=1 is supported, got {v}")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v is not None:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v):
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return _check_text(text, "message content")
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: bool | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @model_validator(mode="after")
+    def _max_tokens(self):
+        if self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+    def template_messages(self) -> list[dict]:
+        """Messages as chat templates expect them: role and plain-text content."""
+        out = []
+        for m in self.messages:
+            d = {"role": m.role, "content": m.text()}
+            if m.name:
+                d["name"] = m.name
+            out.append(d)
+        return out
+
+
+def parse_body(raw: bytes, cls: type[BaseModel]) -> BaseModel:
+    """Request bytes -> validated request; APIError (400) naming the problem otherwise."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(f"request body is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from None
+    if not text.strip():
+        raise APIError("request body is empty: expected a JSON object", code="invalid_json")
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, ValueError) as e:
+        raise APIError(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise APIError(f"request body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
+    try:
+        return cls.model_validate(obj)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """The first field's pydantic error as an OpenAI error: param is the dotted field path. For a
+    union (content: str | list[part]) the deepest error names the real problem."""
+    errors = e.errors()
+    field = errors[0]["loc"][:1]
+    err = max((x for x in errors if x["loc"][:1] == field), key=lambda x: len(x["loc"]))
+    param = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or None
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "missing":
+        return APIError(f"'{param}' is a required property", param=param, code="missing_required_parameter")
+    text = msg if param is None else f"{param}: {msg}"
+    return APIError(text, param=param, code="invalid_value" if err["type"] == "value_error" else "invalid_type")
+
+
+def _is_union_tag(p) -> bool:
+    """pydantic puts the union member tried into the error location: ('stop', 'list[str]', 0)."""
+    return isinstance(p, str) and (p in {"str", "int", "float", "bool", "none", "TextPart", "StreamOptions"}
+                                   or "[" in p or p.startswith("function-"))
+
+
+# ---- responses -------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(rid: str, model: str, choices: list[dict], usage: dict, specee: dict) -> dict:
+    """choices: [{"text", "finish_reason"}] in prompt order."""
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": i, "text": c["text"], "logprobs": None, "finish_reason": c["finish_reason"]}
+                        for i, c in enumerate(choices)],
+            "usage": usage, "specee": specee}
+
+
+def chat_response(rid: str, model: str, text: str, finish_reason: str, usage: dict, specee: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish_reason}],
+            "usage": usage, "specee": specee}
+
+
+def completion_chunk(rid: str, model: str, created: int, index: int, text: str,
+                     finish_reason: str | None = None, **extra: Any) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}], **extra}
+
+
+def chat_chunk(rid: str, model: str, created: int, index: int, delta: dict,
+               finish_reason: str | None = None, **extra: Any) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+            **extra}
+
+
+def usage_chunk(rid: str, model: str, created: int, obj: str, usage: dict) -> dict:
+    """The last chunk when stream_options.include_usage is set: no choices, only usage."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def specee_summary(results: list, num_layers: int, mode: str, batch_size: int) -> dict:
+    """The `specee` extension object: exit-layer statistics over every token of the response
+    (histogram index i = tokens that ran i+1 layers), and the engine batch it ran in."""
+    hist = [0] * num_layers
+    for r in results:
+        for i, c in enumerate(r.stats.get("exit_histogram", [])):
+            hist[i] += c
+    tokens = sum(hist)
+    avg = sum((i + 1) * c for i, c in enumerate(hist)) / tokens if tokens else 0.0
+    return {"mode": mode, "num_layers": num_layers, "avg_layers": avg,
+            "layer_fraction": avg / num_layers if num_layers else 0.0, "exit_histogram": hist,
+            "batch_size": batch_size}

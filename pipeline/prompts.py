@@ -1,0 +1,193 @@
+"""Prompt datasets for the batch pipeline: JSONL, CSV or Parquet files read with Ray Data.
+
+A file holds a `prompt` column and an optional `id` column. Rows without an id get
+`<file name>:<row number>` (the name relative to the input directory, rows counted from 0), so
+ids are the same on every run and a rerun can skip what is already written. The reader never
+fails on a row: a prompt that is missing or not a string is kept, with the reason in
+`input_error`, and the generation stage turns it into an error row ("InputError: ...").
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import posixpath
+import zlib
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+import ray.data
+from ray.data.datasource import FileBasedDatasource
+from ray.data.expressions import col
+
+log = logging.getLogger(__name__)
+
+# What the reader yields: one row per input row, bad ones included.
+PROMPT_SCHEMA = pa.schema([("id", pa.string()), ("prompt", pa.string()), ("input_error", pa.string())])
+FORMATS = {"jsonl": ("jsonl", "json"), "csv": ("csv",), "parquet": ("parquet",)}
+ROWS_PER_BLOCK = 1024
+
+
+def infer_format(paths: list[str]) -> str:
+    """The format named by the files' extensions (a local directory is looked into)."""
+    suffixes = set()
+    for p in paths:
+        local = Path(strip_scheme(p))
+        files = sorted(local.iterdir()) if local.is_dir() else [local]
+        suffixes |= {f.suffix.lstrip(".").lower() for f in files if not f.name.startswith((".", "_"))}
+    found = {fmt for fmt, exts in FORMATS.items() if suffixes & set(exts)}
+    if len(found) != 1:
+        raise ValueError(f"cannot tell the input format of {paths} from the extensions {sorted(suffixes)}: "
+                         f"pass input_format, one of {sorted(FORMATS)}")
+    return found.pop()
+
+
+def strip_scheme(path: str) -> str:
+    return path.split("://", 1)[1] if "://" in path else path
+
+
+def id_root(paths: list[str]) -> str:
+    """The directory that file names in default ids are relative to (scheme stripped, as Ray
+    Data hands paths to the reader)."""
+    dirs = []
+    for p in paths:
+        bare = strip_scheme(p)
+        if "://" not in p or p.startswith("local://"):
+            bare = str(Path(bare).resolve())
+            dirs.append(bare if Path(bare).is_dir() else posixpath.dirname(bare))
+        else:
+            dirs.append(bare.rstrip("/") if not posixpath.splitext(bare)[1] else posixpath.dirname(bare))
+    return posixpath.commonpath(dirs) if dirs else ""
+
+
+class PromptDatasource(FileBasedDatasource):
+    """Reads prompt files in order, numbering rows per file, into PROMPT_SCHEMA blocks."""
+
+    def __init__(self, paths: list[str], *, fmt: str, prompt_column: str = "prompt", id_column: str = "id",
+                 **file_based_kwargs):
+        if fmt not in FORMATS:
+            raise ValueError(f"input format must be one of {sorted(FORMATS)}, got {fmt!r}")
+        super().__init__(paths, file_extensions=list(FORMATS[fmt]), **file_based_kwargs)
+        self._fmt = fmt
+        self._root = id_root(paths)
+        self._prompt_column = prompt_column
+        self._id_column = id_column
+
+    def _open_input_source(self, filesystem, path: str, **open_args) -> pa.NativeFile:
+        if self._fmt == "parquet":  # the footer is at the end: Parquet needs random access
+            return filesystem.open_input_file(path)
+        return super()._open_input_source(filesystem, path, **open_args)
+
+    def _read_stream(self, f: pa.NativeFile, path: str) -> Iterator[pa.Table]:
+        name = posixpath.relpath(path, self._root) if self._root and path.startswith(self._root) else \
+            posixpath.basename(path)
+        chunks = {"jsonl": self._jsonl_records, "csv": self._csv_records, "parquet": self._parquet_records}
+        row = 0
+        for records in chunks[self._fmt](f, path):
+            yield to_prompt_table(records, name, row, self._prompt_column, self._id_column)
+            row += len(records)
+
+    def _jsonl_records(self, f: pa.NativeFile, path: str) -> Iterator[list[dict]]:
+        records = []
+        for line in io.TextIOWrapper(f, encoding="utf-8", errors="replace"):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                rec = {"__input_error": f"invalid JSON ({e.msg} at column {e.colno})"}
+            if not isinstance(rec, dict):
+                rec = {"__input_error": f"expected a JSON object per line, got {type(rec).__name__}"}
+            records.append(rec)
+            if len(records) == ROWS_PER_BLOCK:
+                yield records
+                records = []
+        if records:
+            yield records
+
+    def _csv_records(self, f: pa.NativeFile, path: str) -> Iterator[list[dict]]:
+        from pyarrow import csv
+
+        # Keep both columns as text: a column of numbers must not turn ids or prompts into ints.
+        types = {self._prompt_column: pa.string(), self._id_column: pa.string()}
+        reader = csv.open_csv(f, convert_options=csv.ConvertOptions(column_types=types))
+        self._check_columns(reader.schema.names, path)
+        for batch in reader:
+            yield batch.to_pylist()
+
+    def _parquet_records(self, f: pa.NativeFile, path: str) -> Iterator[list[dict]]:
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(f)
+        names = pf.schema_arrow.names
+        self._check_columns(names, path)
+        columns = [c for c in (self._id_column, self._prompt_column) if c in names]
+        for batch in pf.iter_batches(batch_size=ROWS_PER_BLOCK, columns=columns):
+            yield batch.to_pylist()
+
+    def _check_columns(self, names: list[str], path: str) -> None:
+        if self._prompt_column not in names:
+            raise ValueError(f"{path}: no {self._prompt_column!r} column (columns: {names})")
+
+
+def to_prompt_table(records: list[dict], name: str, start: int, prompt_column: str = "prompt",
+                    id_column: str = "id") -> pa.Table:
+    """PROMPT_SCHEMA rows from parsed records; records[k] is row start + k of file `name`."""
+    ids, prompts, errors = [], [], []
+    for k, rec in enumerate(records):
+        rid, prompt = rec.get(id_column), rec.get(prompt_column)
+        error = rec.get("__input_error")
+        if error is None and prompt is None:
+            error = f"no {prompt_column!r} value"
+        elif error is None and not isinstance(prompt, str):
+            error = f"prompt must be a string, got {type(prompt).__name__}"
+        ids.append(f"{name}:{start + k}" if rid is None or rid == "" else str(rid))
+        prompts.append(prompt if error is None else None)
+        errors.append(error)
+    return pa.table({"id": ids, "prompt": prompts, "input_error": errors}, schema=PROMPT_SCHEMA)
+
+
+def wave_of(row_id: str, waves: int) -> int:
+    """The wave a row belongs to: a stable hash of its id (the same on every run and machine)."""
+    return zlib.crc32(row_id.encode("utf-8")) % waves
+
+
+def add_wave_column(batch: pa.Table, waves: int) -> pa.Table:
+    return batch.append_column("wave", pa.array([wave_of(i, waves) for i in batch["id"].to_pylist()], pa.int32()))
+
+
+def read_prompts(paths: str | list[str], *, waves: int = 1, input_format: str | None = None,
+                 prompt_column: str = "prompt", id_column: str = "id", limit: int | None = None) -> ray.data.Dataset:
+    """The prompt rows of paths (files or directories) with their `wave` column.
+
+    Local paths are read on the driver's node (Ray's local:// scheme), so a file that exists
+    only there (e.g. in a `ray job submit --working-dir`) is still found on a cluster. With
+    limit, the first `limit` rows in file order are kept (deterministic across reruns)."""
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    if not paths:
+        raise ValueError("no input paths given")
+    if waves < 1:
+        raise ValueError(f"waves must be >= 1, got {waves}")
+    fmt = input_format or infer_format(paths)
+    uris = [p if "://" in p else "local://" + str(Path(p).resolve()) for p in paths]
+    source = PromptDatasource(uris, fmt=fmt, prompt_column=prompt_column, id_column=id_column)
+    ds = ray.data.read_datasource(source)
+    if limit is not None:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        ds.context.execution_options.preserve_order = True
+        ds = ds.limit(limit)
+    return ds.map_batches(add_wave_column, fn_kwargs={"waves": waves}, batch_format="pyarrow", batch_size=None)
+
+
+def rows_to_do(inputs: ray.data.Dataset, wave: int, done: frozenset[str]) -> ray.data.Dataset:
+    """The rows of one wave whose ids are not in done."""
+    todo = inputs.filter(expr=col("wave") == wave)
+    if done:  # a UDF, not an expression: the id list would be spelled out in every plan log line
+        todo = todo.map_batches(drop_done, fn_kwargs={"done": done}, batch_format="pyarrow", batch_size=None)
+    return todo
+
+
+def drop_done(batch: pa.Table, done: frozenset[str]) -> pa.Table:
+    return batch.filter(pa.array([i not in done for i in batch["id"].to_pylist()], pa.bool_()))

@@ -1,0 +1,428 @@
+"""Ray Serve app: an OpenAI-compatible HTTP endpoint around one SpecEEEngine per replica.
+
+    serve run pipeline.serve:app model=models/specee-tiny     # or SPECEE_MODEL=...; see ServeArgs
+    serve deploy serve_config.yaml
+
+Routes: POST /v1/completions, POST /v1/chat/completions (when the tokenizer has a chat template),
+GET /v1/models, GET /healthz. Non-streaming requests that arrive together are batched
+(@serve.batch) and grouped by sampling parameters into engine calls; streaming requests bypass
+the batcher and run as one engine call each. All engine calls of a replica run on one worker
+thread (the engine is not thread-safe), so the event loop stays free to accept requests."""
+import asyncio
+import functools
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from ray import serve
+from ray.serve import Application
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pipeline.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk,
+                                      chat_response, completion_chunk, completion_response, error_body, new_id,
+                                      parse_body, specee_summary, sse, usage, usage_chunk)
+from pipeline.stream_text import StreamText
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_BODY_BYTES = 4 << 20  # far beyond any prompt that fits the context; bounds tokenizer work
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class ServeArgs(BaseModel):
+    """Arguments of the app builder: `serve run pipeline.serve:app key=value ...` (values arrive as
+    strings and are converted) or `args:` in serve_config.yaml."""
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = Field(default_factory=lambda: os.environ.get("SPECEE_MODEL", "models/specee-tiny"))
+    model_name: str | None = None  # the name clients send; default: the model directory's name
+    mode: Literal["dense", "specee"] | None = Field(default_factory=lambda: os.environ.get("SPECEE_MODE") or None)
+    device: str = "cpu"
+    dtype: str | None = None  # float32 | bfloat16 | float16; default: the loader's choice
+    engine_options: dict = Field(default_factory=dict)  # more SpecEEEngine.from_pretrained options
+    max_batch_size: int = Field(8, ge=1)  # prompts per batched engine call
+    batch_wait_timeout_s: float = Field(0.02, ge=0)  # how long a batch waits to fill up
+    max_tokens_limit: int | None = Field(None, ge=1)  # default: the context length - 1
+    stall_timeout_s: float = Field(600.0, gt=0)  # an engine call running longer fails the health check
+    num_cpus: float = Field(1.0, gt=0)  # per replica
+
+    @field_validator("model")
+    @classmethod
+    def _model_dir(cls, v: str) -> str:
+        # absolute, so replicas find it whatever their working directory is
+        p = Path(v).expanduser()
+        for cand in ([p] if p.is_absolute() else [Path.cwd() / p, REPO / p]):
+            if cand.is_dir():
+                return str(cand.resolve())
+        raise ValueError(f"model directory {v!r} not found (looked in {Path.cwd()} and {REPO})")
+
+    @field_validator("engine_options", mode="before")
+    @classmethod
+    def _json_options(cls, v):
+        return json.loads(v) if isinstance(v, str) else v  # from the command line: a JSON object
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, params is a dict
+class Work:
+    """One request's engine work: its prompts and SpecEEEngine.generate keyword arguments."""
+    prompts: tuple[str, ...]
+    params: dict  # max_new_tokens, temperature, top_p, top_k, stop (tuple), seed
+    mode: str
+
+    def key(self) -> tuple:
+        """Requests with equal keys can share one engine call."""
+        p = dict(self.params)
+        if p["temperature"] == 0:  # greedy: the other sampling knobs do nothing
+            p.update(top_p=1.0, top_k=0, seed=None)
+        elif p["seed"] is not None:
+            # one generator serves a whole engine call: a seeded request runs alone to be reproducible
+            return (id(self),)
+        return (self.mode, *sorted(p.items()))
+
+
+def _prompt_count(works: list[Work]) -> int:
+    return sum(len(w.prompts) for w in works)
+
+
+class _StreamCancelled(Exception):
+    """Raised from on_token inside the engine thread to stop generating for a gone client."""
+
+
+api = FastAPI(title="SpecEE OpenAI-compatible server")
+
+
+@api.exception_handler(APIError)
+async def _api_error(request: Request, e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+    err = e.errors()[0] if e.errors() else {}
+    param = ".".join(str(p) for p in err.get("loc", ())[1:]) or None
+    return JSONResponse(error_body(f"{param}: {err.get('msg', 'invalid request')}", param=param), status_code=400)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    msg = {404: f"unknown path {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
+    return JSONResponse(error_body(msg.get(e.status_code, str(e.detail)), code=str(e.status_code)),
+                        status_code=e.status_code)
+
+
+@api.exception_handler(Exception)
+async def _server_error(request: Request, e: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s", request.url.path)
+    return JSONResponse(error_body("internal server error", type="server_error"), status_code=500)
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The raw request body, refusing bodies over `limit` bytes without reading them whole."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(f"request body is {declared} bytes; the limit is {limit}", status=413, code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(f"request body is over the limit of {limit} bytes", status=413, code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    """Text before the first stop string. The engine cuts already; this guards the API contract
+    (a stop string is never returned) against an engine that returns uncut text: at the time of
+    writing a stop string at offset 0 made it return the whole text."""
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return text[: min(cuts)] if cuts else text
+
+
+def engine_error(e: Exception) -> APIError:
+    """An exception from SpecEEEngine.generate as the client sees it."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ValueError):  # PromptError included; inputs are checked before, so this is rare
+        return APIError(str(e))
+    log.error("engine call failed: %r", e, exc_info=e)
+    return APIError(f"generation failed: {type(e).__name__}", status=500, type="server_error")
+
+
+@serve.deployment(max_ongoing_requests=32, max_queued_requests=256, health_check_period_s=5,
+                  health_check_timeout_s=30, graceful_shutdown_timeout_s=30)
+@serve.ingress(api)
+class SpecEEServer:
+    """One replica: loads the engine once, batches requests into it, answers in OpenAI's format."""
+
+    def __init__(self, args: ServeArgs):
+        from specee_core import SpecEEEngine
+
+        self.engine = SpecEEEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+                                                   **args.engine_options)
+        self.model_name = args.model_name or Path(args.model).name
+        self.mode = args.mode or ("specee" if self.engine.early_exit is not None else "dense")
+        if self.mode == "specee" and self.engine.early_exit is None:
+            raise ValueError(f"mode='specee' but {args.model} has no predictors beside it")
+        self.max_batch_size = args.max_batch_size
+        self.max_tokens_limit = args.max_tokens_limit or self.engine.context_len - 1
+        self.stall_timeout_s = args.stall_timeout_s
+        tok = self.engine.tokenizer
+        self.chat_template = getattr(tok, "chat_template", None)
+        # a template that writes BOS itself, rendered text then tokenized with BOS again: drop one
+        self._strip_bos = tok.bos_token if tok.bos_token and tok("a")["input_ids"][:1] == [tok.bos_token_id] else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specee-engine")
+        self._busy_since: float | None = None
+        self._fatal: str | None = None
+        self._generate_batch.set_max_batch_size(args.max_batch_size)
+        self._generate_batch.set_batch_wait_timeout_s(args.batch_wait_timeout_s)
+        self.engine.generate(["Hello"], max_new_tokens=1, mode=self.mode)  # warm up; fail here, not on a request
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
+        except Exception:  # noqa: BLE001 - outside a Serve replica (never in production)
+            self.replica_id = None
+        log.info("serving %s as %r, mode=%s, context=%d, chat=%s", args.model, self.model_name, self.mode,
+                 self.engine.context_len, self.chat_template is not None)
+
+    # ---- health -------------------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Called by Serve every health_check_period_s; raising makes Serve replace this replica."""
+        if self._fatal:
+            raise RuntimeError(f"engine failed: {self._fatal}")
+        busy = self._busy_since
+        if busy is not None and time.monotonic() - busy > self.stall_timeout_s:
+            raise RuntimeError(f"an engine call has run for over {self.stall_timeout_s:.0f} s")
+
+    @api.get("/healthz")
+    async def healthz(self) -> JSONResponse:
+        try:
+            self.check_health()
+        except RuntimeError as e:
+            return JSONResponse({"status": "unhealthy", "reason": str(e)}, status_code=503)
+        return JSONResponse({"status": "ok", "model": self.model_name, "mode": self.mode,
+                             "replica": self.replica_id})
+
+    @api.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [self._model_card()]}
+
+    @api.get("/v1/models/{name:path}")
+    async def model(self, name: str) -> dict:
+        self._check_model(name)
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specee",
+                "max_model_len": self.engine.context_len, "num_layers": self.engine.model.num_layers,
+                "mode": self.mode, "chat": self.chat_template is not None}
+
+    # ---- endpoints ----------------------------------------------------------------------------
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        req = parse_body(await read_body(request), CompletionRequest)
+        prompts = req.prompts
+        mode, params, n_prompt = self._prepare(req, prompts, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
+        rid = new_id("cmpl")
+        if req.stream:
+            return self._stream(rid, prompts, params, mode, chat=False, include_usage=req.include_usage)
+        results, batch_size = await self._generate(Work(tuple(prompts), params, mode))
+        body = completion_response(rid, self.model_name,
+                                   [{"text": r.text, "finish_reason": r.finish_reason} for r in results],
+                                   usage(n_prompt, sum(len(r.token_ids) for r in results)),
+                                   specee_summary(results, self.engine.model.num_layers, mode, batch_size))
+        return JSONResponse(body)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        if self.chat_template is None:
+            raise APIError(f"model {self.model_name!r} has no chat template: use /v1/completions", status=404,
+                           code="chat_not_supported")
+        req = parse_body(await read_body(request), ChatCompletionRequest)
+        prompt = self._render_chat(req)
+        mode, params, n_prompt = self._prepare(req, [prompt], default_max_tokens=None)
+        rid = new_id("chatcmpl")
+        if req.stream:
+            return self._stream(rid, [prompt], params, mode, chat=True, include_usage=req.include_usage)
+        results, batch_size = await self._generate(Work((prompt,), params, mode))
+        r = results[0]
+        body = chat_response(rid, self.model_name, r.text, r.finish_reason, usage(n_prompt, len(r.token_ids)),
+                             specee_summary(results, self.engine.model.num_layers, mode, batch_size))
+        return JSONResponse(body)
+
+    # ---- request checks -----------------------------------------------------------------------
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(f"the model {name!r} does not exist; this server has {self.model_name!r}", status=404,
+                           param="model", code="model_not_found")
+
+    def _prepare(self, req, prompts: list[str], default_max_tokens: int | None) -> tuple[str, dict, int]:
+        """Checks that need the engine -> (mode, generate kwargs, prompt tokens in all)."""
+        from specee_core import PromptError
+
+        self._check_model(req.model)
+        mode = req.mode or self.mode
+        if mode == "specee" and self.engine.early_exit is None:
+            raise APIError("mode 'specee' is not available: this model has no predictors", param="mode",
+                           code="invalid_value")
+        lengths = []
+        for i, p in enumerate(prompts):
+            try:
+                lengths.append(len(self.engine.encode_prompt(p)))
+            except PromptError as e:  # types and emptiness are checked already: this is the length
+                where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+                raise APIError(f"{where}: {e}", param=param, code="context_length_exceeded") from None
+        room = self.engine.context_len - max(lengths)
+        max_tokens = req.max_tokens or default_max_tokens or min(room, self.max_tokens_limit)
+        if max_tokens > self.max_tokens_limit:
+            raise APIError(f"max_tokens is {max_tokens}; this server allows at most {self.max_tokens_limit}",
+                           param="max_tokens", code="invalid_value")
+        if max_tokens > room:
+            raise APIError(f"this model's maximum context length is {self.engine.context_len} tokens, but "
+                           f"{max(lengths) + max_tokens} were requested ({max(lengths)} in the prompt, "
+                           f"{max_tokens} for the completion): shorten the prompt or lower max_tokens",
+                           param="max_tokens", code="context_length_exceeded")
+        return mode, req.sampling(max_tokens), sum(lengths)
+
+    def _render_chat(self, req: ChatCompletionRequest) -> str:
+        try:
+            text = self.engine.tokenizer.apply_chat_template(req.template_messages(), tokenize=False,
+                                                             add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - jinja raises anything the template author wrote
+            raise APIError(f"messages: the chat template rejected them: {e}", param="messages") from None
+        if self._strip_bos and text.startswith(self._strip_bos):
+            text = text[len(self._strip_bos):]
+        return text
+
+    # ---- engine calls -------------------------------------------------------------------------
+    def _in_thread(self, fn, *args):
+        """Runs on the engine thread: track how long a call runs (health) and fatal errors."""
+        self._busy_since = time.monotonic()
+        try:
+            return fn(*args)
+        except MemoryError as e:  # torch.OutOfMemoryError is one too: this replica is done
+            self._fatal = repr(e)
+            raise
+        finally:
+            self._busy_since = None
+
+    def _submit(self, fn, *args) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self._executor, self._in_thread, fn, *args)
+
+    async def _generate(self, work: Work):
+        """(results, prompts in the engine call); APIError on failure."""
+        if len(work.prompts) > self.max_batch_size:  # too big to share a batch: run it alone
+            out = (await self._submit(self._run_works, [work]))[0]
+        else:
+            out = await self._generate_batch(work)
+        if isinstance(out, Exception):
+            raise engine_error(out)
+        return out
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.02, batch_size_fn=_prompt_count)
+    async def _generate_batch(self, works: list[Work]) -> list:
+        # the sizes set here are replaced in __init__ from ServeArgs
+        return await self._submit(self._run_works, works)
+
+    def _run_works(self, works: list[Work]) -> list:
+        """Engine thread: one generate() per group of equal sampling params. Per work: (results,
+        batch size) or the exception its group raised (other groups still run)."""
+        groups: dict[tuple, list[int]] = {}
+        for i, w in enumerate(works):
+            groups.setdefault(w.key(), []).append(i)
+        out: list = [None] * len(works)
+        for idx in groups.values():
+            prompts = [p for i in idx for p in works[i].prompts]
+            w0 = works[idx[0]]
+            try:
+                results = self.engine.generate(prompts, mode=w0.mode, **w0.params)
+            except Exception as e:  # noqa: BLE001 - handed to the requests of this group only
+                for i in idx:
+                    out[i] = e
+                continue
+            s = 0
+            for i in idx:
+                n = len(works[i].prompts)
+                out[i], s = (results[s:s + n], len(prompts)), s + n
+        for r in results:
+            r.text = cut_at_stop(r.text, w0.params["stop"])
+        return out
+
+    def _stream(self, rid: str, prompts: list[str], params: dict, mode: str, *, chat: bool,
+                include_usage: bool) -> StreamingResponse:
+        """Server-sent events in OpenAI's chunk format: text deltas as tokens are chosen, then a
+        chunk per choice with finish_reason (the last one carries usage and specee), then [DONE]."""
+        tok, model, created = self.engine.tokenizer, self.model_name, int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(i: int, text: str | None, finish: str | None = None, **extra) -> str:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                return sse(chat_chunk(rid, model, created, i, delta, finish, **extra))
+            return sse(completion_chunk(rid, model, created, i, text or "", finish, **extra))
+
+        async def events():
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+            cancelled = threading.Event()
+
+            def on_token(i: int, token_id: int) -> None:  # engine thread
+                if cancelled.is_set():
+                    raise _StreamCancelled
+                loop.call_soon_threadsafe(queue.put_nowait, (i, token_id))
+
+            def done(f: asyncio.Future) -> None:
+                if not f.cancelled():
+                    f.exception()  # retrieved here: a cancelled stream's error is expected
+                queue.put_nowait(None)
+
+            fut = self._submit(functools.partial(self.engine.generate, list(prompts), mode=mode, on_token=on_token,
+                                                 **params))
+            fut.add_done_callback(done)
+            texts = [StreamText(tok, params["stop"]) for _ in prompts]
+            try:
+                if chat:
+                    yield sse(chat_chunk(rid, model, created, 0, {"role": "assistant", "content": ""}))
+                while (item := await queue.get()) is not None:
+                    i, token_id = item
+                    if delta := texts[i].push(token_id):
+                        yield chunk(i, delta)
+                try:
+                    results = fut.result()
+                except Exception as e:  # noqa: BLE001 - reported in the stream: the status is sent
+                    err = engine_error(e)
+                    yield sse(err.body())
+                    yield sse("[DONE]")
+                    return
+            finally:
+                cancelled.set()  # the client left (GeneratorExit / CancelledError) or we are done
+            u = usage(sum(r.prompt_tokens for r in results), sum(len(r.token_ids) for r in results))
+            summary = specee_summary(results, self.engine.model.num_layers, mode, len(prompts))
+            for i, r in enumerate(results):
+                if rest := texts[i].finish(cut_at_stop(r.text, params["stop"])):
+                    yield chunk(i, rest)
+                extra = {"usage": u, "specee": summary} if i == len(results) - 1 else {}
+                yield chunk(i, None, r.finish_reason, **extra)
+            if include_usage:
+                yield sse(usage_chunk(rid, model, created, obj, u))
+            yield sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def app(args: dict) -> Application:
+    """App builder for `serve run pipeline.serve:app [key=value ...]` and serve_config.yaml
+    (`import_path: pipeline.serve:app`); args are ServeArgs fields."""
+    a = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args or {})
+    return SpecEEServer.options(ray_actor_options={"num_cpus": a.num_cpus}).bind(a)

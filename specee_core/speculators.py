@@ -1,0 +1,231 @@
+"""Speculators: per decode step, k candidate token ids per row for the exit predictors.
+
+- DraftSpeculator: an EAGLE-1-style draft head (Linear over [token embedding; base feature],
+  one Llama decoder layer with its own KV cache, the base model's LM head). Checkpoints use
+  EAGLE-1's layout (config.json + `fc.*`, `layers.0.*` keys), so public EAGLE-1 heads load.
+- PromptLookupSpeculator: training-free n-gram lookup in the row's own prompt and output,
+  completed from a fallback speculator (or the row's most frequent tokens) when short of k.
+
+Features ("f") are the base model's hidden states after the final RMSNorm; EAGLE pairs the
+token x_t with f_{t-1} and regresses f_t, whose LM-head top-k are the candidates for x_{t+1}.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specee_core.config import ModelConfig
+from specee_core.kv_cache import KVCache
+from specee_core.loader import read_state_dict
+from specee_core.model import LayerWeights, LlamaModel, ModelWeights, rms_norm
+from specee_core.rope import apply_rope
+
+log = logging.getLogger(__name__)
+
+
+class DraftHead(nn.Module):
+    """Trainable parameters of the draft head; the base model's embedding and LM head are shared
+    and frozen. `forward` is the full-sequence (training) path; inference goes through
+    `as_model()`, which reuses the engine's cached decoder layer."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        d, q, kv, inter = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+        self.config = c
+        self.fc = nn.Linear(2 * d, d, bias=True)
+        self.wqkv = nn.Parameter(torch.empty(q + 2 * kv, d))
+        self.wo = nn.Parameter(torch.empty(d, q))
+        self.post_norm = nn.Parameter(torch.ones(d))
+        self.w_gate_up = nn.Parameter(torch.empty(2 * inter, d))
+        self.w_down = nn.Parameter(torch.empty(d, inter))
+        for w in (self.wqkv, self.wo, self.w_gate_up, self.w_down):
+            nn.init.normal_(w, std=0.02)
+        with torch.no_grad():  # start near "the next feature is the current one"
+            self.fc.weight.zero_()
+            self.fc.weight[:, d:] = torch.eye(d)
+            self.fc.bias.zero_()
+
+    def layer_weights(self) -> LayerWeights:
+        return LayerWeights(input_norm=None, wqkv=self.wqkv, bqkv=None, wo=self.wo, bo=None, post_norm=self.post_norm,
+                            w_gate_up=self.w_gate_up, b_gate_up=None, w_down=self.w_down, b_down=None)
+
+    def forward(self, emb: torch.Tensor, feat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """emb, feat [N, T, D] (token x_{t+1}, feature f_t) -> predicted f_{t+1} [N, T, D], causal."""
+        c = self.config
+        n, t, _ = emb.shape
+        h = self.fc(torch.cat((emb, feat), dim=-1))
+        q, k, v = F.linear(h, self.wqkv).split((c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
+                                                 c.num_key_value_heads * c.head_dim), dim=-1)
+        q = apply_rope(q.view(n, t, -1, c.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rope(k.view(n, t, -1, c.head_dim).transpose(1, 2), cos, sin)
+        v = v.view(n, t, -1, c.head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        h = h + F.linear(o.transpose(1, 2).reshape(n, t, -1), self.wo)
+        gate, up = F.linear(rms_norm(h, self.post_norm, c.rms_norm_eps), self.w_gate_up).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.w_down)
+
+    def state_dict_eagle(self) -> dict[str, torch.Tensor]:
+        """EAGLE-1 key layout."""
+        c = self.config
+        q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+        wq, wk, wv = self.wqkv.detach().split((q, kv, kv))
+        wg, wu = self.w_gate_up.detach().split((inter, inter))
+        p = "layers.0."
+        return {"fc.weight": self.fc.weight.detach(), "fc.bias": self.fc.bias.detach(),
+                p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk, p + "self_attn.v_proj.weight": wv,
+                p + "self_attn.o_proj.weight": self.wo.detach(), p + "mlp.gate_proj.weight": wg,
+                p + "mlp.up_proj.weight": wu, p + "mlp.down_proj.weight": self.w_down.detach(),
+                p + "post_attention_layernorm.weight": self.post_norm.detach()}
+
+    def save(self, path: str | Path, meta: dict | None = None) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        c = self.config
+        cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": c.hidden_size,
+               "intermediate_size": c.intermediate_size, "num_hidden_layers": 1,
+               "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+               "head_dim": c.head_dim, "vocab_size": c.vocab_size, "max_position_embeddings": c.max_position_embeddings,
+               "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "specee": meta or {}}
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
+        save_file({k: v.contiguous().to(torch.bfloat16) for k, v in self.state_dict_eagle().items()},
+                  str(path / "model.safetensors"))
+
+    @classmethod
+    def load(cls, path: str | Path, base: ModelConfig) -> DraftHead:
+        """Load a draft head in EAGLE-1 layout (ours or the public repository's) for base model `base`."""
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"draft head config not found: {path / 'config.json'}")
+        tensors, origin = read_state_dict(path)
+        head = cls(base)
+        c = base
+        d = c.hidden_size
+        q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+        p = "layers.0."
+        expect = {"fc.weight": (d, 2 * d), p + "self_attn.q_proj.weight": (q, d), p + "self_attn.k_proj.weight": (kv, d),
+                  p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, q),
+                  p + "mlp.gate_proj.weight": (inter, d), p + "mlp.up_proj.weight": (inter, d),
+                  p + "mlp.down_proj.weight": (d, inter), p + "post_attention_layernorm.weight": (d,)}
+        for name, shape in expect.items():
+            if name not in tensors:
+                raise ValueError(f"{path}: draft tensor {name!r} missing")
+            if tuple(tensors[name].shape) != shape:
+                raise ValueError(f"{origin[name]}: draft tensor {name!r} has shape {tuple(tensors[name].shape)}, "
+                                 f"expected {shape} for this base model")
+        g = lambda k: tensors[k].float()  # noqa: E731
+        with torch.no_grad():
+            head.fc.weight.copy_(g("fc.weight"))
+            head.fc.bias.copy_(g("fc.bias") if "fc.bias" in tensors else torch.zeros(d))
+            head.wqkv.copy_(torch.cat([g(p + f"self_attn.{x}_proj.weight") for x in "qkv"]))
+            head.wo.copy_(g(p + "self_attn.o_proj.weight"))
+            head.w_gate_up.copy_(torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")]))
+            head.w_down.copy_(g(p + "mlp.down_proj.weight"))
+            head.post_norm.copy_(g(p + "post_attention_layernorm.weight"))
+        return head.eval().requires_grad_(False)
+
+
+class Speculator:
+    """Proposes k candidate ids per row. `start` sees the prefill; `propose` is called once per
+    decode step for the alive rows, with the token being fed and the previous feature."""
+    k: int
+
+    def start(self, prompt_ids: list[list[int]], features: torch.Tensor, lens: torch.Tensor, max_len: int) -> None:
+        """features [B, T, D]: normed prefill features (right-padded), lens [B]."""
+
+    def propose(self, rows: list[int], history: list[list[int]], tokens: torch.Tensor,
+                features: torch.Tensor) -> torch.Tensor:
+        """rows: batch rows; history[b]: every token of row b so far (prompt + generated, the fed
+        token last); tokens [N] fed now; features [N, D] of the previous position -> [N, K]."""
+        raise NotImplementedError
+
+
+class DraftSpeculator(Speculator):
+    def __init__(self, head: DraftHead, model: LlamaModel, k: int = 4):
+        self.k = k
+        self.model_base = model
+        dtype, dev = model.dtype, model.device
+        lw = head.to(device=dev, dtype=dtype).layer_weights()
+        lw = LayerWeights(**{f: (None if t is None else t.detach()) for f, t in vars(lw).items()})
+        self.fc_w = head.fc.weight.detach()  # [D, 2D]
+        self.fc_b = head.fc.bias.detach()
+        self.draft = LlamaModel(model.config, ModelWeights(embed=model.w.embed, layers=[lw], norm=model.w.norm,
+                                                           lm_head=model.w.lm_head), dev, dtype)
+        self.cache: KVCache | None = None
+
+    def _step(self, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, rows, n_valid=None):
+        """tokens [N, T], feats [N, T, D] -> draft output features [N, T, D]."""
+        m = self.draft
+        h = F.linear(torch.cat((m.embed(tokens), feats), dim=-1), self.fc_w, self.fc_b)
+        return m.layer(0, h, m.rope_for(positions), self.cache, rows, n_valid)
+
+    def start(self, prompt_ids, features, lens, max_len) -> None:
+        n, t, _ = features.shape
+        self.cache = self.draft.new_cache(n, max_len)
+        if t < 2:
+            return
+        # pairs (x_{i+1}, f_i) for i < len - 1 at draft position i; the last pair comes with the first decode step
+        toks = torch.zeros(n, t - 1, dtype=torch.int64)
+        for b, p in enumerate(prompt_ids):
+            toks[b, : len(p) - 1] = torch.tensor(p[1:])
+        dev = features.device
+        self._step(toks.to(dev), features[:, :-1], torch.arange(t - 1, device=dev).expand(n, t - 1), None,
+                   n_valid=(lens - 1).clamp(min=0))
+
+    def propose(self, rows, history, tokens, features) -> torch.Tensor:
+        idx = torch.tensor(rows, device=tokens.device)
+        positions = (self.cache.lengths[0, idx.cpu()]).to(tokens.device)[:, None]
+        sub = idx if len(rows) < self.cache.batch else None
+        out = self._step(tokens[:, None], features[:, None], positions, sub)[:, 0]
+        return self.draft.lm_head(out).topk(self.k, dim=-1).indices
+
+
+class PromptLookupSpeculator(Speculator):
+    """Candidates from earlier continuations of the row's latest n-gram (n = max_ngram..1),
+    most recent first; short lists are completed by `fallback`, then by the row's most
+    frequent tokens."""
+
+    def __init__(self, k: int = 4, max_ngram: int = 3, fallback: Speculator | None = None, vocab_size: int = 0):
+        self.k, self.max_ngram, self.fallback, self.vocab_size = k, max_ngram, fallback, vocab_size
+
+    def start(self, prompt_ids, features, lens, max_len) -> None:
+        if self.fallback is not None:
+            self.fallback.start(prompt_ids, features, lens, max_len)
+
+    def lookup(self, hist: list[int]) -> list[int]:
+        found: list[int] = []
+        for n in range(min(self.max_ngram, len(hist) - 1), 0, -1):
+            tail = hist[-n:]
+            for i in range(len(hist) - n - 1, -1, -1):  # latest match first
+                if hist[i : i + n] == tail:
+                    nxt = hist[i + n]
+                    if nxt not in found:
+                        found.append(nxt)
+                        if len(found) == self.k:
+                            return found
+        return found
+
+    def propose(self, rows, history, tokens, features) -> torch.Tensor:
+        cands = [self.lookup(history[b]) for b in rows]
+        extra = None
+        if self.fallback is not None:
+            extra = self.fallback.propose(rows, history, tokens, features).tolist()
+        out = []
+        for j, (b, c) in enumerate(zip(rows, cands)):
+            pool = (extra[j] if extra else []) + [t for t, _ in Counter(history[b]).most_common(2 * self.k)]
+            pool += list(range(2 * self.k))  # a row too short to fill k: any distinct ids
+            for t in pool:
+                if len(c) == self.k:
+                    break
+                if t not in c:
+                    c.append(t)
+            out.append(c)
+        return torch.tensor(out, dtype=torch.int64, device=tokens.device)

@@ -1,0 +1,149 @@
+"""Pieces of the batch pipeline that need no Ray cluster: prompt rows, wave assignment, the
+driver's re-tune loop fed with synthetic histograms, output files, sample prompts."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from pipeline.batch import BatchConfig, WaveStats, next_schedule, run_waves
+from pipeline.output import OutputDir
+from pipeline.prompts import PROMPT_SCHEMA, infer_format, to_prompt_table, wave_of
+from pipeline.stage import OUTPUT_SCHEMA, StageConfig
+from specee_core.scheduler import Schedule
+
+REPO = Path(__file__).resolve().parents[2]
+L = 8
+
+
+def rows(hists: list[list[int] | None], errors: list[str | None] | None = None, tokens: int = 4) -> pa.Table:
+    """Output rows carrying the given retune histograms (None: the row has none)."""
+    errors = errors or [None] * len(hists)
+    return pa.Table.from_pylist([
+        {"id": f"r{i}", "completion_tokens": None if e else tokens, "avg_layers": None if e else 5.0,
+         "num_layers": L, "retune_histogram": h, "error": e}
+        for i, (h, e) in enumerate(zip(hists, errors))], schema=OUTPUT_SCHEMA)
+
+
+def test_prompt_rows_get_stable_ids_and_input_errors():
+    t = to_prompt_table([{"prompt": "a"}, {"id": 7, "prompt": "b"}, {"prompt": 3}, {"id": "x"},
+                         {"__input_error": "invalid JSON"}, {"id": "", "prompt": ""}], "dir/f.jsonl", 10)
+    assert t.schema == PROMPT_SCHEMA
+    assert t["id"].to_pylist() == ["dir/f.jsonl:10", "7", "dir/f.jsonl:12", "x", "dir/f.jsonl:14", "dir/f.jsonl:15"]
+    assert t["prompt"].to_pylist() == ["a", "b", None, None, None, ""]  # "" is the engine's to reject
+    assert t["input_error"].to_pylist() == [None, None, "prompt must be a string, got int", "no 'prompt' value",
+                                            "invalid JSON", None]
+
+
+def test_waves_are_a_stable_hash_of_the_id():
+    assert [wave_of(f"f.jsonl:{i}", 4) for i in range(6)] == [wave_of(f"f.jsonl:{i}", 4) for i in range(6)]
+    assert wave_of("abc", 4) == 2  # crc32, not Python's per-process salted hash
+    counts = [0] * 4
+    for i in range(400):
+        counts[wave_of(str(i), 4)] += 1
+    assert min(counts) > 60
+
+
+def test_infer_format(tmp_path):
+    (tmp_path / "a.csv").write_text("prompt\nx\n")
+    assert infer_format([str(tmp_path / "a.csv")]) == "csv"
+    assert infer_format([str(tmp_path)]) == "csv"
+    (tmp_path / "b.parquet").write_bytes(b"")
+    with pytest.raises(ValueError, match="input format"):
+        infer_format([str(tmp_path)])
+
+
+def test_wave_stats_sum_histograms_of_good_rows_only():
+    s = WaveStats()
+    s.add(rows([[1, 2, 0, 0, 0, 0, 0, 1], None, [9, 9, 9, 9, 9, 9, 9, 9]], errors=[None, None, "PromptError: x"]))
+    assert (s.rows, s.errors, s.completion_tokens, s.num_layers) == (3, 1, 8, L)
+    assert s.retune_histogram == [1, 2, 0, 0, 0, 0, 0, 1]
+    assert s.avg_layers == 5.0
+    with pytest.raises(ValueError, match="bins"):
+        s.add(rows([[1, 2, 3]]))
+
+
+def test_next_schedule_keeps_the_schedule_without_histograms():
+    sched = Schedule(num_layers=L, offline_layers=[6, 7])
+    stats = WaveStats()
+    stats.add(rows([None, None]))  # dense rows, or an engine that reports no retune histogram
+    assert next_schedule(sched, stats) is sched
+    stats = WaveStats()
+    stats.add(rows([[0] * (L - 1) + [5]]))  # no early exit at all: too few to re-tune
+    assert next_schedule(sched, stats) is sched
+
+
+def test_retune_loop_moves_a_wrong_schedule_to_the_profile(tmp_path):
+    """The driver's wave loop with a simulated engine: tokens exit at the profile's layers 2 and 3
+    when a predictor is there, otherwise at the next predicted layer (or the last): the
+    histogram a wrong schedule produces is biased, yet re-tuning walks to the profile."""
+    profile = [2, 3]
+    out = OutputDir(tmp_path)
+    out.prepare()
+
+    def run_one(wave: int, schedule: Schedule) -> WaveStats:
+        hist = [0] * L
+        for want, count in ((2, 60), (3, 30), (5, 10)):
+            exits = [l for l in schedule.offline_layers + [L] if l >= want]
+            hist[min(exits) - 1] += count
+        # the scheduler's histogram also counts the online level's neighbours (offsets -2, 0, +2)
+        for l in schedule.offline_layers:
+            for o in (-2, 2):
+                if 1 <= l + o < L:
+                    hist[l + o - 1] += 40 if l + o in profile else 1
+        stats = WaveStats()
+        stats.add(rows([hist]))
+        return stats
+
+    wrong = Schedule(num_layers=L, offline_layers=[5, 7], version=0)
+    waves, final = run_waves(4, wrong, out, 1, run_one)
+    assert [w.schedule_version for w in waves] == [0, 1, 2, 3]
+    assert final.version == 3 and final.offline_layers == profile
+    saved = sorted(p.name for p in out.schedules.glob("v*.json"))
+    assert saved == ["v1.json", "v2.json", "v3.json"]  # v0 is the caller's (run() saves the initial one)
+    assert Schedule.load(out.schedules / "v3.json").offline_layers == profile
+    distances = [len(set(Schedule.load(out.schedule_path(v)).offline_layers) ^ set(profile)) for v in (1, 2, 3)]
+    assert distances[-1] == 0 and distances == sorted(distances, reverse=True)
+
+
+def test_dense_loop_has_no_schedule(tmp_path):
+    out = OutputDir(tmp_path)
+    waves, final = run_waves(3, None, out, 1, lambda w, s: WaveStats(rows=1))
+    assert final is None and [w.schedule_version for w in waves] == [None] * 3
+    assert not out.schedules.exists()
+
+
+def test_part_files_are_atomic_and_tmp_files_ignored(tmp_path):
+    out = OutputDir(tmp_path)
+    out.prepare()
+    table = pa.Table.from_pylist([{"id": "a", "mode": "dense"}, {"id": "b", "mode": "dense"}], schema=OUTPUT_SCHEMA)
+    out.write_part(table, "part-r-w000-00000.parquet")
+    (out.parts / ".part-r-w000-00001.parquet.tmp").write_bytes(b"half a file")  # a crash mid-write
+    assert out.done_ids() == {"a", "b"}
+    out.prepare()
+    assert [p.name for p in out.parts.iterdir()] == ["part-r-w000-00000.parquet"]
+
+
+def test_config_validation(tmp_path):
+    with pytest.raises(ValueError, match="mode"):
+        StageConfig(model="m", mode="fast")
+    stage = StageConfig(model="m")
+    with pytest.raises(ValueError, match="waves"):
+        BatchConfig(input=["x"], output=str(tmp_path), stage=stage, waves=0)
+    with pytest.raises(ValueError, match="schedule only applies"):
+        BatchConfig(input=["x"], output=str(tmp_path), stage=stage, schedule="s.json")
+    with pytest.raises(ValueError, match="local or mounted"):
+        OutputDir("s3://bucket/out")
+
+
+def test_sample_prompts_are_bundled_and_reproducible(tmp_path):
+    from jobs.make_prompts import PromptsConfig, build
+
+    bundled = [json.loads(line) for line in (REPO / "prompts" / "sample_prompts.jsonl").read_text().splitlines()]
+    assert len(bundled) == 300 and len({r["id"] for r in bundled}) == 300
+    assert all(isinstance(r["prompt"], str) and 3 <= r["prompt"].count("\n") <= 8 for r in bundled)
+    small = build(PromptsConfig(out=tmp_path / "p.jsonl", count=5))
+    again = build(PromptsConfig(out=tmp_path / "q.jsonl", count=5))
+    assert small == again and (tmp_path / "p.jsonl").read_bytes() == (tmp_path / "q.jsonl").read_bytes()

@@ -1,0 +1,303 @@
+"""The Serve app for real on loopback: two applications (a model without a chat template at /, one
+with a template at /chat) driven by the official openai client and raw httpx for malformed input."""
+import asyncio
+import json
+import socket
+import statistics
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import make_hf_model
+
+pytestmark = pytest.mark.slow
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+MAX_TOKENS_LIMIT = 48
+PROMPTS = ["Hello there", "The quick brown fox", "Once upon a time", "SpecEE exits early", "1 2 3 4",
+           "What is a cache?", "Ray Serve batches", "héllo 日本語"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    plain = tmp_path_factory.mktemp("serve-tiny")
+    make_hf_model(plain, layers=2, hidden=64, heads=4, kv_heads=2)
+    chat = tmp_path_factory.mktemp("serve-chat")
+    make_hf_model(chat, layers=2, hidden=64, heads=4, kv_heads=2, seed=1)
+    cfg = json.loads((chat / "tokenizer_config.json").read_text())
+    (chat / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHAT_TEMPLATE}))
+    return plain, chat
+
+
+@pytest.fixture(scope="module")
+def server(dirs):
+    """Base URL of a running Serve instance with both apps; torn down after the module."""
+    import ray
+    from ray import serve
+
+    from pipeline.serve import app
+
+    plain, chat = dirs
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 << 20, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    common = {"num_cpus": 0.5, "max_tokens_limit": MAX_TOKENS_LIMIT}
+    serve.run_many([
+        serve.RunTarget(app({"model": str(plain), "model_name": "tiny", **common}), name="specee", route_prefix="/"),
+        serve.RunTarget(app({"model": str(chat), "model_name": "tiny-chat", **common}), name="chat",
+                        route_prefix="/chat"),
+    ])
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        if started_ray:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(dirs):
+    """The same model in this process: the reference for what the server must answer."""
+    from specee_core import SpecEEEngine
+
+    return SpecEEEngine.from_pretrained(dirs[0])
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def chat_client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server}/chat/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def post(server: str, path: str, content: bytes | dict, **kw) -> httpx.Response:
+    data = content if isinstance(content, bytes) else json.dumps(content).encode()
+    return httpx.post(f"{server}{path}", content=data, headers={"Content-Type": "application/json"}, timeout=60, **kw)
+
+
+# ---- the happy paths ---------------------------------------------------------------------------
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    r = httpx.get(f"{server}/healthz", timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["mode"] == "dense"
+
+
+def test_completion_matches_engine(client, engine):
+    ref = engine.generate([PROMPTS[0]], max_new_tokens=8)[0]
+    out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    assert out.object == "text_completion" and len(out.choices) == 1
+    assert out.choices[0].text == ref.text and out.choices[0].finish_reason == ref.finish_reason
+    assert out.usage.prompt_tokens == ref.prompt_tokens
+    assert out.usage.completion_tokens == len(ref.token_ids)
+    specee = out.model_extra["specee"]
+    assert specee["mode"] == "dense" and specee["num_layers"] == 2 and specee["avg_layers"] == 2.0
+    assert sum(specee["exit_histogram"]) == len(ref.token_ids)
+
+
+def test_prompt_list(client, engine):
+    refs = engine.generate(PROMPTS[:3], max_new_tokens=6)
+    out = client.completions.create(model="tiny", prompt=PROMPTS[:3], max_tokens=6, temperature=0)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [r.text for r in refs]
+    assert out.usage.completion_tokens == sum(len(r.token_ids) for r in refs)
+
+
+def test_stream_equals_plain(client, engine):
+    ref = engine.generate([PROMPTS[7]], max_new_tokens=24)[0]
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[7], max_tokens=24, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert chunks[-1].model_extra["specee"]["num_layers"] == 2
+
+
+def test_stream_with_stop_string(client, engine):
+    full = engine.generate([PROMPTS[1]], max_new_tokens=24)[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop.strip(), full
+    expected = full[: full.find(stop)]  # greedy: the same tokens, cut before the first stop string
+    plain = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=stop)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=[stop], stream=True))
+    assert plain.choices[0].text == streamed == expected
+    assert plain.choices[0].finish_reason == "stop"
+
+
+def test_stream_wire_format(server):
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=60,
+                      json={"model": "tiny", "prompt": ["a", "b"], "max_tokens": 4, "temperature": 0,
+                            "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
+    events = [json.loads(ln[6:]) for ln in lines[:-1]]
+    finals = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert sorted(e["choices"][0]["index"] for e in finals) == [0, 1]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] >= 2
+    assert "specee" in finals[-1]
+
+
+def test_stream_client_disconnect_keeps_serving(server, client):
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=60,
+                      json={"prompt": "go on", "max_tokens": MAX_TOKENS_LIMIT, "temperature": 1.0, "stream": True}
+                      ) as r:
+        next(r.iter_lines())  # read one event, then hang up
+    out = client.completions.create(model="tiny", prompt="still there?", max_tokens=2, temperature=0)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_chat(chat_client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    out = chat_client.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=8, temperature=0)
+    assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+    assert isinstance(out.choices[0].message.content, str) and out.usage.completion_tokens >= 1
+    assert out.model_extra["specee"]["mode"] == "dense"
+    chunks = list(chat_client.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=8,
+                                                      temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == out.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == out.choices[0].finish_reason
+
+
+def test_chat_without_template_is_404(server, client):
+    from openai import NotFoundError
+
+    with pytest.raises(NotFoundError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["code"] == "chat_not_supported"
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+BAD = [
+    (b'{"prompt": "a", ', 400, None),
+    (b'{"prompt": "\xff\xfe"}', 400, None),
+    (b"[1, 2]", 400, None),
+    ({}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": 7}, 400, "prompt"),
+    ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "a", "max_tokens": "3"}, 400, "max_tokens"),
+    ({"prompt": "a", "max_tokens": MAX_TOKENS_LIMIT + 1}, 400, "max_tokens"),
+    ({"prompt": "a", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "a", "n": 3}, 400, "n"),
+    ({"prompt": "a", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "a", "mode": "specee"}, 400, "mode"),  # the test model has no predictors
+    ({"prompt": "word " * 400}, 400, "prompt"),  # over the 256-token context
+    ({"prompt": "word " * 230, "max_tokens": 40}, 400, "max_tokens"),  # fits, but not with 40 more
+    ({"prompt": "a", "model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("content, status, param", BAD)
+def test_bad_completion_requests(server, content, status, param):
+    r = post(server, "/v1/completions", content)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+
+
+def test_other_bad_requests(server, client):
+    assert post(server, "/v1/completions", b"x" * (5 << 20)).status_code == 413
+    r = httpx.get(f"{server}/v1/nothing", timeout=10)
+    assert r.status_code == 404 and "error" in r.json()
+    assert httpx.get(f"{server}/v1/completions", timeout=10).status_code == 405
+    for msgs, param in [([], "messages"), ([{"role": "robot", "content": "x"}], "messages.0.role"),
+                        ([{"role": "user", "content": "word " * 400}], "messages")]:
+        r = post(server, "/chat/v1/chat/completions", {"messages": msgs})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="a", max_tokens=-5)
+    assert e.value.body["param"] == "max_tokens"
+    # and the server is still fine
+    assert client.completions.create(model="tiny", prompt="a", max_tokens=2, temperature=0).choices
+
+
+# ---- batching and load ---------------------------------------------------------------------------
+async def _burst(server: str, bodies: list[dict], concurrency: int) -> list[tuple[httpx.Response, float]]:
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=server, timeout=120) as http:
+        async def one(b):
+            async with sem:
+                t = time.perf_counter()
+                r = await http.post("/v1/completions", json=b)
+                return r, time.perf_counter() - t
+
+        return await asyncio.gather(*(one(b) for b in bodies))
+
+
+def test_concurrent_requests_are_batched_and_match(server, engine):
+    # two parameter groups arriving together: each must get exactly what it would get alone
+    refs6 = engine.generate(PROMPTS, max_new_tokens=6)
+    refs3 = engine.generate(PROMPTS, max_new_tokens=3)
+    bodies = [{"prompt": p, "max_tokens": n, "temperature": 0} for p in PROMPTS for n in (6, 3)]
+    out = asyncio.run(_burst(server, bodies, concurrency=len(bodies)))
+    assert all(r.status_code == 200 for r, _ in out), [r.text for r, _ in out if r.status_code != 200]
+    for b, (r, _) in zip(bodies, out):
+        ref = (refs6 if b["max_tokens"] == 6 else refs3)[PROMPTS.index(b["prompt"])]
+        assert r.json()["choices"][0]["text"] == ref.text, b
+    assert max(r.json()["specee"]["batch_size"] for r, _ in out) > 1
+
+
+def test_seeded_sampling_is_reproducible(server, engine):
+    body = {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 1.0, "seed": 1234}
+    ref = engine.generate([PROMPTS[2]], max_new_tokens=8, temperature=1.0, seed=1234)[0].text
+    noise = [{"prompt": p, "max_tokens": 8, "temperature": 1.0, "seed": 1234} for p in PROMPTS[3:6]]
+    out = asyncio.run(_burst(server, [body, *noise, body], concurrency=5))
+    assert out[0][0].json()["choices"][0]["text"] == out[-1][0].json()["choices"][0]["text"] == ref
+
+
+def test_load(server, capsys):
+    n, concurrency = 200, 8
+    bodies = [{"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 4, "temperature": 0} for i in range(n)]
+    t0 = time.perf_counter()
+    out = asyncio.run(_burst(server, bodies, concurrency))
+    wall = time.perf_counter() - t0
+    failed = [r.text for r, _ in out if r.status_code != 200]
+    lat = sorted(dt for _, dt in out)
+    batch = statistics.mean(r.json()["specee"]["batch_size"] for r, _ in out if r.status_code == 200)
+    with capsys.disabled():
+        print(f"\nload: {n} requests, {concurrency} concurrent, {wall:.1f} s, {n / wall:.1f} req/s, "
+              f"p50 {lat[n // 2] * 1e3:.0f} ms, p99 {lat[int(n * 0.99) - 1] * 1e3:.0f} ms, mean batch {batch:.1f}")
+    assert not failed, failed[:3]
+
+
+# ---- fault tolerance (last: it replaces the replica) ---------------------------------------------
+def test_dead_replica_is_replaced(server, client):
+    import ray
+
+    before = httpx.get(f"{server}/healthz", timeout=10).json()["replica"]
+    ray.kill(ray.get_actor(before, namespace="serve"), no_restart=True)
+    deadline, after = time.monotonic() + 120, None
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{server}/healthz", timeout=5)
+            if r.status_code == 200 and r.json()["replica"] != before:
+                after = r.json()["replica"]
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    assert after is not None, "no new replica within 120 s"
+    assert client.completions.create(model="tiny", prompt="back?", max_tokens=2, temperature=0).choices

@@ -1,0 +1,122 @@
+"""The OpenAI wire format and streaming detokenization, without Ray or a model."""
+import json
+
+import pytest
+
+from pipeline.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, parse_body,
+                                      specee_summary)
+from pipeline.stream_text import IncrementalDecoder, StreamText
+from tests.conftest import BUNDLED
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from specee_core import load_tokenizer
+
+    return load_tokenizer(BUNDLED)
+
+
+def body(**kw) -> bytes:
+    return json.dumps(kw).encode()
+
+
+def test_parse_valid_completion():
+    req = parse_body(body(model="m", prompt=["a", "b"], max_tokens=3, temperature=0, stop="x", seed=1), CompletionRequest)
+    assert req.prompts == ["a", "b"]
+    assert req.sampling(3) == {"max_new_tokens": 3, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop": ("x",),
+                               "seed": 1}
+    defaults = parse_body(body(prompt="a", temperature=None), CompletionRequest).sampling(16)
+    assert defaults["temperature"] == 1.0 and defaults["stop"] == ()  # OpenAI's defaults
+
+
+@pytest.mark.parametrize("raw, param, code", [
+    (b'{"prompt": ', None, "invalid_json"),
+    (b"", None, "invalid_json"),
+    (b'{"prompt": "\xff\xfe"}', None, "invalid_encoding"),
+    (b'["a"]', None, "invalid_json"),
+    (b'{"prompt": "a", "temperature": NaN}', None, "invalid_json"),
+    (body(), "prompt", "missing_required_parameter"),
+    (body(prompt=""), "prompt", "invalid_value"),
+    (body(prompt=[]), "prompt", "invalid_value"),
+    (body(prompt=["a", ""]), "prompt", "invalid_value"),
+    (body(prompt=5), "prompt", "invalid_value"),
+    (body(prompt=[1, 2]), "prompt", "invalid_value"),
+    (b'{"prompt": "\\ud800"}', "prompt", "invalid_value"),
+    (body(prompt="a", max_tokens=0), "max_tokens", None),
+    (body(prompt="a", max_tokens="5"), "max_tokens", None),
+    (body(prompt="a", max_tokens=1.5), "max_tokens", None),
+    (body(prompt="a", max_tokens=True), "max_tokens", None),
+    (body(prompt="a", temperature=-1), "temperature", None),
+    (body(prompt="a", temperature="hot"), "temperature", None),
+    (body(prompt="a", top_p=0), "top_p", None),
+    (body(prompt="a", n=2), "n", "invalid_value"),
+    (body(prompt="a", stream="yes"), "stream", None),
+    (body(prompt="a", stop=[""]), "stop", "invalid_value"),
+    (body(prompt="a", stop=5), "stop", None),
+    (body(prompt="a", stop=list("abcde")), "stop", "invalid_value"),
+    (body(prompt="a", echo=True), "echo", "invalid_value"),
+    (body(prompt="a", logprobs=2), "logprobs", "invalid_value"),
+    (body(prompt="a", mode="fast"), "mode", None),
+    (body(prompt="a", seed=2**70), "seed", None),
+])
+def test_parse_rejects(raw, param, code):
+    with pytest.raises(APIError) as e:
+        parse_body(raw, CompletionRequest)
+    err = e.value.body()["error"]
+    assert e.value.status == 400 and err["type"] == "invalid_request_error"
+    assert err["param"] == param and err["message"]
+    if code:
+        assert err["code"] == code
+
+
+def test_parse_chat():
+    req = parse_body(body(messages=[{"role": "system", "content": "be brief"},
+                                    {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                          max_completion_tokens=5), ChatCompletionRequest)
+    assert req.max_tokens == 5
+    assert req.template_messages() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    for bad, param in [(body(messages=[]), "messages"), (body(messages=[{"role": "robot", "content": "x"}]),
+                                                          "messages.0.role"),
+                       (body(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+                        "messages.0.content.0.type")]:
+        with pytest.raises(APIError) as e:
+            parse_body(bad, ChatCompletionRequest)
+        assert e.value.param == param, e.value.message
+
+
+def test_incremental_decoder_multibyte(tokenizer):
+    text = "héllo 日本語 🙂 done"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    dec = IncrementalDecoder(tokenizer)
+    deltas = [dec.push(t) for t in ids]
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert len(ids) > len(text.split())  # the emoji and CJK characters do span several tokens
+
+
+@pytest.mark.parametrize("stop", [("日本",), ("lo 日",), ("zzz", "🙂 d")])
+def test_stream_text_never_sends_stop(tokenizer, stop):
+    text = "héllo 日本語 🙂 done"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    st = StreamText(tokenizer, stop)
+    sent = "".join(st.push(t) for t in ids)
+    cut = min(i for i in (text.find(s) for s in stop) if i >= 0)
+    assert sent == text[:cut] and st.stopped
+    assert st.finish(text[:cut]) == ""
+
+
+def test_stream_text_finish_flushes_holdback(tokenizer):
+    ids = tokenizer("abc def", add_special_tokens=False)["input_ids"]
+    st = StreamText(tokenizer, ("xyz",))
+    sent = "".join(st.push(t) for t in ids)
+    assert sent + st.finish("abc def") == "abc def"
+
+
+def test_specee_summary():
+    class R:
+        def __init__(self, hist):
+            self.stats = {"exit_histogram": hist}
+
+    s = specee_summary([R([1, 0, 3]), R([0, 0, 2])], num_layers=3, mode="specee", batch_size=2)
+    assert s["exit_histogram"] == [1, 0, 5] and s["avg_layers"] == pytest.approx(16 / 6)
+    assert s["layer_fraction"] == pytest.approx(16 / 18) and s["batch_size"] == 2

@@ -1,0 +1,76 @@
+"""SpecEE mode mechanics on a tiny random model (quality is tested on the bundled model)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specee_core import SpecEEEngine
+from specee_core.scheduler import Schedule, retune, select_offline_layers
+
+PROMPTS = ["def f(x):\n    return x", "import os\n", "class A:\n    pass\n\nclass B(A):", "for i in range(10):"]
+
+
+@pytest.mark.parametrize("speculator", ["draft", "lookup"])
+@pytest.mark.parametrize("kv_mode", ["propagate", "gap"])
+def test_exits_off_equals_dense(ee_model_dir, speculator, kv_mode):
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, speculator=speculator, kv_mode=kv_mode, threshold=2.0)
+    dense = engine.generate(PROMPTS, max_new_tokens=12, mode="dense")
+    batched = engine.generate(PROMPTS, max_new_tokens=12, mode="specee")
+    single = [engine.generate([p], max_new_tokens=12, mode="specee")[0] for p in PROMPTS]
+    for d, b, s in zip(dense, batched, single):
+        assert b.token_ids == d.token_ids == s.token_ids
+        assert b.exit_layers == [engine.config.num_hidden_layers] * len(b.token_ids)
+        assert b.stats["predictor_calls"] > 0
+
+
+@pytest.mark.parametrize("verify", ["local", "full"])
+@pytest.mark.parametrize("kv_mode", ["propagate", "gap"])
+def test_always_exit_runs_fewer_layers(ee_model_dir, verify, kv_mode):
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.0, verify=verify, kv_mode=kv_mode)
+    res = engine.generate(PROMPTS, max_new_tokens=10, mode="specee", ignore_eos=True)
+    L = engine.config.num_hidden_layers
+    assert all(r.exit_layers[0] == L for r in res)  # prefill's token: full depth, always
+    layers = [l for r in res for l in r.exit_layers[1:]]
+    assert len(layers) == 36
+    if verify == "local":  # the first active layer always accepts
+        assert max(layers) < L
+    for r in res:
+        assert sum(r.stats["exit_histogram"]) == len(r.token_ids)
+        assert r.stats["avg_layers"] == pytest.approx(sum(r.exit_layers) / len(r.exit_layers))
+    cache = engine._cache
+    full = cache.lengths[0, :4]
+    if kv_mode == "propagate":  # every layer keeps a full cache
+        assert (cache.lengths[:, :4] == full).all()
+    else:  # skipped layers stay behind
+        assert (cache.lengths[-1, :4] < full).all()
+
+
+def test_sampling_with_exits_is_seeded(ee_model_dir):
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.3)
+    a = engine.generate(PROMPTS, max_new_tokens=8, mode="specee", temperature=0.9, seed=3)
+    b = engine.generate(PROMPTS, max_new_tokens=8, mode="specee", temperature=0.9, seed=3)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+def test_explore_steps_fill_the_retune_histogram(ee_model_dir):
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.0, explore_every=2)
+    r = engine.generate(PROMPTS[:1], max_new_tokens=10, mode="specee", ignore_eos=True)[0]
+    assert sum(r.stats["explore_histogram"]) == 5 == sum(r.stats["retune_histogram"])
+    assert r.stats["explore_histogram"][0] == 5  # every predictor runs: the first layer accepts
+
+
+def test_schedule_update_rule():
+    assert select_offline_layers([5, 0, 9, 1, 7, 100], 3) == [1, 3, 5]
+    s = Schedule(num_layers=6, offline_layers=[1, 2, 3])
+    s2 = retune(s, [0, 0, 4, 9, 7, 50])
+    assert s2.offline_layers == [3, 4, 5] and s2.version == 1
+    assert retune(s, [0, 0, 0, 0, 0, 50]) is s  # nothing exited: keep
+    with pytest.raises(ValueError, match="out of range"):
+        Schedule(num_layers=6, offline_layers=[6])
+
+
+def test_bad_options_are_rejected(ee_model_dir):
+    with pytest.raises(ValueError, match="kv_mode must be one of"):
+        SpecEEEngine.from_pretrained(ee_model_dir, kv_mode="recompute")
+    with pytest.raises(TypeError, match="unknown engine options"):
+        SpecEEEngine.from_pretrained(ee_model_dir, thresold=0.5)
