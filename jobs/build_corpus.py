@@ -106,3 +106,25 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def sample_snippets(path: Path, n: int, seed: int = 0, min_lines: int = 3, max_lines: int = 8) -> list[str]:
+    """n deterministic prompts: the first few lines of randomly chosen top-level defs/classes."""
+    import random
+
+    rng = random.Random(seed)
+    starts = []
+    for doc_no, text in enumerate(iter_texts(Path(path))):
+        lines = text.splitlines(keepends=True)
+        starts += [(doc_no, i) for i, line in enumerate(lines) if line.startswith(("def ", "class "))]
+    picks = sorted(rng.sample(starts, min(n, len(starts))))
+    by_doc: dict[int, list[int]] = {}
+    for d, i in picks:
+        by_doc.setdefault(d, []).append(i)
+    out = []
+    for doc_no, text in enumerate(iter_texts(Path(path))):
+        lines = text.splitlines(keepends=True)
+        for i in by_doc.get(doc_no, []):
+            out.append("".join(lines[i : i + rng.randint(min_lines, max_lines)]))
+    rng.shuffle(out)
+    return out

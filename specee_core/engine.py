@@ -152,14 +152,21 @@ class SpecEEEngine:
                 ids.append(self.encode_prompt(p))
             except PromptError as e:
                 raise PromptError(f"prompt {i}: {e}") from None
+        factory = self.early_exit.new_stepper if mode == "specee" else None
+        return self.run(ids, params, factory, on_token)
+
+    def run(self, prompt_ids: list[list[int]], params: SamplingParams, new_stepper=None,
+            on_token: Callable[[int, int], None] | None = None) -> list[GenerationResult]:
+        """Lower-level generate over token ids: new_stepper(engine, batch, cache, prefill_hidden, lens)
+        builds the object whose step() replaces the dense decode step (None: dense)."""
         generator = None
-        if seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
         out: list[GenerationResult] = []
         bs = self.options.max_batch_size
-        for s in range(0, len(ids), bs):
+        for s in range(0, len(prompt_ids), bs):
             report = None if on_token is None else (lambda b, tok, _s=s: on_token(_s + b, tok))
-            out += self._generate_batch(ids[s : s + bs], params, mode, generator, report)
+            out += self._generate_batch(prompt_ids[s : s + bs], params, new_stepper, generator, report)
         return out
 
     def _get_cache(self, batch: int, max_len: int):
@@ -170,7 +177,7 @@ class SpecEEEngine:
         return self._cache
 
     @torch.inference_mode()
-    def _generate_batch(self, prompt_ids: list[list[int]], params: SamplingParams, mode: str,
+    def _generate_batch(self, prompt_ids: list[list[int]], params: SamplingParams, new_stepper,
                         generator: torch.Generator | None, on_token=None) -> list[GenerationResult]:
         t0 = time.perf_counter()
         model, dev = self.model, self.device
@@ -195,7 +202,7 @@ class SpecEEEngine:
                       exit_layers=[[] for _ in range(n)], finish=[None] * n, texts=[""] * n,
                       positions=lens.clone(), next_tokens=first, last_hidden=last, t_done=[0.0] * n,
                       on_token=on_token)
-        stepper = self.early_exit.new_stepper(self, batch, cache, h, lens) if mode == "specee" else None
+        stepper = None if new_stepper is None else new_stepper(self, batch, cache, h, lens)
         del h
         batch.t_first = time.perf_counter()
         self._record(batch, list(range(n)), first.tolist(), [model.num_layers] * n)
@@ -258,7 +265,7 @@ class SpecEEEngine:
         layers = batch.exit_layers[b]
         stats = exit_stats(layers, self.model.num_layers)
         stats["mode"] = "dense" if stepper is None else "specee"
-        if stepper is not None:
+        if hasattr(stepper, "row_stats"):
             stats.update(stepper.row_stats(b))
         # what the scheduler's update rule should consume: unbiased exploration exits when taken
         stats["retune_histogram"] = stats.get("explore_histogram") or stats["exit_histogram"]

@@ -76,23 +76,20 @@ def test_next_schedule_keeps_the_schedule_without_histograms():
 
 
 def test_retune_loop_moves_a_wrong_schedule_to_the_profile(tmp_path):
-    """The driver's wave loop with a simulated engine: tokens exit at the profile's layers 2 and 3
-    when a predictor is there, otherwise at the next predicted layer (or the last): the
-    histogram a wrong schedule produces is biased, yet re-tuning walks to the profile."""
+    """The driver's wave loop with a simulated engine. A token that could exit at layer t (60%
+    at 2, 30% at 3, 10% at 5: the profile picks [2, 3]) exits at the first active layer >= t,
+    active = predictor layers and their neighbours (the online level explores) and the last
+    layer. The histogram a wrong schedule produces is biased towards it; re-tuning still walks
+    to the profile: [5, 7] -> [4, 5] -> [3, 5] -> [2, 3]."""
     profile = [2, 3]
     out = OutputDir(tmp_path)
     out.prepare()
 
     def run_one(wave: int, schedule: Schedule) -> WaveStats:
+        active = {l + o for l in schedule.offline_layers for o in (-1, 0, 1)} | {L}
         hist = [0] * L
-        for want, count in ((2, 60), (3, 30), (5, 10)):
-            exits = [l for l in schedule.offline_layers + [L] if l >= want]
-            hist[min(exits) - 1] += count
-        # the scheduler's histogram also counts the online level's neighbours (offsets -2, 0, +2)
-        for l in schedule.offline_layers:
-            for o in (-2, 2):
-                if 1 <= l + o < L:
-                    hist[l + o - 1] += 40 if l + o in profile else 1
+        for t, count in ((2, 60), (3, 30), (5, 10)):
+            hist[min(l for l in active if l >= t) - 1] += count
         stats = WaveStats()
         stats.add(rows([hist]))
         return stats

@@ -1,0 +1,255 @@
+"""Benchmark: decode tokens/s of transformers' generate, the dense engine and SpecEE, side by
+side in one run (interleaved A-B-C-C-B-A so drift hits every variant alike), plus SpecEE's
+quality against dense greedy decoding. Prints one JSON document.
+
+    python -m jobs.bench --model models/specee-tiny                  # everything
+    python -m jobs.bench --modes hf,dense --batch-sizes 1,8          # the engine-core comparison
+
+Decode tokens/s = B x (N - 1) / (time(generate N tokens) - time(generate 1 token)), the same
+for every variant, greedy, EOS ignored so every row makes N tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from jobs.build_corpus import sample_snippets
+from specee_core import SpecEEEngine
+from specee_core.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BenchConfig:
+    model: Path = Path("models/specee-tiny")
+    corpus: Path = Path("data/corpus")
+    prompts_file: Path | None = None  # JSONL with a "prompt" field; default: held-out corpus snippets
+    modes: str = "hf,dense,specee"
+    batch_sizes: str = "1,8"
+    num_prompts: int = 8
+    max_new_tokens: int = 128
+    repeats: int = 2
+    thresholds: str = "0.3,0.5,0.7,0.9"
+    quality_prompts: int = 32
+    heldout_windows: int = 16
+    window_len: int = 128
+    threads: int = 0
+    speculator: str = "auto"
+    out: Path | None = None
+
+    def __post_init__(self) -> None:
+        self.model, self.corpus = Path(self.model), Path(self.corpus)
+        bad = set(self.mode_list) - {"hf", "dense", "specee"}
+        if bad:
+            raise ValueError(f"unknown modes {sorted(bad)}: expected hf, dense, specee")
+
+    @property
+    def mode_list(self) -> list[str]:
+        return [m for m in self.modes.split(",") if m]
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def load_prompts(cfg: BenchConfig, n: int, seed: int = 0) -> list[str]:
+    if cfg.prompts_file:
+        with open(cfg.prompts_file) as f:
+            return [json.loads(line)["prompt"] for line in f][:n]
+    return sample_snippets(cfg.corpus / "heldout.jsonl", n, seed=seed)
+
+
+class Runner:
+    """One callable per variant: run(prompts, max_new_tokens) -> token lists."""
+
+    def __init__(self, engine: SpecEEEngine, hf_model=None):
+        self.engine, self.hf = engine, hf_model
+
+    def ours(self, mode: str, prompts: list[str], n: int, **kw):
+        return self.engine.generate(prompts, max_new_tokens=n, mode=mode, ignore_eos=True, **kw)
+
+    @torch.inference_mode()
+    def transformers(self, prompts: list[str], n: int):
+        tok = self.engine.tokenizer
+        tok.padding_side = "left"
+        enc = tok(prompts, return_tensors="pt", padding=True)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        out = self.hf.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad)
+        return out[:, enc["input_ids"].shape[1]:].tolist()
+
+    def call(self, variant: str, prompts: list[str], n: int):
+        return self.transformers(prompts, n) if variant == "hf" else self.ours(variant, prompts, n)
+
+
+def time_decode(runner: Runner, variants: list[str], prompts: list[str], batch: int, n: int, repeats: int) -> dict:
+    """Decode tokens/s per variant over len(prompts) prompts in batches of `batch`."""
+    chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+    for v in variants:  # warm-up
+        runner.call(v, chunks[0], 2)
+    samples: dict[str, list[float]] = {v: [] for v in variants}
+    order = []
+    for r in range(repeats):
+        order += variants if r % 2 == 0 else variants[::-1]
+    for v in order:
+        full = first = 0.0
+        for c in chunks:
+            t = time.perf_counter()
+            runner.call(v, c, 1)
+            first += time.perf_counter() - t
+            t = time.perf_counter()
+            runner.call(v, c, n)
+            full += time.perf_counter() - t
+        samples[v].append(len(prompts) * (n - 1) / max(full - first, 1e-9))
+    return {v: {"decode_tokens_per_s": statistics.mean(s), "runs": [round(x, 1) for x in s]} for v, s in samples.items()}
+
+
+def agreement(dense: list[list[int]], other: list[list[int]]) -> dict:
+    pos = same = seq = 0
+    for d, o in zip(dense, other):
+        m = min(len(d), len(o))
+        pos += m
+        same += sum(a == b for a, b in zip(d[:m], o[:m]))
+        seq += d == o
+    return {"token_agreement": same / max(pos, 1), "sequence_agreement": seq / max(len(dense), 1)}
+
+
+class TeacherForced:
+    """Wraps a stepper: records whether each emitted token equals the held-out text's next
+    token, then feeds the true token instead (next-token accuracy through the exit path)."""
+
+    def __init__(self, inner, batch, targets: list[list[int]], hits: list[int]):
+        self.inner, self.batch, self.targets, self.hits = inner, batch, targets, hits
+
+    def step(self, alive, rows, generator):
+        toks, layers = self.inner.step(alive, rows, generator)
+        for b, tok in zip(alive, toks):
+            i = len(self.batch.generated[b])  # index of the token this step produced
+            truth = self.targets[b][i]
+            self.hits[0] += tok == truth
+            self.hits[1] += 1
+            self.batch.next_tokens[b] = truth
+        return toks, layers
+
+
+def heldout_accuracy(engine: SpecEEEngine, cfg: BenchConfig, threshold: float) -> dict:
+    """Teacher-forced greedy next-token accuracy over held-out windows through the SpecEE step
+    (threshold > 1: exits off, i.e. dense)."""
+    from jobs.train_base import fixed_windows, tokenize_split
+
+    stream = tokenize_split(cfg.corpus, "heldout", engine.tokenizer, Path("runs/train_base/tokens"))
+    windows = fixed_windows(stream, cfg.heldout_windows, cfg.window_len * 2).tolist()
+    half = cfg.window_len
+    prompts = [w[:half] for w in windows]
+    targets = [w[half : half + cfg.window_len] for w in windows]
+    ee = engine.early_exit
+    saved = ee.options.threshold
+    ee.options.threshold = threshold
+    hits = [0, 0]
+    layers: list[int] = []
+    try:
+        def factory(eng, batch, cache, h, lens):
+            return TeacherForced(ee.new_stepper(eng, batch, cache, h, lens), batch, targets_of(batch), hits)
+
+        def targets_of(batch):
+            return [targets[prompts.index(p)] for p in batch.prompt_ids]
+
+        res = engine.run(prompts, SamplingParams(max_new_tokens=cfg.window_len - 1, ignore_eos=True), factory)
+        layers = [l for r in res for l in r.exit_layers[1:]]
+    finally:
+        ee.options.threshold = saved
+    return {"next_token_accuracy": hits[0] / max(hits[1], 1), "tokens": hits[1],
+            "layer_fraction": sum(layers) / max(len(layers), 1) / engine.config.num_hidden_layers}
+
+
+def quality(engine: SpecEEEngine, cfg: BenchConfig, thresholds: list[float]) -> dict:
+    prompts = load_prompts(cfg, cfg.quality_prompts, seed=1)
+    dense = engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
+    d_ids = [r.token_ids for r in dense]
+    out = {}
+    ee = engine.early_exit
+    base = ee.options.threshold
+    for th in thresholds:
+        ee.options.threshold = th
+        t = time.perf_counter()
+        res = engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, mode="specee", ignore_eos=True)
+        dt = time.perf_counter() - t
+        layers = [l for r in res for l in r.exit_layers[1:]]
+        calls = sum(r.stats["predictor_calls"] for r in res)
+        out[str(th)] = {"layer_fraction": sum(layers) / len(layers) / engine.config.num_hidden_layers,
+                        "predictor_calls_per_token": calls / len(layers), **agreement(d_ids, [r.token_ids for r in res]),
+                        "draft_time_share": statistics.mean(r.stats["draft_time_share"] for r in res),
+                        "predictor_time_share": statistics.mean(r.stats["predictor_time_share"] for r in res),
+                        "batch_tokens_per_s": len(layers) / dt}
+    ee.options.threshold = base
+    return out
+
+
+def run(cfg: BenchConfig) -> dict:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    engine = SpecEEEngine.from_pretrained(cfg.model)
+    modes = cfg.mode_list
+    if "specee" in modes and engine.early_exit is None:
+        raise ValueError(f"{cfg.model} has no predictors: drop 'specee' from --modes or train them")
+    hf = None
+    if "hf" in modes:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(cfg.model), dtype=torch.float32, local_files_only=True).eval()
+    runner = Runner(engine, hf)
+    prompts = load_prompts(cfg, cfg.num_prompts)
+    result: dict = {"config": {k: str(v) for k, v in vars(cfg).items()}, "git_commit": git_commit(),
+                    "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
+                    "device": str(engine.device), "num_layers": engine.config.num_hidden_layers, "speed": {}}
+    if engine.early_exit is not None:
+        o = engine.early_exit.options
+        result["specee_options"] = {"threshold": o.threshold, "verify": o.verify, "kv_mode": o.kv_mode,
+                                    "speculator": type(engine.early_exit.speculator).__name__,
+                                    "offline_layers": engine.early_exit.schedule.offline_layers}
+    for bs in [int(b) for b in cfg.batch_sizes.split(",")]:
+        speed = time_decode(runner, modes, prompts, bs, cfg.max_new_tokens, cfg.repeats)
+        for v in modes:
+            if v != "hf" and "hf" in speed:
+                speed[v]["vs_hf"] = speed[v]["decode_tokens_per_s"] / speed["hf"]["decode_tokens_per_s"]
+        if "specee" in speed and "dense" in speed:
+            speed["specee"]["vs_dense"] = speed["specee"]["decode_tokens_per_s"] / speed["dense"]["decode_tokens_per_s"]
+        result["speed"][f"batch_{bs}"] = speed
+        log.info("batch %d: %s", bs, json.dumps(speed))
+    if "specee" in modes:
+        ths = [float(t) for t in cfg.thresholds.split(",") if t]
+        result["quality"] = quality(engine, cfg, ths)
+        result["heldout"] = {"dense": heldout_accuracy(engine, cfg, 2.0),
+                             "specee": heldout_accuracy(engine, cfg, engine.early_exit.options.threshold)}
+    text = json.dumps(result, indent=2)
+    print(text, flush=True)
+    if cfg.out:
+        Path(cfg.out).write_text(text)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, f in BenchConfig.__dataclass_fields__.items():
+        typ = Path if name in ("prompts_file", "out") else type(f.default)
+        p.add_argument("--" + name.replace("_", "-"), type=typ, default=f.default)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    run(BenchConfig(**vars(args)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Offline level of the two-level scheduler: run SpecEE with a predictor after every layer on
+profiling prompts, rank layers by exit frequency, and write <model>/schedule.json.
+
+    python -m jobs.profile_schedule --model models/specee-tiny
+
+The number of offline layers is the smallest set covering --coverage of all early exits
+(clamped to [--min-layers, --max-layers]); the choice itself is scheduler.select_offline_layers,
+the same rule the Ray pipeline re-tunes with.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from jobs.build_corpus import sample_snippets
+from specee_core import SpecEEEngine
+from specee_core.early_exit import SCHEDULE_FILE
+from specee_core.scheduler import Schedule, select_offline_layers
+
+
+@dataclass
+class ProfileConfig:
+    model: Path = Path("models/specee-tiny")
+    corpus: Path = Path("data/corpus")
+    num_prompts: int = 48
+    max_new_tokens: int = 96
+    coverage: float = 0.8
+    min_layers: int = 2
+    max_layers: int = 6
+    speculator: str = "draft"
+    seed: int = 1
+
+    def __post_init__(self) -> None:
+        self.model, self.corpus = Path(self.model), Path(self.corpus)
+        if not 0 < self.coverage <= 1:
+            raise ValueError(f"coverage must be in (0, 1], got {self.coverage}")
+
+
+def layers_for_coverage(histogram: list[int], coverage: float) -> int:
+    exits = sorted(histogram[:-1], reverse=True)
+    total, acc = sum(exits), 0
+    for n, c in enumerate(exits, 1):
+        acc += c
+        if total == 0 or acc >= coverage * total:
+            return n
+    return len(exits)
+
+
+def profile(cfg: ProfileConfig) -> dict:
+    engine = SpecEEEngine.from_pretrained(cfg.model, speculator=cfg.speculator)
+    L = engine.config.num_hidden_layers
+    engine.set_schedule(Schedule.all_layers(L, source="profile-all"))
+    prompts = sample_snippets(cfg.corpus / "train.jsonl", cfg.num_prompts, seed=cfg.seed)
+    results = engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, mode="specee")
+    hist = [sum(r.stats["exit_histogram"][i] for r in results) for i in range(L)]
+    n = max(cfg.min_layers, min(cfg.max_layers, layers_for_coverage(hist, cfg.coverage)))
+    schedule = Schedule(num_layers=L, offline_layers=select_offline_layers(hist, n), source="profile")
+    schedule.save(cfg.model / SCHEDULE_FILE)
+    tokens = sum(hist)
+    report = {"exit_histogram": hist, "tokens": tokens, "avg_layers_all_predictors": sum((i + 1) * c for i, c in enumerate(hist)) / tokens,
+              "offline_layers": schedule.offline_layers, "coverage": sum(hist[l - 1] for l in schedule.offline_layers) / max(1, sum(hist[:-1]))}
+    print(json.dumps(report), flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, f in ProfileConfig.__dataclass_fields__.items():
+        p.add_argument("--" + name.replace("_", "-"), type=type(f.default), default=f.default)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    profile(ProfileConfig(**vars(args)))
+
+
+if __name__ == "__main__":
+    main()

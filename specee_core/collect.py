@@ -1,0 +1,110 @@
+"""Full-depth decoding that records, at every layer, the candidate logits the exit predictors
+see: the training data of the predictors and the speculators' hit rates."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specee_core.sampling import SamplingParams
+from specee_core.speculators import Speculator
+
+
+@dataclass
+class ExitData:
+    z: list[torch.Tensor] = field(default_factory=list)  # per step [N, L-1, K] candidate logits after layer l
+    cand: list[torch.Tensor] = field(default_factory=list)  # per step [N, K]
+    final: list[torch.Tensor] = field(default_factory=list)  # per step [N] the full-depth token
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.cat(self.z), torch.cat(self.cand), torch.cat(self.final)
+
+
+class CollectStepper:
+    """Runs every layer (dense output), and after each layer l < L records z_l = the final-normed
+    hidden state projected on the k candidate rows of the LM head."""
+
+    def __init__(self, speculator: Speculator, data: ExitData, engine, batch, cache, prefill_hidden, lens):
+        self.spec, self.data, self.batch, self.cache = speculator, data, batch, cache
+        self.model = m = engine.model
+        self.histories = [list(p) for p in batch.prompt_ids]
+        self.features = m.final_norm(batch.last_hidden)
+        speculator.start(batch.prompt_ids, m.final_norm(prefill_hidden), lens, cache.max_len)
+
+    @torch.inference_mode()
+    def step(self, alive, rows, generator):
+        m, batch = self.model, self.batch
+        for b in alive:
+            self.histories[b].extend(batch.generated[b][len(self.histories[b]) - len(batch.prompt_ids[b]):])
+        idx = torch.tensor(alive, device=m.device)
+        toks = batch.next_tokens[idx]
+        cand = self.spec.propose(alive, self.histories, toks, self.features[idx])  # [N, K]
+        w_cand = m.w.lm_head[cand]  # [N, K, D]
+        h = m.embed(toks[:, None])
+        rope = m.rope_for(batch.positions[idx.cpu()].to(m.device)[:, None])
+        zs = []
+        for i in range(m.num_layers):
+            h = m.layer(i, h, rope, self.cache, rows)
+            if i + 1 < m.num_layers:
+                zs.append(torch.einsum("nd,nkd->nk", m.final_norm(h[:, 0]), w_cand).float())
+        hn = m.final_norm(h[:, 0])
+        tok = m.lm_head(hn).argmax(-1)
+        self.data.z.append(torch.stack(zs, 1).cpu())
+        self.data.cand.append(cand.cpu())
+        self.data.final.append(tok.cpu())
+        batch.next_tokens[idx] = tok
+        self.features[idx] = hn
+        return tok.tolist(), [m.num_layers] * len(alive)
+
+
+def collect_exit_data(engine, prompts: list[str], speculator: Speculator, max_new_tokens: int = 128) -> ExitData:
+    """Greedy full-depth decoding of prompts with the speculator's candidates recorded."""
+    data = ExitData()
+    ids = [engine.encode_prompt(p) for p in prompts]
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    engine.run(ids, params, lambda *a: CollectStepper(speculator, data, *a))
+    return data
+
+
+def exit_labels(z: torch.Tensor, cand: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+    """[S, L-1] bool: layer l's candidate-local argmax is the full-depth token (so exiting
+    there changes nothing)."""
+    local = cand.gather(1, z.argmax(-1))  # [S, L-1] token ids
+    return local == final[:, None]
+
+
+def hit_rates(cand: torch.Tensor, final: torch.Tensor) -> dict:
+    """Speculator quality: the final token is the first candidate / among the k."""
+    return {"top1": (cand[:, 0] == final).float().mean().item(),
+            "topk": (cand == final[:, None]).any(1).float().mean().item(), "k": cand.shape[1], "steps": len(final)}
+
+
+def oracle_exit_layers(labels: torch.Tensor, num_layers: int) -> torch.Tensor:
+    """[S] the first layer from which every deeper layer's label holds (num_layers if none)."""
+    s, l1 = labels.shape
+    ok_from = torch.ones(s, dtype=torch.bool)
+    first = torch.full((s,), num_layers)
+    for l in range(l1 - 1, -1, -1):
+        ok_from &= labels[:, l]
+        first = torch.where(ok_from, torch.tensor(l + 1), first)
+    return first
+
+
+def predictor_dataset(z: torch.Tensor, labels: torch.Tensor, layer: int, max_gap: int = 3,
+                      seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features [S, 3K] and labels [S] for the predictor after layer `layer` (1-based). The
+    shift uses the probabilities of a layer 1..max_gap below (random per sample), since at run
+    time the previous predictor may be several layers down; zeros when none is below."""
+    from specee_core.predictors import predictor_features
+
+    g = torch.Generator().manual_seed(seed + layer)
+    s = z.shape[0]
+    zl = z[:, layer - 1]
+    gap = torch.randint(1, max_gap + 1, (s,), generator=g)
+    below = layer - gap  # 1-based layer of the previous predictor; < 1: none
+    prev = torch.zeros_like(zl)
+    has = below >= 1
+    if has.any():
+        prev[has] = z[has.nonzero().squeeze(1), below[has] - 1].softmax(-1)
+    x, _ = predictor_features(zl, prev)
+    return x, labels[:, layer - 1].float()

@@ -1,0 +1,193 @@
+"""The batch pipeline on a real (local, 2-CPU) Ray cluster with real Parquet files and tiny
+random models: bad rows, input formats, resume, a crashed actor, the CLI and analyze."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+
+from pipeline.batch import BatchConfig, run
+from pipeline.prompts import read_prompts, wave_of
+from pipeline.stage import CRASH_ONCE_ENV, OUTPUT_SCHEMA, StageConfig
+from tests.conftest import BUNDLED, make_hf_model
+
+MAX_NEW = 4
+GOOD = ["def add(a, b):\n", "import os\n", "class Point:\n    def __init__(self", "for i in range(10):\n",
+        "x = [1, 2, 3]\n", "with open(path) as f:\n", "return sorted(", "try:\n    import json\n"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("model")
+    make_hf_model(path, layers=2, hidden=64, heads=4, kv_heads=2, max_pos=64)
+    return path
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def config(model_dir: Path, input, output: Path, **kw) -> BatchConfig:
+    stage = StageConfig(model=str(model_dir), mode="dense", max_new_tokens=MAX_NEW, batch_size=4)
+    return BatchConfig(input=[str(p) for p in (input if isinstance(input, list) else [input])], output=str(output),
+                       stage=stage, show_progress=False, **kw)
+
+
+def read_output(output: Path) -> pd.DataFrame:
+    files = sorted((output / "parts").glob("part-*.parquet"))
+    return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
+
+
+@pytest.fixture(scope="module")
+def jsonl_run(tmp_path_factory, model_dir):
+    """One dense run over good rows and every kind of bad row, in two waves."""
+    tmp = tmp_path_factory.mktemp("jsonl")
+    bad = [{"id": "not-a-string", "prompt": 123}, {"id": "empty", "prompt": ""}, {"id": "missing"},
+           {"id": "too-long", "prompt": "word " * 200}, "{not json"]
+    src = write_jsonl(tmp / "prompts.jsonl", [{"prompt": p} for p in GOOD[:6]] + bad)
+    cfg = config(model_dir, src, tmp / "out", waves=2, rows_per_file=3)
+    return cfg, run(cfg), tmp / "out"
+
+
+def test_jsonl_to_parquet_with_error_rows(jsonl_run):
+    cfg, summary, out = jsonl_run
+    df = read_output(out).set_index("id")
+    good = [f"prompts.jsonl:{i}" for i in range(6)]
+    assert sorted(df.index) == sorted(good + ["not-a-string", "empty", "missing", "too-long", "prompts.jsonl:10"])
+    assert pq.read_schema(next((out / "parts").glob("*.parquet"))) == OUTPUT_SCHEMA
+    ok = df.loc[good]
+    assert ok["error"].isna().all() and (ok["completion_tokens"] <= MAX_NEW).all()
+    assert all(list(layers) == [2] * int(n) for layers, n in zip(ok["exit_layers"], ok["completion_tokens"]))
+    assert (ok["avg_layers"] == 2).all() and (ok["mode"] == "dense").all() and ok["schedule_version"].isna().all()
+    assert set(ok["finish_reason"]) <= {"stop", "length"} and (ok["latency_s"] > 0).all()
+    assert list(df["wave"]) == [wave_of(i, 2) for i in df.index]
+    errors = df["error"].dropna()
+    assert errors["not-a-string"] == "InputError: prompt must be a string, got int"
+    assert errors["missing"] == "InputError: no 'prompt' value"
+    assert errors["prompts.jsonl:10"].startswith("InputError: invalid JSON")
+    assert errors["empty"] == "PromptError: prompt is empty"
+    assert errors["too-long"].startswith("PromptError: prompt has") and "context holds 64" in errors["too-long"]
+    assert df.loc[list(errors.index), "completion"].isna().all()
+    assert summary["rows"] == summary["rows_this_run"] == 11 and summary["errors"] == 5
+    assert summary["avg_layers"] == 2 and summary["est_speedup_upper_bound"] == 1
+    assert summary["completion_tokens"] == int(ok["completion_tokens"].sum())
+    assert json.loads((out / "summary.json").read_text())["run_id"] == summary["run_id"]
+    assert not (out / "schedules").exists()  # dense: nothing to re-tune
+    assert not list((out / "parts").glob(".*"))
+
+
+def test_resume_skips_written_ids(jsonl_run, tmp_path, model_dir):
+    cfg, first, out = jsonl_run
+    resumed = tmp_path / "out"
+    shutil.copytree(out, resumed)
+    parts = sorted((resumed / "parts").glob("part-*.parquet"))
+    lost = pq.read_table(parts[0], columns=["id"])["id"].to_pylist()
+    parts[0].unlink()  # the job died before this file was renamed into place ...
+    (resumed / "parts" / f".{parts[0].name}.tmp").write_bytes(b"PAR1 half")  # ... while writing it
+    kept = {p.name: p.stat().st_mtime_ns for p in parts[1:]}
+
+    again = run(config(model_dir, cfg.input, resumed, waves=2))
+    assert again["rows_this_run"] == len(lost) and again["rows"] == first["rows"]
+    df = read_output(resumed)
+    assert df["id"].is_unique and set(df["id"]) == set(read_output(out)["id"])
+    assert {p.name: p.stat().st_mtime_ns for p in parts[1:]} == kept
+    assert not list((resumed / "parts").glob(".*"))
+
+    nothing = run(config(model_dir, cfg.input, resumed, waves=2))
+    assert nothing["rows_this_run"] == 0 and nothing["rows"] == first["rows"]
+
+
+def test_csv_and_parquet_inputs(tmp_path, model_dir):
+    csv = tmp_path / "p.csv"
+    csv.write_text('id,prompt\n,"def f(x):\n    return x"\n0042,"a, b"\n7,\n')
+    rows = read_prompts(str(csv)).take_all()
+    assert [r["id"] for r in rows] == ["p.csv:0", "0042", "7"]  # ids stay text, empty ids get file:row
+    assert [r["prompt"] for r in rows] == ["def f(x):\n    return x", "a, b", ""]
+
+    pq.write_table(pa.table({"text": GOOD[:5], "other": list(range(5))}), tmp_path / "p.parquet")
+    cfg = config(model_dir, tmp_path / "p.parquet", tmp_path / "out", waves=1, prompt_column="text", num_actors=1)
+    summary = run(cfg)
+    df = read_output(tmp_path / "out")
+    assert sorted(df["id"]) == [f"p.parquet:{i}" for i in range(5)] and list(df["prompt"]) == GOOD[:5]
+    assert summary["errors"] == 0 and df["completion"].notna().all()
+
+
+def test_killed_actor_loses_and_duplicates_nothing(tmp_path, model_dir):
+    """The actor process dies after generating a batch, before returning it: Ray restarts the
+    actor and retries the batch (Ray Data's actor defaults: max_restarts=-1, max_task_retries=-1)."""
+    src = write_jsonl(tmp_path / "p.jsonl", [{"id": f"r{i}", "prompt": p} for i, p in enumerate(GOOD)])
+    marker = tmp_path / "crashed"
+    cfg = config(model_dir, src, tmp_path / "out", waves=1, num_actors=1,
+                 runtime_env={"env_vars": {CRASH_ONCE_ENV: str(marker)}})
+    summary = run(cfg)
+    assert marker.exists()  # the crash did happen
+    df = read_output(tmp_path / "out")
+    assert sorted(df["id"]) == sorted(f"r{i}" for i in range(len(GOOD))) and df["id"].is_unique
+    assert summary["rows"] == len(GOOD) and summary["errors"] == 0
+
+
+def test_generate_cli_and_analyze(tmp_path, model_dir, capsys):
+    from jobs import analyze, generate
+
+    csv = tmp_path / "in.csv"
+    csv.write_text("prompt\n" + "".join(f'"{p}"\n' for p in GOOD) + '""\n')
+    summary = generate.main(["--input", str(csv), "--output", str(tmp_path / "out"), "--model", str(model_dir),
+                             "--waves", "2", "--max-new-tokens", "3", "--limit", "6", "--num-actors", "1",
+                             "--batch-size", "3", "--no-progress"])
+    printed = capsys.readouterr().out
+    assert json.loads(printed[printed.index("{"):]) == summary
+    assert summary["mode"] == "dense" and summary["rows"] == 6  # --limit: the first 6 rows in file order
+    assert sorted(read_output(tmp_path / "out")["id"]) == [f"in.csv:{i}" for i in range(6)]
+
+    result = analyze.main([str(tmp_path / "out")])
+    assert result["rows"] == 6 and result["errors"] == 0 and result["avg_layers"] == 2.0
+    assert sum(w["rows"] for w in result["per_wave"]) == 6
+    assert [v["schedule_version"] for v in result["per_schedule_version"]] == [None]
+    png = Path(result["png"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+
+@pytest.mark.skipif(not (BUNDLED / "schedule.json").is_file(),
+                    reason="needs the bundled model with draft head, predictors and schedule.json")
+def test_specee_retune_moves_a_wrong_schedule_towards_the_profile(tmp_path):
+    from specee_core.scheduler import Schedule
+
+    profile = Schedule.load(BUNDLED / "schedule.json")
+    num_layers = profile.num_layers
+    k = len(profile.offline_layers)
+    # the layers the profile likes least: the deepest ones outside it
+    wrong_layers = [l for l in range(num_layers - 1, 0, -1) if l not in profile.offline_layers][:k]
+    wrong = Schedule(num_layers=num_layers, offline_layers=wrong_layers, window=profile.window,
+                     offsets=profile.offsets, version=0, source="test-wrong")
+    wrong.save(tmp_path / "wrong.json")
+    stage = StageConfig(model=str(BUNDLED), mode="specee", max_new_tokens=16, batch_size=8)
+    cfg = BatchConfig(input=[str(BUNDLED.parents[1] / "prompts" / "sample_prompts.jsonl")],
+                      output=str(tmp_path / "out"), stage=stage, waves=4, limit=64, num_actors=1,
+                      schedule=str(tmp_path / "wrong.json"), show_progress=False)
+    summary = run(cfg)
+
+    def distance(s: Schedule) -> int:
+        return len(set(s.offline_layers) ^ set(profile.offline_layers))
+
+    versions = [w["schedule_version"] for w in summary["waves"]]
+    assert versions == sorted(versions) and versions[-1] > 0
+    schedules = [Schedule.load(tmp_path / "out" / "schedules" / f"v{v}.json") for v in versions]
+    assert distance(schedules[-1]) < distance(wrong)
+    df = read_output(tmp_path / "out")
+    assert (df["mode"] == "specee").all() and df["retune_histogram"].notna().any()
+    assert set(df["schedule_version"]) == set(versions)
+    assert summary["avg_layers"] < num_layers
