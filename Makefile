@@ -24,4 +24,20 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) -m jobs.bench
 
-.PHONY: install demo test bench
+# Rebuild the bundled model from scratch (about 2 h on 2 CPU cores; minutes on a GPU).
+MODEL := models/specee-tiny
+corpus: $(VENV)/.installed
+	$(PY) -m jobs.build_corpus --out data/corpus
+tokenizer: $(VENV)/.installed
+	$(PY) -m jobs.train_tokenizer --corpus data/corpus --out $(MODEL) --vocab-size 8192
+base: $(VENV)/.installed
+	$(PY) -m jobs.train_base --out $(MODEL) --time-budget-min 100 --ckpt-every-s 180
+draft: $(VENV)/.installed
+	$(PY) -m jobs.train_draft --model $(MODEL)
+predictors: $(VENV)/.installed
+	$(PY) -m jobs.train_predictors --model $(MODEL)
+schedule: $(VENV)/.installed
+	$(PY) -m jobs.profile_schedule --model $(MODEL)
+	$(PY) -m jobs.model_card --model $(MODEL)
+
+.PHONY: install demo test bench corpus tokenizer base draft predictors schedule

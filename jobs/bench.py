@@ -10,7 +10,6 @@ for every variant, greedy, EOS ignored so every row makes N tokens.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import platform
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from jobs.cli import parse_config
 from jobs.build_corpus import sample_snippets
 from specee_core import SpecEEEngine
 from specee_core.sampling import SamplingParams
@@ -242,13 +242,7 @@ def run(cfg: BenchConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, f in BenchConfig.__dataclass_fields__.items():
-        typ = Path if name in ("prompts_file", "out") else type(f.default)
-        p.add_argument("--" + name.replace("_", "-"), type=typ, default=f.default)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    run(BenchConfig(**vars(args)))
+    run(parse_config(BenchConfig, __doc__, argv))
 
 
 if __name__ == "__main__":

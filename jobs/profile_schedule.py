@@ -9,12 +9,12 @@ the same rule the Ray pipeline re-tunes with.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from jobs.cli import parse_config
 from jobs.build_corpus import sample_snippets
 from specee_core import SpecEEEngine
 from specee_core.early_exit import SCHEDULE_FILE
@@ -67,12 +67,7 @@ def profile(cfg: ProfileConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, f in ProfileConfig.__dataclass_fields__.items():
-        p.add_argument("--" + name.replace("_", "-"), type=type(f.default), default=f.default)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
-    profile(ProfileConfig(**vars(args)))
+    profile(parse_config(ProfileConfig, __doc__, argv))
 
 
 if __name__ == "__main__":

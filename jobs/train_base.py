@@ -10,7 +10,6 @@ at the end, the model in HF layout (bf16 safetensors) with train_log.json.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from jobs.cli import parse_config
 from jobs.build_corpus import iter_texts
 
 log = logging.getLogger(__name__)
@@ -221,16 +221,7 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, f in TrainConfig.__dataclass_fields__.items():
-        default = f.default if not isinstance(f.default, type(dataclass)) else None
-        if name == "out":
-            p.add_argument("--out", default="models/specee-tiny")
-        else:
-            p.add_argument("--" + name.replace("_", "-"), type=type(default) if not isinstance(default, Path) else Path, default=default)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    train(TrainConfig(**vars(args)))
+    train(parse_config(TrainConfig, __doc__, argv, out=Path("models/specee-tiny")))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ Saves <model>/draft/ in EAGLE-1 layout and prints held-out top-1 / top-k hit rat
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from jobs.cli import parse_config
 from jobs.train_base import fixed_windows, tokenize_split
 from specee_core import load_model, load_tokenizer
 from specee_core.speculators import DraftHead
@@ -142,12 +142,7 @@ def evaluate(head, model, windows, feats, cfg) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, f in DraftTrainConfig.__dataclass_fields__.items():
-        p.add_argument("--" + name.replace("_", "-"), type=type(f.default), default=f.default)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
-    train(DraftTrainConfig(**vars(args)))
+    train(parse_config(DraftTrainConfig, __doc__, argv))
 
 
 if __name__ == "__main__":

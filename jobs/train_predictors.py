@@ -10,7 +10,6 @@ speculators' hit rates and the oracle exit depth as JSON.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from jobs.cli import parse_config
 from jobs.build_corpus import sample_snippets
 from specee_core import SpecEEEngine
 from specee_core.collect import collect_exit_data, exit_labels, hit_rates, oracle_exit_layers, predictor_dataset
@@ -98,12 +98,7 @@ def train(cfg: PredictorTrainConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, f in PredictorTrainConfig.__dataclass_fields__.items():
-        p.add_argument("--" + name.replace("_", "-"), type=type(f.default), default=f.default)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
-    train(PredictorTrainConfig(**vars(args)))
+    train(parse_config(PredictorTrainConfig, __doc__, argv))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,34 @@
+"""argparse from a config dataclass: every field becomes --field-name with its default."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import typing
+from pathlib import Path
+
+
+def _arg_type(hint, default):
+    if hint in (Path, "Path", "Path | None") or isinstance(default, Path):
+        return Path
+    if default is None:
+        return str
+    return type(default)
+
+
+def parse_config(cls, doc: str | None, argv: list[str] | None = None, **overrides):
+    """Parse argv into an instance of dataclass `cls` (overrides: defaults to change)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        default = overrides.get(f.name, f.default)
+        if default is dataclasses.MISSING:
+            default = None
+        typ = _arg_type(hints.get(f.name), default)
+        if typ is bool:
+            p.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=default)
+        else:
+            p.add_argument("--" + f.name.replace("_", "-"), type=typ, default=default)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    return cls(**vars(args))
