@@ -99,6 +99,39 @@ def load_early_exit(model_dir: Path, model, tokenizer, **options) -> EarlyExit |
     return EarlyExit(model, speculator, predictors, schedule, opts)
 
 
+class CandidateScorer:
+    """The exit test of one decode step for rows with candidates cand [N, K].
+
+    On CUDA (or backend="triton") each call is one fused Triton launch (kernels.predictor).
+    Otherwise the candidate LM-head rows are gathered once per step with the final RMSNorm's
+    weight folded in, so a layer's test is a norm scalar, one batched dot product and the MLP:
+    the same function as kernels.fused_predictor_reference, with fewer ops on the hot path."""
+
+    def __init__(self, model, cand: torch.Tensor, backend: str):
+        self.model, self.cand = model, cand
+        dev = model.device
+        self.fused = backend == "triton" or (backend == "auto" and dev.type == "cuda")
+        if not self.fused:
+            self.w = (model.w.lm_head[cand] * model.w.norm).float()  # [N, K, D]
+
+    def __call__(self, h: torch.Tensor, sel: torch.Tensor, prev: torch.Tensor, pred) -> tuple[torch.Tensor, ...]:
+        """h [n, D] pre-norm hidden of the rows `sel` [n] (indices into N), prev [n, K] ->
+        (p_exit [n], prob [n, K], local_argmax [n] token ids)."""
+        m = self.model
+        if self.fused:
+            from kernels import predictor_forward
+
+            return predictor_forward(m.final_norm(h), self.cand[sel], m.w.lm_head, prev, pred.w1, pred.b1, pred.w2,
+                                     pred.b2, backend="triton")
+        hf = h.float()
+        r = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + m.config.rms_norm_eps)  # [n, 1]
+        z = torch.bmm(self.w[sel], hf.unsqueeze(-1)).squeeze(-1) * r  # [n, K]
+        p = z.softmax(-1)
+        hidden = torch.relu(torch.addmm(pred.b1, torch.cat((z, p, p - prev), dim=-1), pred.w1.t()))
+        p_exit = torch.sigmoid(torch.addmm(pred.b2, hidden, pred.w2.t()).squeeze(-1))
+        return p_exit, p, self.cand[sel].gather(1, z.argmax(-1, keepdim=True)).squeeze(1)
+
+
 @dataclass
 class RowStats:
     predictor_calls: int = 0
@@ -159,7 +192,7 @@ class Stepper:
         out_tok = torch.empty(n, dtype=torch.int64, device=dev)
         out_layer = torch.full((n,), L, dtype=torch.int64)
         out_feat = torch.empty(n, m.config.hidden_size, dtype=m.dtype, device=dev)
-        from kernels import predictor_forward
+        scorer = CandidateScorer(m, cand, opts.predictor_backend)
 
         t_pred = 0.0
         for i in range(L):
@@ -173,17 +206,15 @@ class Stepper:
             tp = time.perf_counter()
             si = sel.nonzero().squeeze(1)  # into the active rows
             rows_sel = local[si]  # into alive
-            hn = m.final_norm(h[si.to(dev), 0])
-            p = ee.predictors.layers[layer]
-            p_exit, prob, local_arg = predictor_forward(hn, cand[rows_sel.to(dev)], m.w.lm_head, prev[rows_sel.to(dev)],
-                                                        p.w1, p.b1, p.w2, p.b2, backend=opts.predictor_backend)
+            hs = h[si.to(dev), 0]
+            p_exit, prob, local_arg = scorer(hs, rows_sel.to(dev), prev[rows_sel.to(dev)], ee.predictors.layers[layer])
             prev[rows_sel.to(dev)] = prob
             for r in rows_sel.tolist():
                 self.rows[alive[r]].predictor_calls += 1
             fire = (p_exit > opts.threshold).cpu()
             exit_at = None
             if bool(fire.any()):
-                hf = hn[fire.to(dev)]
+                hf = m.final_norm(hs[fire.to(dev)])
                 if opts.verify == "local" and batch.params.greedy:
                     tok = local_arg[fire.to(dev)]
                     ok = torch.ones(len(tok), dtype=torch.bool)

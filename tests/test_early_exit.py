@@ -74,3 +74,21 @@ def test_bad_options_are_rejected(ee_model_dir):
         SpecEEEngine.from_pretrained(ee_model_dir, kv_mode="recompute")
     with pytest.raises(TypeError, match="unknown engine options"):
         SpecEEEngine.from_pretrained(ee_model_dir, thresold=0.5)
+
+
+def test_candidate_scorer_equals_kernel_reference(ee_model_dir):
+    from kernels import fused_predictor_reference
+    from specee_core.early_exit import CandidateScorer
+
+    engine = SpecEEEngine.from_pretrained(ee_model_dir)
+    m, pred = engine.model, engine.early_exit.predictors.layers[1]
+    g = torch.Generator().manual_seed(0)
+    cand = torch.randint(0, 8192, (5, 4), generator=g)
+    h = torch.randn(5, 64, generator=g)
+    prev = torch.rand(5, 4, generator=g).softmax(-1)
+    sel = torch.tensor([0, 2, 3, 4, 1])
+    ours = CandidateScorer(m, cand, "torch")(h[sel], sel, prev[sel], pred)
+    ref = fused_predictor_reference(m.final_norm(h[sel]), cand[sel], m.w.lm_head, prev[sel], pred.w1, pred.b1, pred.w2, pred.b2)
+    for a, b in zip(ours[:2], ref[:2]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert torch.equal(ours[2], ref[2])
