@@ -258,7 +258,7 @@ def validation_error(e: ValidationError) -> APIError:
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "missing":
         return APIError(f"'{param}' is a required property", param=param, code="missing_required_parameter")
-    text = msg if param is None else f"{param}: {msg}"
+    text = msg if param is None or msg.startswith(param) else f"{param}: {msg}"
     return APIError(text, param=param, code="invalid_value" if err["type"] == "value_error" else "invalid_type")
 
 

@@ -28,6 +28,7 @@ from ray import serve
 from ray.serve import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specee_core import PromptError, SpecEEEngine
 from pipeline.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk,
                                       chat_response, completion_chunk, completion_response, error_body, new_id,
                                       parse_body, specee_summary, sse, usage, usage_chunk)
@@ -95,6 +96,72 @@ def _prompt_count(works: list[Work]) -> int:
     return sum(len(w.prompts) for w in works)
 
 
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    """Text before the first stop string. The engine cuts already; this guards the API contract
+    (a stop string is never returned) against an engine that returns uncut text: at the time of
+    writing a stop string at offset 0 made it return the whole text."""
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return text[: min(cuts)] if cuts else text
+
+
+def run_grouped(engine, works: list[Work]) -> list:
+    """One engine.generate() per group of works with equal keys, in arrival order. Per work:
+    (its results, prompts in its engine call), or the exception its group raised; other groups
+    still run."""
+    groups: dict[tuple, list[int]] = {}
+    for i, w in enumerate(works):
+        groups.setdefault(w.key(), []).append(i)
+    out: list = [None] * len(works)
+    for idx in groups.values():
+        prompts = [p for i in idx for p in works[i].prompts]
+        w0 = works[idx[0]]
+        try:
+            results = engine.generate(prompts, mode=w0.mode, **w0.params)
+        except Exception as e:  # noqa: BLE001 - handed to the requests of this group only
+            for i in idx:
+                out[i] = e
+            continue
+        for r in results:
+            r.text = cut_at_stop(r.text, w0.params["stop"])
+        s = 0
+        for i in idx:
+            n = len(works[i].prompts)
+            out[i], s = (results[s : s + n], len(prompts)), s + n
+    return out
+
+
+class EngineThread:
+    """The one thread that runs a replica's engine calls (the engine is not thread-safe), keeping
+    what the health check needs: when the running call started and whether the engine failed."""
+
+    def __init__(self, stall_timeout_s: float):
+        self.stall_timeout_s = stall_timeout_s
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specee-engine")
+        self._busy_since: float | None = None
+        self._fatal: str | None = None
+
+    def submit(self, fn, *args) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, *args)
+
+    def _run(self, fn, *args):
+        self._busy_since = time.monotonic()
+        try:
+            return fn(*args)
+        except MemoryError as e:  # torch.OutOfMemoryError is one too: this replica is done
+            self._fatal = repr(e)
+            raise
+        finally:
+            self._busy_since = None
+
+    def check(self) -> None:
+        """RuntimeError when the engine failed for good or a call has run past stall_timeout_s."""
+        if self._fatal:
+            raise RuntimeError(f"engine failed: {self._fatal}")
+        busy = self._busy_since
+        if busy is not None and time.monotonic() - busy > self.stall_timeout_s:
+            raise RuntimeError(f"an engine call has run for over {self.stall_timeout_s:.0f} s")
+
+
 class _StreamCancelled(Exception):
     """Raised from on_token inside the engine thread to stop generating for a gone client."""
 
@@ -141,14 +208,6 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     return b"".join(chunks)
 
 
-def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
-    """Text before the first stop string. The engine cuts already; this guards the API contract
-    (a stop string is never returned) against an engine that returns uncut text: at the time of
-    writing a stop string at offset 0 made it return the whole text."""
-    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return text[: min(cuts)] if cuts else text
-
-
 def engine_error(e: Exception) -> APIError:
     """An exception from SpecEEEngine.generate as the client sees it."""
     if isinstance(e, APIError):
@@ -166,8 +225,6 @@ class SpecEEServer:
     """One replica: loads the engine once, batches requests into it, answers in OpenAI's format."""
 
     def __init__(self, args: ServeArgs):
-        from specee_core import SpecEEEngine
-
         self.engine = SpecEEEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                                    **args.engine_options)
         self.model_name = args.model_name or Path(args.model).name
@@ -176,32 +233,22 @@ class SpecEEServer:
             raise ValueError(f"mode='specee' but {args.model} has no predictors beside it")
         self.max_batch_size = args.max_batch_size
         self.max_tokens_limit = args.max_tokens_limit or self.engine.context_len - 1
-        self.stall_timeout_s = args.stall_timeout_s
         tok = self.engine.tokenizer
         self.chat_template = getattr(tok, "chat_template", None)
         # a template that writes BOS itself, rendered text then tokenized with BOS again: drop one
         self._strip_bos = tok.bos_token if tok.bos_token and tok("a")["input_ids"][:1] == [tok.bos_token_id] else None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specee-engine")
-        self._busy_since: float | None = None
-        self._fatal: str | None = None
+        self._thread = EngineThread(args.stall_timeout_s)
         self._generate_batch.set_max_batch_size(args.max_batch_size)
         self._generate_batch.set_batch_wait_timeout_s(args.batch_wait_timeout_s)
         self.engine.generate(["Hello"], max_new_tokens=1, mode=self.mode)  # warm up; fail here, not on a request
-        try:
-            self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
-        except Exception:  # noqa: BLE001 - outside a Serve replica (never in production)
-            self.replica_id = None
+        self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()  # = its actor's name
         log.info("serving %s as %r, mode=%s, context=%d, chat=%s", args.model, self.model_name, self.mode,
                  self.engine.context_len, self.chat_template is not None)
 
     # ---- health -------------------------------------------------------------------------------
     def check_health(self) -> None:
         """Called by Serve every health_check_period_s; raising makes Serve replace this replica."""
-        if self._fatal:
-            raise RuntimeError(f"engine failed: {self._fatal}")
-        busy = self._busy_since
-        if busy is not None and time.monotonic() - busy > self.stall_timeout_s:
-            raise RuntimeError(f"an engine call has run for over {self.stall_timeout_s:.0f} s")
+        self._thread.check()
 
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
@@ -267,8 +314,6 @@ class SpecEEServer:
 
     def _prepare(self, req, prompts: list[str], default_max_tokens: int | None) -> tuple[str, dict, int]:
         """Checks that need the engine -> (mode, generate kwargs, prompt tokens in all)."""
-        from specee_core import PromptError
-
         self._check_model(req.model)
         mode = req.mode or self.mode
         if mode == "specee" and self.engine.early_exit is None:
@@ -305,24 +350,10 @@ class SpecEEServer:
         return text
 
     # ---- engine calls -------------------------------------------------------------------------
-    def _in_thread(self, fn, *args):
-        """Runs on the engine thread: track how long a call runs (health) and fatal errors."""
-        self._busy_since = time.monotonic()
-        try:
-            return fn(*args)
-        except MemoryError as e:  # torch.OutOfMemoryError is one too: this replica is done
-            self._fatal = repr(e)
-            raise
-        finally:
-            self._busy_since = None
-
-    def _submit(self, fn, *args) -> asyncio.Future:
-        return asyncio.get_running_loop().run_in_executor(self._executor, self._in_thread, fn, *args)
-
     async def _generate(self, work: Work):
         """(results, prompts in the engine call); APIError on failure."""
         if len(work.prompts) > self.max_batch_size:  # too big to share a batch: run it alone
-            out = (await self._submit(self._run_works, [work]))[0]
+            out = (await self._thread.submit(run_grouped, self.engine, [work]))[0]
         else:
             out = await self._generate_batch(work)
         if isinstance(out, Exception):
@@ -332,31 +363,7 @@ class SpecEEServer:
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.02, batch_size_fn=_prompt_count)
     async def _generate_batch(self, works: list[Work]) -> list:
         # the sizes set here are replaced in __init__ from ServeArgs
-        return await self._submit(self._run_works, works)
-
-    def _run_works(self, works: list[Work]) -> list:
-        """Engine thread: one generate() per group of equal sampling params. Per work: (results,
-        batch size) or the exception its group raised (other groups still run)."""
-        groups: dict[tuple, list[int]] = {}
-        for i, w in enumerate(works):
-            groups.setdefault(w.key(), []).append(i)
-        out: list = [None] * len(works)
-        for idx in groups.values():
-            prompts = [p for i in idx for p in works[i].prompts]
-            w0 = works[idx[0]]
-            try:
-                results = self.engine.generate(prompts, mode=w0.mode, **w0.params)
-            except Exception as e:  # noqa: BLE001 - handed to the requests of this group only
-                for i in idx:
-                    out[i] = e
-                continue
-            s = 0
-            for i in idx:
-                n = len(works[i].prompts)
-                out[i], s = (results[s:s + n], len(prompts)), s + n
-        for r in results:
-            r.text = cut_at_stop(r.text, w0.params["stop"])
-        return out
+        return await self._thread.submit(run_grouped, self.engine, works)
 
     def _stream(self, rid: str, prompts: list[str], params: dict, mode: str, *, chat: bool,
                 include_usage: bool) -> StreamingResponse:
@@ -386,8 +393,8 @@ class SpecEEServer:
                     f.exception()  # retrieved here: a cancelled stream's error is expected
                 queue.put_nowait(None)
 
-            fut = self._submit(functools.partial(self.engine.generate, list(prompts), mode=mode, on_token=on_token,
-                                                 **params))
+            run = functools.partial(self.engine.generate, list(prompts), mode=mode, on_token=on_token, **params)
+            fut = self._thread.submit(run)
             fut.add_done_callback(done)
             texts = [StreamText(tok, params["stop"]) for _ in prompts]
             try:

@@ -55,7 +55,7 @@ class Batch:
     generated: list[list[int]]
     exit_layers: list[list[int]]
     finish: list[str | None]
-    texts: list[str]
+    texts: list[str | None]  # the text cut at a stop string; None = decode the tokens
     positions: torch.Tensor  # [B] host: position of the next token to feed
     next_tokens: torch.Tensor  # [B] device: the token to feed next
     last_hidden: torch.Tensor | None = None  # [B, D] hidden state of the last fed token (draft heads use it)
@@ -136,7 +136,8 @@ class SpecEEEngine:
         """Generate a completion for each prompt, in batches of options.max_batch_size.
 
         on_token(prompt_index, token_id) is called for every generated token as it is chosen
-        (streaming); tokens after a stop string are still reported, the final text is cut."""
+        (streaming); tokens after a stop string are still reported, the final text is cut. An
+        exception raised by on_token cancels the call and propagates (the cache is reset per call)."""
         if isinstance(prompts, str):
             raise PromptError("prompts must be a list of strings, got a single string")
         if mode not in MODES:
@@ -199,7 +200,7 @@ class SpecEEEngine:
         first = sample(model.logits(last), params, generator)
 
         batch = Batch(prompt_ids=prompt_ids, params=params, max_new=max_new, generated=[[] for _ in range(n)],
-                      exit_layers=[[] for _ in range(n)], finish=[None] * n, texts=[""] * n,
+                      exit_layers=[[] for _ in range(n)], finish=[None] * n, texts=[None] * n,
                       positions=lens.clone(), next_tokens=first, last_hidden=last, t_done=[0.0] * n,
                       on_token=on_token)
         stepper = None if new_stepper is None else new_stepper(self, batch, cache, h, lens)
@@ -250,7 +251,7 @@ class SpecEEEngine:
 
     def _result(self, batch: Batch, b: int, t0: float, stepper) -> GenerationResult:
         ids = batch.generated[b]
-        text = batch.texts[b] or self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = batch.texts[b] if batch.texts[b] is not None else self.tokenizer.decode(ids, skip_special_tokens=True)
         n_tok = len(ids)
         ttft = batch.t_first - t0
         e2e = batch.t_done[b] - t0

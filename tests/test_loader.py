@@ -113,6 +113,8 @@ def test_sampling_is_seeded_and_stops(reference):
     if stop:
         cut = engine.generate(["def f():"], max_new_tokens=8, stop=[stop])[0]
         assert cut.finish_reason == "stop" and cut.text == greedy.text[: greedy.text.find(stop)]
+    at_start = engine.generate(["def f():"], max_new_tokens=8, stop=[greedy.text[:2]])[0]
+    assert at_start.text == "" and at_start.finish_reason == "stop"
     streamed = []
     res = engine.generate(["def f():", "x"], max_new_tokens=5, on_token=lambda i, t: streamed.append((i, t)))
     assert sorted(streamed) == sorted((i, t) for i, r in enumerate(res) for t in r.token_ids)

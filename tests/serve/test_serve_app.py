@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import make_hf_model
+from tests.conftest import add_early_exit_files, make_hf_model
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,8 @@ def dirs(tmp_path_factory):
     plain = tmp_path_factory.mktemp("serve-tiny")
     make_hf_model(plain, layers=2, hidden=64, heads=4, kv_heads=2)
     chat = tmp_path_factory.mktemp("serve-chat")
-    make_hf_model(chat, layers=2, hidden=64, heads=4, kv_heads=2, seed=1)
+    make_hf_model(chat, layers=2, hidden=64, heads=4, kv_heads=2, seed=1, max_pos=4096)  # room for long streams
+    add_early_exit_files(chat, offline=(1,))  # random predictors: this app serves mode="specee" by default
     cfg = json.loads((chat / "tokenizer_config.json").read_text())
     (chat / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHAT_TEMPLATE}))
     return plain, chat
@@ -48,13 +49,14 @@ def server(dirs):
     plain, chat = dirs
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 << 20, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
+                 log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    common = {"num_cpus": 0.5, "max_tokens_limit": MAX_TOKENS_LIMIT}
     serve.run_many([
-        serve.RunTarget(app({"model": str(plain), "model_name": "tiny", **common}), name="specee", route_prefix="/"),
-        serve.RunTarget(app({"model": str(chat), "model_name": "tiny-chat", **common}), name="chat",
+        serve.RunTarget(app({"model": str(plain), "model_name": "tiny", "num_cpus": 0.5,
+                             "max_tokens_limit": MAX_TOKENS_LIMIT}), name="specee", route_prefix="/"),
+        serve.RunTarget(app({"model": str(chat), "model_name": "tiny-chat", "num_cpus": 0.5}), name="chat",
                         route_prefix="/chat"),
     ])
     try:
@@ -90,6 +92,74 @@ def chat_client(server):
 def post(server: str, path: str, content: bytes | dict, **kw) -> httpx.Response:
     data = content if isinstance(content, bytes) else json.dumps(content).encode()
     return httpx.post(f"{server}{path}", content=data, headers={"Content-Type": "application/json"}, timeout=60, **kw)
+
+
+# ---- the replica class and its builder, without a cluster -------------------------------------
+def test_builder_args(dirs, monkeypatch):
+    from pipeline.serve import ServeArgs
+
+    monkeypatch.setenv("SPECEE_MODEL", str(dirs[0]))
+    a = ServeArgs.model_validate({"max_batch_size": "4", "num_cpus": "0.5", "engine_options": '{"context_len": 128}'})
+    assert a.model == str(dirs[0]) and a.max_batch_size == 4 and a.engine_options == {"context_len": 128}
+    with pytest.raises(ValueError, match="not found"):
+        ServeArgs.model_validate({"model": "models/no-such-model"})
+    with pytest.raises(ValueError):
+        ServeArgs.model_validate({"model": str(dirs[0]), "max_batch_sise": 4})  # typos are errors
+
+
+def test_run_grouped_splits_by_params_and_isolates_failures():
+    from pipeline.serve import Work, run_grouped
+    from specee_core import GenerationResult
+
+    class FakeEngine:
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, prompts, mode, max_new_tokens, temperature, top_p, top_k, stop, seed):
+            self.calls.append((list(prompts), max_new_tokens, seed))
+            if max_new_tokens == 13:
+                raise RuntimeError("boom")
+            return [GenerationResult(text=f"{p}|{max_new_tokens}|STOP|tail", token_ids=[1], finish_reason="stop",
+                                     exit_layers=[2], prompt_tokens=1) for p in prompts]
+
+    def work(prompts, n, temperature=0.0, seed=None, top_p=1.0):
+        return Work(tuple(prompts), {"max_new_tokens": n, "temperature": temperature, "top_p": top_p, "top_k": 0,
+                                     "stop": ("STOP",), "seed": seed}, "dense")
+
+    works = [work(["a"], 4), work(["b", "c"], 4, top_p=0.5, seed=9),  # greedy: top_p and seed don't split
+             work(["d"], 13), work(["e"], 5),
+             work(["f"], 4, temperature=1.0, seed=3), work(["g"], 4, temperature=1.0, seed=3)]  # seeded: alone
+    eng = FakeEngine()
+    out = run_grouped(eng, works)
+    assert [c[0] for c in eng.calls] == [["a", "b", "c"], ["d"], ["e"], ["f"], ["g"]]
+    assert [r.text for r in out[0][0]] == ["a|4|"] and out[0][1] == 3  # cut at the stop string
+    assert [r.text for r in out[1][0]] == ["b|4|", "c|4|"]
+    assert isinstance(out[2], RuntimeError) and out[3][0][0].text == "e|5|" and out[4][1] == out[5][1] == 1
+
+
+def test_engine_thread_health():
+    from pipeline.serve import EngineThread
+
+    async def scenario():
+        t = EngineThread(stall_timeout_s=0.2)
+        assert await t.submit(lambda: 7) == 7
+        t.check()
+        stalled = t.submit(time.sleep, 0.5)  # a call that runs past stall_timeout_s
+        await asyncio.sleep(0.3)
+        with pytest.raises(RuntimeError, match="has run for over"):
+            t.check()
+        await stalled
+        t.check()  # a call that ends in the end is no harm
+
+        def oom():
+            raise MemoryError("out of memory")
+
+        with pytest.raises(MemoryError):
+            await t.submit(oom)
+        with pytest.raises(RuntimeError, match="engine failed"):
+            t.check()
+
+    asyncio.run(scenario())
 
 
 # ---- the happy paths ---------------------------------------------------------------------------
@@ -169,12 +239,40 @@ def test_chat(chat_client):
     out = chat_client.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=8, temperature=0)
     assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
     assert isinstance(out.choices[0].message.content, str) and out.usage.completion_tokens >= 1
-    assert out.model_extra["specee"]["mode"] == "dense"
     chunks = list(chat_client.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=8,
                                                       temperature=0, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == out.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == out.choices[0].finish_reason
+
+
+def test_hung_up_stream_stops_generating(server, chat_client):
+    # greedy on this model runs the whole 4000 tokens (seconds); a hang-up must stop the engine
+    body = {"messages": [{"role": "user", "content": "tell me everything"}], "max_tokens": 4000, "temperature": 0,
+            "stream": True, "mode": "dense"}
+    with httpx.stream("POST", f"{server}/chat/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+    t = time.perf_counter()
+    out = chat_client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2, temperature=0)
+    assert out.choices and time.perf_counter() - t < 2.0
+
+
+def test_specee_mode(server, chat_client):
+    assert httpx.get(f"{server}/chat/healthz", timeout=10).json()["mode"] == "specee"
+    msgs = [{"role": "user", "content": "count to ten"}]
+    out = chat_client.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=16, temperature=0)
+    specee = out.model_extra["specee"]
+    assert specee["mode"] == "specee" and sum(specee["exit_histogram"]) == out.usage.completion_tokens
+    assert 1 <= specee["avg_layers"] <= 2
+    streamed = list(chat_client.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=16,
+                                                        temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == out.choices[0].message.content
+    assert streamed[-1].model_extra["specee"]["exit_histogram"] == specee["exit_histogram"]
+    dense = chat_client.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=16, temperature=0,
+                                                extra_body={"mode": "dense"})
+    assert dense.model_extra["specee"]["mode"] == "dense" and dense.model_extra["specee"]["avg_layers"] == 2
 
 
 def test_chat_without_template_is_404(server, client):
@@ -222,7 +320,7 @@ def test_other_bad_requests(server, client):
     assert r.status_code == 404 and "error" in r.json()
     assert httpx.get(f"{server}/v1/completions", timeout=10).status_code == 405
     for msgs, param in [([], "messages"), ([{"role": "robot", "content": "x"}], "messages.0.role"),
-                        ([{"role": "user", "content": "word " * 400}], "messages")]:
+                        ([{"role": "user", "content": "word " * 4200}], "messages")]:
         r = post(server, "/chat/v1/chat/completions", {"messages": msgs})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     from openai import BadRequestError

@@ -21,7 +21,8 @@ def body(**kw) -> bytes:
 
 
 def test_parse_valid_completion():
-    req = parse_body(body(model="m", prompt=["a", "b"], max_tokens=3, temperature=0, stop="x", seed=1), CompletionRequest)
+    raw = body(model="m", prompt=["a", "b"], max_tokens=3, temperature=0, stop="x", seed=1)
+    req = parse_body(raw, CompletionRequest)
     assert req.prompts == ["a", "b"]
     assert req.sampling(3) == {"max_new_tokens": 3, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop": ("x",),
                                "seed": 1}
