@@ -155,22 +155,15 @@ def heldout_accuracy(engine: SpecEEEngine, cfg: BenchConfig, threshold: float) -
     half = cfg.window_len
     prompts = [w[:half] for w in windows]
     targets = [w[half : half + cfg.window_len] for w in windows]
-    ee = engine.early_exit
-    saved = ee.options.threshold
-    ee.options.threshold = threshold
+    ee = engine.early_exit.with_options(threshold=threshold)
     hits = [0, 0]
-    layers: list[int] = []
-    try:
-        def factory(eng, batch, cache, h, lens):
-            return TeacherForced(ee.new_stepper(eng, batch, cache, h, lens), batch, targets_of(batch), hits)
 
-        def targets_of(batch):
-            return [targets[prompts.index(p)] for p in batch.prompt_ids]
+    def factory(eng, batch, cache, h, lens):
+        targets_of_batch = [targets[prompts.index(p)] for p in batch.prompt_ids]
+        return TeacherForced(ee.new_stepper(eng, batch, cache, h, lens), batch, targets_of_batch, hits)
 
-        res = engine.run(prompts, SamplingParams(max_new_tokens=cfg.window_len - 1, ignore_eos=True), factory)
-        layers = [l for r in res for l in r.exit_layers[1:]]
-    finally:
-        ee.options.threshold = saved
+    res = engine.run(prompts, SamplingParams(max_new_tokens=cfg.window_len - 1, ignore_eos=True), factory)
+    layers = [l for r in res for l in r.exit_layers[1:]]
     return {"next_token_accuracy": hits[0] / max(hits[1], 1), "tokens": hits[1],
             "layer_fraction": sum(layers) / max(len(layers), 1) / engine.config.num_hidden_layers}
 
@@ -180,12 +173,9 @@ def quality(engine: SpecEEEngine, cfg: BenchConfig, thresholds: list[float]) -> 
     dense = engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
     d_ids = [r.token_ids for r in dense]
     out = {}
-    ee = engine.early_exit
-    base = ee.options.threshold
     for th in thresholds:
-        ee.options.threshold = th
         t = time.perf_counter()
-        res = engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, mode="specee", ignore_eos=True)
+        res = engine.with_options(threshold=th).generate(prompts, max_new_tokens=cfg.max_new_tokens, mode="specee", ignore_eos=True)
         dt = time.perf_counter() - t
         layers = [l for r in res for l in r.exit_layers[1:]]
         calls = sum(r.stats["predictor_calls"] for r in res)
@@ -194,7 +184,6 @@ def quality(engine: SpecEEEngine, cfg: BenchConfig, thresholds: list[float]) -> 
                         "draft_time_share": statistics.mean(r.stats["draft_time_share"] for r in res),
                         "predictor_time_share": statistics.mean(r.stats["predictor_time_share"] for r in res),
                         "batch_tokens_per_s": len(layers) / dt}
-    ee.options.threshold = base
     return out
 
 

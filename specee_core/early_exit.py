@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -61,6 +61,11 @@ class EarlyExit:
         self.predictors = predictors.to(model.device)
         self.schedule = schedule
         self.options = options
+
+    def with_options(self, **changes) -> EarlyExit:
+        """The same speculator, predictors and schedule with some options changed."""
+        opts = replace(self.options, **changes)
+        return EarlyExit(self.model, self.speculator, self.predictors, self.schedule, opts)
 
     def new_stepper(self, engine, batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor) -> Stepper:
         return Stepper(self, engine, batch, cache, prefill_hidden, lens)

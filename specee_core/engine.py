@@ -94,6 +94,13 @@ class SpecEEEngine:
         """The active predictor schedule (specee_core.scheduler.Schedule), or None without predictors."""
         return None if self.early_exit is None else self.early_exit.schedule
 
+    def with_options(self, **early_exit_options) -> SpecEEEngine:
+        """An engine sharing this one's weights with some early-exit options changed
+        (threshold, verify, kv_mode, ...: see specee_core.early_exit.EarlyExitOptions)."""
+        if self.early_exit is None:
+            raise ValueError("this engine has no predictors: early-exit options do not apply")
+        return SpecEEEngine(self.model, self.tokenizer, self.options, self.early_exit.with_options(**early_exit_options))
+
     def set_schedule(self, schedule) -> None:
         """Switch to another predictor schedule (the Ray pipeline does this between waves)."""
         if self.early_exit is None:
