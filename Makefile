@@ -15,8 +15,10 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# The main job: Ray Data batch generation of the bundled sample prompts with the bundled model.
 demo: $(VENV)/.installed
-	$(PY) -m jobs.demo
+	$(PY) -m jobs.generate --output out/demo --address local --max-new-tokens 64 --limit 64
+	$(PY) -m jobs.analyze out/demo
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

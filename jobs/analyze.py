@@ -110,6 +110,8 @@ def analyze(cfg: AnalyzeConfig) -> dict:
         "tokens": tokens,
         "avg_layers": avg_layers,
         "num_layers": int(df["num_layers"].max()),
+        # decoder layers only (draft head and predictors not counted): an upper bound
+        "est_speedup_upper_bound": int(df["num_layers"].max()) / avg_layers if avg_layers else None,
         "error_kinds": df["error"].dropna().str.split(":").str[0].value_counts().to_dict(),
         "per_wave": records(per_wave),
         "per_schedule_version": records(per_version),

@@ -21,8 +21,10 @@ DEFAULT_INPUT = REPO / "prompts" / "sample_prompts.jsonl"
 
 
 def has_predictors(model: str | Path) -> bool:
-    """Whether the model ships an early-exit schedule (with its draft head and predictors)."""
-    return (Path(model) / "schedule.json").is_file()
+    """Whether the model ships exit predictors (what turns mode="specee" on)."""
+    from specee_core.early_exit import PREDICTORS_FILE
+
+    return (Path(model) / PREDICTORS_FILE).is_file()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,9 +53,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-column", default="prompt")
     p.add_argument("--id-column", default="id")
     p.add_argument("--schedule", default=None, help="specee: initial schedule JSON (default: the model's)")
+    p.add_argument("--explore-every", type=int, default=8,
+                   help="specee: every n-th decode step runs every predictor, so that re-tuning sees exits "
+                        "the current schedule would miss (0: never; re-tuning then sees a biased histogram)")
+    p.add_argument("--threshold", type=float, default=None, help="specee: exit probability threshold")
     p.add_argument("--rows-per-file", type=int, default=1000)
-    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, a local cluster "
-                                                   "started with `ray start`, or a new local instance)")
+    p.add_argument("--address", default=None, help="Ray cluster address; 'local' starts a private instance "
+                                                   "(default: RAY_ADDRESS, else a cluster started here with "
+                                                   "`ray start`, else a new local instance)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -63,10 +70,13 @@ def build_config(args: argparse.Namespace):
     from pipeline.stage import StageConfig
 
     mode = args.mode or ("specee" if has_predictors(args.model) else "dense")
+    early_exit = {"explore_every": args.explore_every}
+    if args.threshold is not None:
+        early_exit["threshold"] = args.threshold
     stage = StageConfig(model=args.model, mode=mode, device=args.device, dtype=args.dtype,
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, stop=tuple(args.stop), seed=args.seed, batch_size=args.batch_size,
-                        torch_threads=args.torch_threads)
+                        torch_threads=args.torch_threads, engine_options=early_exit)
     return BatchConfig(input=args.input, output=args.output, stage=stage, waves=args.waves,
                        num_actors=args.num_actors, cpus_per_actor=args.cpus_per_actor,
                        input_format=args.input_format, prompt_column=args.prompt_column, id_column=args.id_column,

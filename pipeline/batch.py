@@ -25,6 +25,7 @@ import ray.data
 from pipeline.output import OutputDir
 from pipeline.prompts import read_prompts, rows_to_do
 from pipeline.stage import OUTPUT_SCHEMA, GenerateRows, StageConfig
+from specee_core.early_exit import initial_schedule
 from specee_core.scheduler import Schedule, retune
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class BatchConfig:
     stage: StageConfig
     waves: int = 4
     num_actors: int = 2
-    cpus_per_actor: float | None = None  # None: cuda 1; cpu: what is left after one CPU for Ray Data, shared
+    cpus_per_actor: float | None = None  # None: 1 with a GPU, else the cluster's CPUs shared among actors
     gpus_per_actor: float | None = None  # None: 1 when stage.device is cuda, else 0
     input_format: str | None = None  # jsonl | csv | parquet; None: from the file extensions
     prompt_column: str = "prompt"
@@ -116,8 +117,8 @@ def next_schedule(schedule: Schedule, stats: WaveStats, min_tokens: int = 1) -> 
 
 
 def actor_resources(cfg: BatchConfig) -> dict:
-    """num_cpus / num_gpus per actor. On CPUs the actors share what is left after one CPU for
-    Ray Data's read and filter tasks: a pool that takes every CPU starves them and never ends."""
+    """num_cpus / num_gpus per actor: one GPU and one CPU each on GPUs, else an equal share of
+    the cluster's CPUs (fractional: two actors on two CPUs get 1 each, four get 0.5)."""
     gpus = cfg.gpus_per_actor if cfg.gpus_per_actor is not None else (1 if cfg.stage.device.startswith("cuda") else 0)
     if cfg.cpus_per_actor is not None:
         cpus = cfg.cpus_per_actor
@@ -125,13 +126,13 @@ def actor_resources(cfg: BatchConfig) -> dict:
         cpus = 1
     else:
         total = ray.cluster_resources().get("CPU", 1)
-        cpus = max(0.25, math.floor(4 * (total - 1) / cfg.num_actors) / 4)
+        cpus = max(0.25, math.floor(4 * total / cfg.num_actors) / 4)
     return {"num_cpus": cpus, "num_gpus": gpus}
 
 
 def initial_schedule(cfg: BatchConfig, out: OutputDir) -> Schedule | None:
     """specee: the latest schedule in the output (a rerun continues re-tuning), else cfg.schedule,
-    else the model's schedule.json. dense: None."""
+    else the one the engine starts with. dense: None."""
     if cfg.stage.mode != "specee":
         return None
     latest = out.latest_schedule()
@@ -139,7 +140,7 @@ def initial_schedule(cfg: BatchConfig, out: OutputDir) -> Schedule | None:
         if cfg.schedule:
             log.warning("output already has schedules: continuing from v%d, not %s", latest.version, cfg.schedule)
         return latest
-    schedule = Schedule.load(cfg.schedule or Path(cfg.stage.model) / "schedule.json")
+    schedule = Schedule.load(cfg.schedule) if cfg.schedule else initial_schedule(Path(cfg.stage.model))
     out.save_schedule(schedule)
     return schedule
 
@@ -176,6 +177,7 @@ def run(cfg: BatchConfig) -> dict:
     schedule = initial_schedule(cfg, out)
     inputs = read_prompts(cfg.input, waves=cfg.waves, input_format=cfg.input_format, prompt_column=cfg.prompt_column,
                           id_column=cfg.id_column, limit=cfg.limit).materialize()
+    inputs.context.execution_options.preserve_order = False  # file order mattered for --limit only: applied
     todo = Counter()
     for batch in inputs.select_columns(["id", "wave"]).iter_batches(batch_format="pyarrow", batch_size=None):
         todo.update(w for i, w in zip(batch["id"].to_pylist(), batch["wave"].to_pylist()) if i not in done)
@@ -226,12 +228,16 @@ def run_wave(cfg: BatchConfig, inputs: ray.data.Dataset, wave: int, n_todo: int,
     if n_todo == 0:
         log.info("wave %d: nothing to do", wave)
         return stats
-    rows = rows_to_do(inputs, wave, done).map_batches(
+    # The wave's rows are selected before any actor exists: actors holding every CPU cannot then
+    # starve a read or filter task, so the pool may take the whole cluster.
+    todo = rows_to_do(inputs, wave, done).materialize()
+    rows = todo.map_batches(
         GenerateRows,
         fn_constructor_kwargs={"cfg": cfg.stage, "schedule": schedule, "run_id": run_id},
         batch_size=cfg.stage.batch_size,
         batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=cfg.num_actors),
+        # all actors start at once; the wave begins as soon as one is ready (GPU nodes may still be booting)
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=cfg.num_actors, initial_size=cfg.num_actors),
         runtime_env=cfg.runtime_env,
         **resources,
     )
@@ -282,8 +288,9 @@ def summarize(cfg: BatchConfig, out: OutputDir, run_id: str, run_stats: WaveStat
         "tokens_per_s": round(run_stats.completion_tokens / wall_s, 2) if wall_s > 0 else None,
         "num_layers": everything.num_layers,
         "avg_layers": None if avg is None else round(avg, 4),
-        # Upper bound: only decoder layers are counted, not the draft head and predictors.
         "est_speedup_upper_bound": None if avg is None else round(everything.num_layers / avg, 4),
+        "est_speedup_note": "num_layers / avg_layers: counts decoder layers only, not the draft head and "
+                            "predictors, so real speed-up is lower",
         "final_schedule": None if schedule is None else asdict(schedule),
         "waves": [{"wave": w, **stats.summary()} for w, stats in enumerate(waves)],
     }

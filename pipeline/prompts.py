@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 PROMPT_SCHEMA = pa.schema([("id", pa.string()), ("prompt", pa.string()), ("input_error", pa.string())])
 FORMATS = {"jsonl": ("jsonl", "json"), "csv": ("csv",), "parquet": ("parquet",)}
 ROWS_PER_BLOCK = 1024
+NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries its id under this label
 
 
 def infer_format(paths: list[str]) -> str:
@@ -53,11 +54,8 @@ def id_root(paths: list[str]) -> str:
     dirs = []
     for p in paths:
         bare = strip_scheme(p)
-        if "://" not in p or p.startswith("local://"):
-            bare = str(Path(bare).resolve())
-            dirs.append(bare if Path(bare).is_dir() else posixpath.dirname(bare))
-        else:
-            dirs.append(bare.rstrip("/") if not posixpath.splitext(bare)[1] else posixpath.dirname(bare))
+        is_dir = Path(bare).is_dir() if "://" not in p else not posixpath.splitext(bare)[1]
+        dirs.append(bare.rstrip("/") if is_dir else posixpath.dirname(bare))
     return posixpath.commonpath(dirs) if dirs else ""
 
 
@@ -161,18 +159,21 @@ def read_prompts(paths: str | list[str], *, waves: int = 1, input_format: str | 
                  prompt_column: str = "prompt", id_column: str = "id", limit: int | None = None) -> ray.data.Dataset:
     """The prompt rows of paths (files or directories) with their `wave` column.
 
-    Local paths are read on the driver's node (Ray's local:// scheme), so a file that exists
-    only there (e.g. in a `ray job submit --working-dir`) is still found on a cluster. With
-    limit, the first `limit` rows in file order are kept (deterministic across reruns)."""
+    Local paths are read on the driver's node, so a file that exists only there (e.g. in a
+    `ray job submit --working-dir`) is still found on a cluster. With limit, the first `limit`
+    rows in file order are kept (deterministic across reruns: the dataset preserves order)."""
     paths = [paths] if isinstance(paths, str) else list(paths)
     if not paths:
         raise ValueError("no input paths given")
     if waves < 1:
         raise ValueError(f"waves must be >= 1, got {waves}")
     fmt = input_format or infer_format(paths)
-    uris = [p if "://" in p else "local://" + str(Path(p).resolve()) for p in paths]
-    source = PromptDatasource(uris, fmt=fmt, prompt_column=prompt_column, id_column=id_column)
-    ds = ray.data.read_datasource(source)
+    paths = [p if "://" in p else str(Path(p).resolve()) for p in paths]
+    source = PromptDatasource(paths, fmt=fmt, prompt_column=prompt_column, id_column=id_column)
+    pin = {}
+    if any("://" not in p for p in paths):  # local files may exist on this node only
+        pin["label_selector"] = {NODE_ID_LABEL: ray.get_runtime_context().get_node_id()}
+    ds = ray.data.read_datasource(source, **pin)
     if limit is not None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")

@@ -56,7 +56,7 @@ class StageConfig:
     seed: int | None = None
     batch_size: int = 16  # rows per actor call, also the engine's max batch
     torch_threads: int | None = None  # None: the CPUs Ray gave the actor, at least 1
-    engine_options: dict = field(default_factory=dict)  # extra SpecEEEngine.from_pretrained options
+    engine_options: dict = field(default_factory=dict)  # early-exit options (EarlyExitOptions), specee only
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -78,12 +78,13 @@ class GenerateRows:
         import ray
         import torch
 
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1) if ray.is_initialized() else 1
         torch.set_num_threads(cfg.torch_threads or max(1, int(cpus)))
         self.cfg = cfg
         self.run_id = run_id
+        early_exit = cfg.engine_options if cfg.mode == "specee" else {}
         self.engine = SpecEEEngine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype,
-                                                   max_batch_size=cfg.batch_size, **cfg.engine_options)
+                                                   max_batch_size=cfg.batch_size, **early_exit)
         if cfg.mode == "specee" and schedule is not None:
             self.engine.set_schedule(schedule)
         self.schedule_version = None if cfg.mode == "dense" or self.engine.schedule is None \
@@ -117,22 +118,16 @@ class GenerateRows:
         return pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA)
 
     def _generate(self, prompts: list[str]) -> list:
-        """GenerationResults, or the exception of each prompt that fails when run alone."""
+        """GenerationResults, or for a prompt that fails when run alone its exception."""
         if not prompts:
             return []
         try:
             return self.engine.generate(prompts, **self._sampling())
-        except Exception:  # noqa: BLE001 -- an engine failure must cost its rows, not the job
+        except Exception as e:  # noqa: BLE001 -- an engine failure must cost its rows, not the job
             if len(prompts) == 1:
-                raise
+                return [e]
             log.exception("batch of %d failed; running its rows one by one", len(prompts))
-        out = []
-        for p in prompts:
-            try:
-                out += self.engine.generate([p], **self._sampling())
-            except Exception as e:  # noqa: BLE001
-                out.append(e)
-        return out
+        return [r for p in prompts for r in self._generate([p])]
 
     def _sampling(self) -> dict:
         c = self.cfg
@@ -146,7 +141,7 @@ class GenerateRows:
             "completion_tokens": len(r.token_ids), "exit_layers": r.exit_layers,
             "avg_layers": r.stats["avg_layers"], "latency_s": r.metrics["e2e_latency_s"],
             "ttft_s": r.metrics["ttft_s"], "tokens_per_s": r.metrics["tokens_per_s"],
-            "retune_histogram": r.stats.get("retune_histogram"),
+            "retune_histogram": r.stats.get("retune_histogram") if self.cfg.mode == "specee" else None,
         }
 
     def _error_row(self, row_id: str, prompt: str | None, wave: int, error: str) -> dict:

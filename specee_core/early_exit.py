@@ -71,6 +71,21 @@ class EarlyExit:
         return Stepper(self, engine, batch, cache, prefill_hidden, lens)
 
 
+def initial_schedule(model_dir: str | Path) -> Schedule:
+    """The schedule an engine loaded from model_dir starts with: schedule.json beside the model,
+    else a predictor at every layer that has one."""
+    model_dir = Path(model_dir)
+    if (model_dir / SCHEDULE_FILE).is_file():
+        return Schedule.load(model_dir / SCHEDULE_FILE)
+    if not (model_dir / PREDICTORS_FILE).is_file():
+        raise FileNotFoundError(f"mode='specee' needs {PREDICTORS_FILE} beside the model in {model_dir}")
+    from specee_core.config import ModelConfig
+
+    layers = sorted(PredictorBank.load(model_dir / PREDICTORS_FILE).layers)
+    num_layers = ModelConfig.from_file(model_dir / "config.json").num_hidden_layers
+    return Schedule(num_layers=num_layers, offline_layers=layers, source="predictors")
+
+
 def load_early_exit(model_dir: Path, model, tokenizer, **options) -> EarlyExit | None:
     """EarlyExit from the files beside the model, or None when there are no predictors."""
     unknown = set(options) - {f.name for f in fields(EarlyExitOptions)}
@@ -81,11 +96,9 @@ def load_early_exit(model_dir: Path, model, tokenizer, **options) -> EarlyExit |
     if not (model_dir / PREDICTORS_FILE).is_file():
         return None
     predictors = PredictorBank.load(model_dir / PREDICTORS_FILE)
-    schedule_path = Path(opts.schedule) if opts.schedule else model_dir / SCHEDULE_FILE
-    if opts.schedule or schedule_path.is_file():
-        schedule = Schedule.load(schedule_path)
-    else:
-        schedule = Schedule(num_layers=model.num_layers, offline_layers=sorted(predictors.layers), source="predictors")
+    schedule = Schedule.load(opts.schedule) if opts.schedule else initial_schedule(model_dir)
+    if schedule.num_layers != model.num_layers:
+        raise ValueError(f"schedule is for {schedule.num_layers} layers, the model has {model.num_layers}")
     schedule = Schedule(num_layers=schedule.num_layers, offline_layers=schedule.offline_layers,
                         window=schedule.window if opts.window is None else opts.window,
                         offsets=schedule.offsets if opts.offsets is None else opts.offsets,

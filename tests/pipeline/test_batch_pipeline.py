@@ -119,7 +119,9 @@ def test_csv_and_parquet_inputs(tmp_path, model_dir):
     assert [r["prompt"] for r in rows] == ["def f(x):\n    return x", "a, b", ""]
 
     pq.write_table(pa.table({"text": GOOD[:5], "other": list(range(5))}), tmp_path / "p.parquet")
-    cfg = config(model_dir, tmp_path / "p.parquet", tmp_path / "out", waves=1, prompt_column="text", num_actors=1)
+    # a pool that holds every CPU of the cluster (2 x 1.0) must not starve Ray Data's own tasks
+    cfg = config(model_dir, tmp_path / "p.parquet", tmp_path / "out", waves=1, prompt_column="text", num_actors=2,
+                 cpus_per_actor=1.0)
     summary = run(cfg)
     df = read_output(tmp_path / "out")
     assert sorted(df["id"]) == [f"p.parquet:{i}" for i in range(5)] and list(df["prompt"]) == GOOD[:5]
@@ -140,29 +142,67 @@ def test_killed_actor_loses_and_duplicates_nothing(tmp_path, model_dir):
     assert summary["rows"] == len(GOOD) and summary["errors"] == 0
 
 
-def test_generate_cli_and_analyze(tmp_path, model_dir, capsys):
-    from jobs import analyze, generate
+def test_generate_cli(tmp_path, model_dir, capsys):
+    from jobs import generate
 
     csv = tmp_path / "in.csv"
     csv.write_text("prompt\n" + "".join(f'"{p}"\n' for p in GOOD) + '""\n')
     summary = generate.main(["--input", str(csv), "--output", str(tmp_path / "out"), "--model", str(model_dir),
-                             "--waves", "2", "--max-new-tokens", "3", "--limit", "6", "--num-actors", "1",
+                             "--waves", "1", "--max-new-tokens", "3", "--limit", "6", "--num-actors", "1",
                              "--batch-size", "3", "--no-progress"])
     printed = capsys.readouterr().out
     assert json.loads(printed[printed.index("{"):]) == summary
     assert summary["mode"] == "dense" and summary["rows"] == 6  # --limit: the first 6 rows in file order
     assert sorted(read_output(tmp_path / "out")["id"]) == [f"in.csv:{i}" for i in range(6)]
 
-    result = analyze.main([str(tmp_path / "out")])
-    assert result["rows"] == 6 and result["errors"] == 0 and result["avg_layers"] == 2.0
-    assert sum(w["rows"] for w in result["per_wave"]) == 6
-    assert [v["schedule_version"] for v in result["per_schedule_version"]] == [None]
-    png = Path(result["png"])
+
+def test_analyze_stats_and_png(jsonl_run, tmp_path):
+    from jobs import analyze
+
+    cfg, summary, out = jsonl_run
+    result = analyze.main([str(out), "--png", str(tmp_path / "hist.png")])
+    assert (result["rows"], result["errors"], result["avg_layers"]) == (11, 5, 2.0)
+    assert result["error_kinds"] == {"InputError": 3, "PromptError": 2}
+    assert [w["wave"] for w in result["per_wave"]] == [0, 1] and sum(w["rows"] for w in result["per_wave"]) == 11
+    assert sum(w["tokens"] for w in result["per_wave"]) == summary["completion_tokens"]
+    assert [v["schedule_version"] for v in result["per_schedule_version"]] == [None]  # dense
+    png = tmp_path / "hist.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
 
 
-@pytest.mark.skipif(not (BUNDLED / "schedule.json").is_file(),
-                    reason="needs the bundled model with draft head, predictors and schedule.json")
+def test_specee_waves_retune_the_schedule(tmp_path):
+    """specee on a tiny model with random predictors that always exit (threshold 0) and an
+    exploration step every 2nd token: exploring, the first layer always accepts, so the wrong
+    start [3] is re-tuned to [1] after wave 0, each wave's actors run its version, and every
+    version is saved."""
+    from specee_core.scheduler import Schedule
+    from tests.conftest import add_early_exit_files
+
+    model = tmp_path / "model"
+    make_hf_model(model, layers=4, hidden=64, heads=4, kv_heads=2, max_pos=64, seed=1)
+    add_early_exit_files(model, offline=(3,))
+    ids = []
+    for i in range(100):  # two rows in each of the three waves
+        if sum(wave_of(x, 3) == wave_of(f"r{i}", 3) for x in ids) < 2:
+            ids.append(f"r{i}")
+    src = write_jsonl(tmp_path / "p.jsonl", [{"id": i, "prompt": GOOD[k]} for k, i in enumerate(ids)])
+    stage = StageConfig(model=str(model), mode="specee", max_new_tokens=6, batch_size=4,
+                        engine_options={"threshold": 0.0, "explore_every": 2})
+    summary = run(BatchConfig(input=[str(src)], output=str(tmp_path / "out"), stage=stage, waves=3, num_actors=1,
+                              show_progress=False))
+    assert [w["schedule_version"] for w in summary["waves"]] == [0, 1, 2]
+    saved = {v: Schedule.load(tmp_path / "out" / "schedules" / f"v{v}.json").offline_layers for v in (0, 1, 2)}
+    assert saved == {0: [3], 1: [1], 2: [1]}
+    assert summary["final_schedule"]["version"] == 2
+    df = read_output(tmp_path / "out")
+    assert sorted(df["id"]) == sorted(ids) and df["error"].isna().all() and (df["mode"] == "specee").all()
+    assert list(df["schedule_version"]) == list(df["wave"])  # wave w ran with version w
+    assert all(h is not None and len(h) == 4 for h in df["retune_histogram"])
+    assert summary["avg_layers"] < 4 and summary["est_speedup_upper_bound"] > 1
+
+
+@pytest.mark.skipif(not (BUNDLED / "predictors.safetensors").is_file(),
+                    reason="needs the bundled model with its draft head, predictors and schedule")
 def test_specee_retune_moves_a_wrong_schedule_towards_the_profile(tmp_path):
     from specee_core.scheduler import Schedule
 
@@ -174,9 +214,10 @@ def test_specee_retune_moves_a_wrong_schedule_towards_the_profile(tmp_path):
     wrong = Schedule(num_layers=num_layers, offline_layers=wrong_layers, window=profile.window,
                      offsets=profile.offsets, version=0, source="test-wrong")
     wrong.save(tmp_path / "wrong.json")
-    stage = StageConfig(model=str(BUNDLED), mode="specee", max_new_tokens=16, batch_size=8)
+    stage = StageConfig(model=str(BUNDLED), mode="specee", max_new_tokens=12, batch_size=12,
+                        engine_options={"explore_every": 4})
     cfg = BatchConfig(input=[str(BUNDLED.parents[1] / "prompts" / "sample_prompts.jsonl")],
-                      output=str(tmp_path / "out"), stage=stage, waves=4, limit=64, num_actors=1,
+                      output=str(tmp_path / "out"), stage=stage, waves=3, limit=36, num_actors=1,
                       schedule=str(tmp_path / "wrong.json"), show_progress=False)
     summary = run(cfg)
 
@@ -191,3 +232,12 @@ def test_specee_retune_moves_a_wrong_schedule_towards_the_profile(tmp_path):
     assert (df["mode"] == "specee").all() and df["retune_histogram"].notna().any()
     assert set(df["schedule_version"]) == set(versions)
     assert summary["avg_layers"] < num_layers
+
+
+def test_actor_resources_share_the_cpus(model_dir, tmp_path):
+    from pipeline.batch import actor_resources
+
+    assert actor_resources(config(model_dir, "x.jsonl", tmp_path, num_actors=2)) == {"num_cpus": 1.0, "num_gpus": 0}
+    assert actor_resources(config(model_dir, "x.jsonl", tmp_path, num_actors=4)) == {"num_cpus": 0.5, "num_gpus": 0}
+    gpu = BatchConfig(input=["x.jsonl"], output=str(tmp_path), stage=StageConfig(model="m", device="cuda"))
+    assert actor_resources(gpu) == {"num_cpus": 1, "num_gpus": 1}

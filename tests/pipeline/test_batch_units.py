@@ -144,3 +144,95 @@ def test_sample_prompts_are_bundled_and_reproducible(tmp_path):
     small = build(PromptsConfig(out=tmp_path / "p.jsonl", count=5))
     again = build(PromptsConfig(out=tmp_path / "q.jsonl", count=5))
     assert small == again and (tmp_path / "p.jsonl").read_bytes() == (tmp_path / "q.jsonl").read_bytes()
+
+
+def test_cluster_yaml_passes_the_launcher_schema():
+    import yaml
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    cfg = prepare_config(yaml.safe_load((REPO / "cluster.yaml").read_text()))  # what `ray up` does first
+    validate_config(cfg)
+    workers = cfg["available_node_types"]["gpu_worker"]
+    assert workers["min_workers"] == 0 and workers["max_workers"] >= 1
+    assert any("pip install -q -e ~/specee" in c for c in cfg["worker_setup_commands"])
+
+
+def test_default_mode_follows_the_model(tmp_path):
+    from jobs.generate import build_config, parse_args
+
+    args = parse_args(["--output", str(tmp_path / "out"), "--model", str(tmp_path)])
+    assert build_config(args).stage.mode == "dense"
+    (tmp_path / "predictors.safetensors").write_bytes(b"")
+    cfg = build_config(args)
+    assert cfg.stage.mode == "specee" and cfg.stage.engine_options == {"explore_every": 8}
+    assert parse_args(["--output", "o"]).input == [str(REPO / "prompts" / "sample_prompts.jsonl")]
+
+
+class FakeEngine:
+    """SpecEEEngine's public surface as the stage uses it, with a schedule and retune histograms."""
+
+    def __init__(self, num_layers: int = 4):
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(num_hidden_layers=num_layers)
+        self.schedule = Schedule(num_layers=num_layers, offline_layers=[3], version=0)
+        self.calls = []
+
+    def set_schedule(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+
+    def encode_prompt(self, prompt) -> list[int]:
+        from specee_core import PromptError
+
+        if not prompt:
+            raise PromptError("prompt is empty")
+        return [1] * len(prompt)
+
+    def generate(self, prompts: list[str], **kw):
+        from specee_core import GenerationResult
+
+        self.calls.append((list(prompts), kw))
+        if "poison" in prompts and len(prompts) > 1:
+            raise RuntimeError("CUDA error: something broke")
+        if prompts == ["poison"]:
+            raise RuntimeError("still broken")
+        n = self.config.num_hidden_layers
+        return [GenerationResult(text=p.upper(), token_ids=[5, 6], finish_reason="length", exit_layers=[1, n],
+                                 prompt_tokens=len(p), metrics={"e2e_latency_s": 0.5, "ttft_s": 0.1,
+                                                                "tokens_per_s": 4.0},
+                                 stats={"avg_layers": (1 + n) / 2, "retune_histogram": [1, 0, 0, 1]})
+                for p in prompts]
+
+
+def test_stage_uses_the_wave_schedule_and_isolates_failing_rows(monkeypatch):
+    """GenerateRows in-process with a fake engine: the wave's schedule is set on the engine, rows
+    carry its version and the retune histogram, a prompt the engine rejects and a prompt that
+    breaks its batch each cost one row."""
+    from pipeline.stage import GenerateRows
+
+    engine = FakeEngine()
+    monkeypatch.setattr("pipeline.stage.SpecEEEngine.from_pretrained", lambda *a, **kw: engine)
+    wave_schedule = Schedule(num_layers=4, offline_layers=[1, 2], version=7)
+    stage = GenerateRows(StageConfig(model="m", mode="specee", max_new_tokens=2), wave_schedule, "run-1")
+    assert engine.schedule is wave_schedule
+    batch = pa.table({"id": ["a", "b", "c", "d", "e"], "prompt": ["x", "", None, "poison", "yz"],
+                      "input_error": [None, None, "prompt must be a string, got int", None, None],
+                      "wave": pa.array([1] * 5, pa.int32())})
+    out = stage(batch)
+    assert out.schema == OUTPUT_SCHEMA
+    rows = {r["id"]: r for r in out.to_pylist()}
+    assert rows["a"]["completion"] == "X" and rows["e"]["completion"] == "YZ"
+    assert rows["a"]["schedule_version"] == 7 and rows["a"]["mode"] == "specee" and rows["a"]["run_id"] == "run-1"
+    assert rows["a"]["retune_histogram"] == [1, 0, 0, 1] and rows["a"]["exit_layers"] == [1, 4]
+    assert rows["a"]["avg_layers"] == 2.5 and rows["a"]["completion_tokens"] == 2 and rows["a"]["latency_s"] == 0.5
+    assert rows["b"]["error"] == "PromptError: prompt is empty"
+    assert rows["c"]["error"] == "InputError: prompt must be a string, got int"
+    assert rows["d"]["error"] == "RuntimeError: still broken" and rows["d"]["completion"] is None
+    assert all(rows[i]["error"] is None for i in "ae")
+    assert engine.calls[0][0] == ["x", "poison", "yz"] and engine.calls[0][1]["mode"] == "specee"
+    assert engine.calls[0][1]["max_new_tokens"] == 2
+
+    stats = WaveStats()
+    stats.add(out)
+    assert (stats.rows, stats.errors, stats.retune_histogram) == (5, 3, [2, 0, 0, 2])
+    assert next_schedule(wave_schedule, stats).version == 8
