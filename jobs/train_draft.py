@@ -40,6 +40,7 @@ class DraftTrainConfig:
     lr: float = 1e-3
     ce_weight: float = 0.1
     k: int = 4
+    draft_vocab: int = 2048  # rank only the most frequent tokens at run time (0 = the whole vocabulary)
     seed: int = 0
     threads: int = 0
 
@@ -114,18 +115,27 @@ def train(cfg: DraftTrainConfig) -> dict:
                 print(json.dumps({"epoch": epoch, "step": step, "of": steps, "loss": round(loss.item(), 4),
                                   "smooth_l1": round(reg.item(), 4), "ce": round(ce.item(), 3),
                                   "elapsed_s": round(time.perf_counter() - t0, 1)}), flush=True)
-    report = evaluate(head, model, eval_w, eval_f, cfg)
-    head.save(cfg.model / "draft", meta={"train": {k: str(v) for k, v in asdict(cfg).items()}, "heldout": report})
+    subset = None
+    if 0 < cfg.draft_vocab < model.config.vocab_size:
+        counts = np.bincount(train_stream, minlength=model.config.vocab_size)
+        subset = torch.from_numpy(np.sort(np.argsort(-counts, kind="stable")[: cfg.draft_vocab]).astype(np.int64))
+        report_cov = counts[subset.numpy()].sum() / counts.sum()
+    report = evaluate(head, model, eval_w, eval_f, cfg, subset)
+    if subset is not None:
+        report["draft_vocab_token_coverage"] = float(report_cov)
+    head.save(cfg.model / "draft", meta={"train": {k: str(v) for k, v in asdict(cfg).items()}, "heldout": report},
+              vocab_subset=subset)
     report["train_time_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(report), flush=True)
     return report
 
 
 @torch.no_grad()
-def evaluate(head, model, windows, feats, cfg) -> dict:
-    """Teacher-forced held-out hit rates: the base model's greedy next token vs the draft's top-k."""
+def evaluate(head, model, windows, feats, cfg, subset: torch.Tensor | None = None) -> dict:
+    """Teacher-forced held-out hit rates: the base model's greedy next token vs the draft's top-k
+    (over the whole vocabulary, and over `subset` as the engine ranks it at run time)."""
     head.eval()
-    top1 = topk = n = 0
+    top1 = topk = n = sub1 = subk = 0
     loss_sum = 0.0
     for s in range(0, len(windows), cfg.batch_size):
         loss, _, _, logits, target_tok = draft_loss(head, model, windows[s : s + cfg.batch_size],
@@ -134,10 +144,15 @@ def evaluate(head, model, windows, feats, cfg) -> dict:
         cands = logits.topk(cfg.k, -1).indices
         top1 += (cands[..., 0] == target_tok).sum().item()
         topk += (cands == target_tok[..., None]).any(-1).sum().item()
+        if subset is not None:
+            sc = subset[logits[..., subset].topk(cfg.k, -1).indices]
+            sub1 += (sc[..., 0] == target_tok).sum().item()
+            subk += (sc == target_tok[..., None]).any(-1).sum().item()
         n += target_tok.numel()
         loss_sum += loss.item()
     head.train()
-    return {"heldout_top1": top1 / n, f"heldout_top{cfg.k}": topk / n, "heldout_loss": loss_sum / max(1, len(windows) // cfg.batch_size),
+    extra = {} if subset is None else {"subset_top1": sub1 / n, f"subset_top{cfg.k}": subk / n, "subset_size": len(subset)}
+    return {**extra, "heldout_top1": top1 / n, f"heldout_top{cfg.k}": topk / n, "heldout_loss": loss_sum / max(1, len(windows) // cfg.batch_size),
             "positions": n}
 
 

@@ -39,6 +39,7 @@ class DraftHead(nn.Module):
         c = config
         d, q, kv, inter = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
         self.config = c
+        self.vocab_subset: torch.Tensor | None = None  # [V'] token ids the draft ranks; None = all
         self.fc = nn.Linear(2 * d, d, bias=True)
         self.wqkv = nn.Parameter(torch.empty(q + 2 * kv, d))
         self.wo = nn.Parameter(torch.empty(d, q))
@@ -84,7 +85,9 @@ class DraftHead(nn.Module):
                 p + "mlp.up_proj.weight": wu, p + "mlp.down_proj.weight": self.w_down.detach(),
                 p + "post_attention_layernorm.weight": self.post_norm.detach()}
 
-    def save(self, path: str | Path, meta: dict | None = None) -> None:
+    def save(self, path: str | Path, meta: dict | None = None, vocab_subset: torch.Tensor | None = None) -> None:
+        """EAGLE-1 layout; vocab_subset [V'] (token ids the draft ranks, optional) is stored
+        beside the weights under its own key, which EAGLE loaders ignore."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -96,12 +99,15 @@ class DraftHead(nn.Module):
                "head_dim": c.head_dim, "vocab_size": c.vocab_size, "max_position_embeddings": c.max_position_embeddings,
                "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "specee": meta or {}}
         (path / "config.json").write_text(json.dumps(cfg, indent=2))
-        save_file({k: v.contiguous().to(torch.bfloat16) for k, v in self.state_dict_eagle().items()},
-                  str(path / "model.safetensors"))
+        tensors = {k: v.contiguous().to(torch.bfloat16) for k, v in self.state_dict_eagle().items()}
+        if vocab_subset is not None:
+            tensors["vocab_subset"] = vocab_subset.to(torch.int64).contiguous()
+        save_file(tensors, str(path / "model.safetensors"))
 
     @classmethod
     def load(cls, path: str | Path, base: ModelConfig) -> DraftHead:
-        """Load a draft head in EAGLE-1 layout (ours or the public repository's) for base model `base`."""
+        """Load a draft head in EAGLE-1 layout (ours or the public repository's) for base model `base`.
+        A stored vocabulary subset ends up in head.vocab_subset (None when absent)."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"draft head config not found: {path / 'config.json'}")
@@ -130,6 +136,10 @@ class DraftHead(nn.Module):
             head.w_gate_up.copy_(torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")]))
             head.w_down.copy_(g(p + "mlp.down_proj.weight"))
             head.post_norm.copy_(g(p + "post_attention_layernorm.weight"))
+        subset = tensors.get("vocab_subset")
+        if subset is not None and (subset.dim() != 1 or int(subset.max()) >= c.vocab_size or int(subset.min()) < 0):
+            raise ValueError(f"{origin['vocab_subset']}: vocab_subset must be token ids in [0, {c.vocab_size})")
+        head.vocab_subset = subset
         return head.eval().requires_grad_(False)
 
 
@@ -149,8 +159,13 @@ class Speculator:
 
 
 class DraftSpeculator(Speculator):
-    def __init__(self, head: DraftHead, model: LlamaModel, k: int = 4):
+    """use_subset: rank only the head's vocab_subset (frequent tokens) with a smaller LM-head
+    product, as FR-Spec does; rarer tokens then never become candidates."""
+
+    def __init__(self, head: DraftHead, model: LlamaModel, k: int = 4, use_subset: bool = True):
         self.k = k
+        self.subset = head.vocab_subset.to(model.device) if use_subset and head.vocab_subset is not None else None
+        self.subset_w = None if self.subset is None else model.w.lm_head[self.subset].contiguous()  # [V', D]
         self.model_base = model
         dtype, dev = model.dtype, model.device
         lw = head.to(device=dev, dtype=dtype).layer_weights()
@@ -185,7 +200,9 @@ class DraftSpeculator(Speculator):
         positions = (self.cache.lengths[0, idx.cpu()]).to(tokens.device)[:, None]
         sub = idx if len(rows) < self.cache.batch else None
         out = self._step(tokens[:, None], features[:, None], positions, sub)[:, 0]
-        return self.draft.lm_head(out).topk(self.k, dim=-1).indices
+        if self.subset is None:
+            return self.draft.lm_head(out).topk(self.k, dim=-1).indices
+        return self.subset[F.linear(out, self.subset_w).topk(self.k, dim=-1).indices]
 
 
 class PromptLookupSpeculator(Speculator):

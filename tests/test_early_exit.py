@@ -92,3 +92,22 @@ def test_candidate_scorer_equals_kernel_reference(ee_model_dir):
     for a, b in zip(ours[:2], ref[:2]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     assert torch.equal(ours[2], ref[2])
+
+
+def test_draft_vocab_subset_limits_candidates(tmp_path, ee_model_dir):
+    import shutil
+
+    from specee_core.speculators import DraftHead
+
+    shutil.copytree(ee_model_dir, tmp_path, dirs_exist_ok=True)
+    head = DraftHead.load(tmp_path / "draft", SpecEEEngine.from_pretrained(tmp_path).config)
+    subset = torch.arange(100, 400)
+    head.save(tmp_path / "draft", vocab_subset=subset)
+    engine = SpecEEEngine.from_pretrained(tmp_path, speculator="draft", threshold=0.0)
+    seen = []
+    spec = engine.early_exit.speculator
+    original = spec.propose
+    spec.propose = lambda *a: seen.append(original(*a)) or seen[-1]  # record the candidates
+    engine.generate(PROMPTS[:2], max_new_tokens=6, mode="specee")
+    cands = torch.cat(seen)
+    assert ((cands >= 100) & (cands < 400)).all() and cands.shape[1] == 4
