@@ -45,7 +45,8 @@ class BenchConfig:
     window_len: int = 128
     threads: int = 0
     speculator: str = "auto"
-    out: Path | None = None
+    out: Path | None = None  # also write the JSON here
+    plot: Path | None = None  # PNG of the speed / agreement curve over thresholds
 
     def __post_init__(self) -> None:
         self.model, self.corpus = Path(self.model), Path(self.corpus)
@@ -187,6 +188,32 @@ def quality(engine: SpecEEEngine, cfg: BenchConfig, thresholds: list[float]) -> 
     return out
 
 
+def plot_curve(quality: dict, num_layers: int, path: Path) -> None:
+    """Layers run, token agreement and batch tokens/s against the exit threshold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ths = sorted(quality, key=float)
+    x = [float(t) for t in ths]
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    ax.plot(x, [quality[t]["layer_fraction"] for t in ths], "o-", label="layers run (share of all)")
+    ax.plot(x, [quality[t]["token_agreement"] for t in ths], "s-", label="token agreement with dense")
+    ax.plot(x, [quality[t]["sequence_agreement"] for t in ths], "^-", label="whole sequences identical")
+    ax.set_xlabel("exit threshold")
+    ax.set_ylim(0, 1.05)
+    ax2 = ax.twinx()
+    ax2.plot(x, [quality[t]["batch_tokens_per_s"] for t in ths], "k--", label="tokens/s (batch)")
+    ax2.set_ylabel("tokens/s")
+    lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(lines, [l.get_label() for l in lines], loc="lower right", fontsize=8)
+    ax.set_title(f"SpecEE on {num_layers} layers: the threshold trade-off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def run(cfg: BenchConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -223,6 +250,8 @@ def run(cfg: BenchConfig) -> dict:
         result["quality"] = quality(engine, cfg, ths)
         result["heldout"] = {"dense": heldout_accuracy(engine, cfg, 2.0),
                              "specee": heldout_accuracy(engine, cfg, engine.early_exit.options.threshold)}
+    if cfg.plot and "quality" in result:
+        plot_curve(result["quality"], engine.config.num_hidden_layers, Path(cfg.plot))
     text = json.dumps(result, indent=2)
     print(text, flush=True)
     if cfg.out:
