@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 INT64 = 2**63
 MAX_STOP = 4  # OpenAI's limit on stop strings
@@ -42,6 +42,26 @@ def _check_text(value: str, what: str) -> str:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
+
+
+# OpenAI parameters this server does not implement: the values that mean "off", and the message
+UNSUPPORTED = {
+    "n": ((None, 1), "only n=1 is supported"),
+    "best_of": ((None, 1), "only best_of=1 is supported"),
+    "presence_penalty": ((None, 0), "penalties are not supported (only 0)"),
+    "frequency_penalty": ((None, 0), "penalties are not supported (only 0)"),
+    "logit_bias": ((None, {}), "logit_bias is not supported"),
+    "echo": ((None, False), "echo is not supported"),
+    "logprobs": ((None,), "logprobs are not supported"),
+    "suffix": ((None, ""), "suffix is not supported"),
+}
+
+
+def reject_unsupported(name: str, value):
+    allowed, message = UNSUPPORTED[name]
+    if value not in allowed:
+        raise ValueError(f"{message}, got {value!r}")
+    return value
 
 
 class _SamplingRequest(BaseModel):
@@ -80,26 +100,10 @@ class _SamplingRequest(BaseModel):
             _check_text(s, "stop")
         return v
 
-    @field_validator("n")
+    @field_validator("n", "presence_penalty", "frequency_penalty", "logit_bias")
     @classmethod
-    def _n(cls, v):
-        if v not in (None, 1):
-            raise ValueError(f"only n=1 is supported, got {v}")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v):
-        if v not in (None, 0):
-            raise ValueError(f"penalties are not supported (only 0), got {v}")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return v
+    def _unsupported(cls, v, info: ValidationInfo):
+        return reject_unsupported(info.field_name, v)
 
     def sampling(self, max_tokens: int) -> dict:
         """Keyword arguments of SpecEEEngine.generate (without prompts and mode)."""
@@ -143,33 +147,10 @@ class CompletionRequest(_SamplingRequest):
             _check_text(p, f"prompt[{i}]")
         return v
 
-    @field_validator("echo")
+    @field_validator("echo", "best_of", "logprobs", "suffix")
     @classmethod
-    def _echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v):
-        if v not in (None, 1):
-            raise ValueError(f"only best_of=1 is supported, got {v}")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v is not None:
-            raise ValueError("logprobs are not supported")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, v):
-        if v:
-            raise ValueError("suffix is not supported")
-        return v
+    def _unsupported_completion(cls, v, info: ValidationInfo):
+        return reject_unsupported(info.field_name, v)
 
     @property
     def prompts(self) -> list[str]:
