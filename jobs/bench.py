@@ -44,7 +44,10 @@ class BenchConfig:
     heldout_windows: int = 16
     window_len: int = 128
     threads: int = 0
-    speculator: str = "auto"
+    speculator: str = "auto"  # early-exit options of the SpecEE variant
+    kv_mode: str = "propagate"
+    verify: str = "local"
+    threshold: float = 0.5
     out: Path | None = None  # also write the JSON here
     plot: Path | None = None  # PNG of the speed / agreement curve over thresholds
 
@@ -217,7 +220,9 @@ def plot_curve(quality: dict, num_layers: int, path: Path) -> None:
 def run(cfg: BenchConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    engine = SpecEEEngine.from_pretrained(cfg.model)
+    has_predictors = (cfg.model / "predictors.safetensors").is_file()
+    ee_opts = dict(speculator=cfg.speculator, kv_mode=cfg.kv_mode, verify=cfg.verify, threshold=cfg.threshold)
+    engine = SpecEEEngine.from_pretrained(cfg.model, **(ee_opts if has_predictors else {}))
     modes = cfg.mode_list
     if "specee" in modes and engine.early_exit is None:
         raise ValueError(f"{cfg.model} has no predictors: drop 'specee' from --modes or train them")
