@@ -47,7 +47,7 @@ class BenchConfig:
     speculator: str = "auto"  # early-exit options of the SpecEE variant
     kv_mode: str = "propagate"
     verify: str = "local"
-    threshold: float = 0.5
+    threshold: float = 0.9
     out: Path | None = None  # also write the JSON here
     plot: Path | None = None  # PNG of the speed / agreement curve over thresholds
 

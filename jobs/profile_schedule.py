@@ -31,6 +31,7 @@ class ProfileConfig:
     min_layers: int = 2
     max_layers: int = 6
     speculator: str = "draft"
+    threshold: float = 0.9  # profile at the threshold the engine will run with
     seed: int = 1
 
     def __post_init__(self) -> None:
@@ -50,7 +51,7 @@ def layers_for_coverage(histogram: list[int], coverage: float) -> int:
 
 
 def profile(cfg: ProfileConfig) -> dict:
-    engine = SpecEEEngine.from_pretrained(cfg.model, speculator=cfg.speculator)
+    engine = SpecEEEngine.from_pretrained(cfg.model, speculator=cfg.speculator, threshold=cfg.threshold)
     L = engine.config.num_hidden_layers
     engine.set_schedule(Schedule.all_layers(L, source="profile-all"))
     prompts = sample_snippets(cfg.corpus / "train.jsonl", cfg.num_prompts, seed=cfg.seed)

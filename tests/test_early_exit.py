@@ -10,10 +10,10 @@ from specee_core.scheduler import Schedule, retune, select_offline_layers
 PROMPTS = ["def f(x):\n    return x", "import os\n", "class A:\n    pass\n\nclass B(A):", "for i in range(10):"]
 
 
-@pytest.mark.parametrize("speculator", ["draft", "lookup"])
-@pytest.mark.parametrize("kv_mode", ["propagate", "gap"])
-def test_exits_off_equals_dense(ee_model_dir, speculator, kv_mode):
-    engine = SpecEEEngine.from_pretrained(ee_model_dir, speculator=speculator, kv_mode=kv_mode, threshold=2.0)
+@pytest.mark.parametrize("speculator,kv_mode,skip", [("draft", "propagate", "row"), ("draft", "gap", "batch"),
+                                                     ("lookup", "propagate", "batch"), ("lookup", "gap", "row")])
+def test_exits_off_equals_dense(ee_model_dir, speculator, kv_mode, skip):
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, speculator=speculator, kv_mode=kv_mode, threshold=2.0, skip=skip)
     dense = engine.generate(PROMPTS, max_new_tokens=12, mode="dense")
     batched = engine.generate(PROMPTS, max_new_tokens=12, mode="specee")
     single = [engine.generate([p], max_new_tokens=12, mode="specee")[0] for p in PROMPTS]
@@ -23,10 +23,11 @@ def test_exits_off_equals_dense(ee_model_dir, speculator, kv_mode):
         assert b.stats["predictor_calls"] > 0
 
 
+@pytest.mark.parametrize("skip", ["row", "batch"])
 @pytest.mark.parametrize("verify", ["local", "full"])
 @pytest.mark.parametrize("kv_mode", ["propagate", "gap"])
-def test_always_exit_runs_fewer_layers(ee_model_dir, verify, kv_mode):
-    engine = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.0, verify=verify, kv_mode=kv_mode)
+def test_always_exit_runs_fewer_layers(ee_model_dir, verify, kv_mode, skip):
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.0, verify=verify, kv_mode=kv_mode, skip=skip)
     res = engine.generate(PROMPTS, max_new_tokens=10, mode="specee", ignore_eos=True)
     L = engine.config.num_hidden_layers
     assert all(r.exit_layers[0] == L for r in res)  # prefill's token: full depth, always
@@ -43,6 +44,22 @@ def test_always_exit_runs_fewer_layers(ee_model_dir, verify, kv_mode):
         assert (cache.lengths[:, :4] == full).all()
     else:  # skipped layers stay behind
         assert (cache.lengths[-1, :4] < full).all()
+
+
+def test_batch_skip_keeps_exited_rows_flowing(ee_model_dir):
+    """skip='batch': a row that exited keeps running layers (exact KV) until every row has exited;
+    skip='row' compacts. Same tokens and exit layers for a row that exits alone."""
+    row = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.55, skip="row", kv_mode="gap")
+    bat = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.55, skip="batch", kv_mode="gap")
+    a = row.generate(PROMPTS[:1], max_new_tokens=10, mode="specee", ignore_eos=True)[0]
+    b = bat.generate(PROMPTS[:1], max_new_tokens=10, mode="specee", ignore_eos=True)[0]
+    assert a.token_ids == b.token_ids and a.exit_layers == b.exit_layers  # batch of one: identical
+    res = bat.generate(PROMPTS, max_new_tokens=10, mode="specee", ignore_eos=True)
+    cache = bat._cache
+    # a layer's KV is missing for a position only when every alive row skipped it
+    behind = cache.lengths[:, :4] < cache.lengths[0, :4]
+    assert (behind.all(1) | ~behind.any(1)).all(), cache.lengths[:, :4]
+    assert all(len(r.token_ids) == 10 for r in res)
 
 
 def test_sampling_with_exits_is_seeded(ee_model_dir):
