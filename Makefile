@@ -35,7 +35,7 @@ tokenizer: $(VENV)/.installed
 base: $(VENV)/.installed
 	$(PY) -m jobs.train_base --out $(MODEL) --time-budget-min 100 --ckpt-every-s 180
 draft: $(VENV)/.installed
-	$(PY) -m jobs.train_draft --model $(MODEL)
+	$(PY) -m jobs.train_draft --model $(MODEL) --epochs 2
 predictors: $(VENV)/.installed
 	$(PY) -m jobs.train_predictors --model $(MODEL)
 schedule: $(VENV)/.installed

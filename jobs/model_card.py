@@ -14,7 +14,7 @@ REPRODUCE = """make corpus tokenizer base draft predictors schedule   # or, step
 python -m jobs.build_corpus --out data/corpus
 python -m jobs.train_tokenizer --corpus data/corpus --out models/specee-tiny --vocab-size 8192
 python -m jobs.train_base --out models/specee-tiny --time-budget-min 100 --ckpt-every-s 180
-python -m jobs.train_draft --model models/specee-tiny
+python -m jobs.train_draft --model models/specee-tiny --epochs 2
 python -m jobs.train_predictors --model models/specee-tiny
 python -m jobs.profile_schedule --model models/specee-tiny
 python -m jobs.model_card --model models/specee-tiny"""
