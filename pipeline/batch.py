@@ -130,7 +130,7 @@ def actor_resources(cfg: BatchConfig) -> dict:
     return {"num_cpus": cpus, "num_gpus": gpus}
 
 
-def initial_schedule(cfg: BatchConfig, out: OutputDir) -> Schedule | None:
+def starting_schedule(cfg: BatchConfig, out: OutputDir) -> Schedule | None:
     """specee: the latest schedule in the output (a rerun continues re-tuning), else cfg.schedule,
     else the one the engine starts with. dense: None."""
     if cfg.stage.mode != "specee":
@@ -174,7 +174,7 @@ def run(cfg: BatchConfig) -> dict:
     out.prepare()
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
     done = out.done_ids()
-    schedule = initial_schedule(cfg, out)
+    schedule = starting_schedule(cfg, out)
     inputs = read_prompts(cfg.input, waves=cfg.waves, input_format=cfg.input_format, prompt_column=cfg.prompt_column,
                           id_column=cfg.id_column, limit=cfg.limit).materialize()
     inputs.context.execution_options.preserve_order = False  # file order mattered for --limit only: applied
