@@ -45,7 +45,7 @@ class BenchConfig:
     window_len: int = 128
     threads: int = 0
     speculator: str = "auto"  # early-exit options of the SpecEE variant
-    kv_mode: str = "propagate"
+    kv_mode: str = "recompute"
     verify: str = "local"
     threshold: float = 0.9
     out: Path | None = None  # also write the JSON here

@@ -96,3 +96,34 @@ def test_specee_skips_layers_and_agrees_with_dense(engine):
     agree = hits[0] / hits[1]
     print(f"layer fraction {frac:.3f}, teacher-forced token agreement {agree:.3f}")
     assert frac < 0.8 and agree > 0.8
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_recompute_keeps_the_kv_cache_exact(engine, batch):
+    """kv_mode='recompute': fed dense's tokens (teacher forcing), every token that ran all layers
+    equals dense's, because exited positions get their missing layers before anyone reads them."""
+    from jobs.bench import TeacherForced
+    from specee_core.sampling import SamplingParams
+
+    eng = SpecEEEngine(engine.model, engine.tokenizer, engine.options,
+                       engine.early_exit.with_options(kv_mode="recompute", skip="row"))
+    eng.options = type(engine.options)(max_batch_size=batch)
+    dense = engine.generate(PROMPTS, max_new_tokens=32, ignore_eos=True)
+    ids = [eng.encode_prompt(p) for p in PROMPTS]
+    L = eng.config.num_hidden_layers
+    full = []
+
+    class Check(TeacherForced):
+        def step(self, alive, rows, generator):
+            targets = [self.targets[b][len(self.batch.generated[b])] for b in alive]
+            toks, layers = super().step(alive, rows, generator)
+            full.extend((t, g) for t, g, l in zip(toks, targets, layers) if l == L)
+            return toks, layers
+
+    def factory(e, b, cache, h, lens):
+        return Check(e.early_exit.new_stepper(e, b, cache, h, lens), b,
+                     [dense[ids.index(p)].token_ids for p in b.prompt_ids], [0, 0])
+
+    res = eng.run(ids, SamplingParams(max_new_tokens=32, ignore_eos=True), factory)
+    assert sum(l < L for r in res for l in r.exit_layers) > 10  # tokens did exit early
+    assert len(full) > 10 and all(t == g for t, g in full)

@@ -11,7 +11,8 @@ PROMPTS = ["def f(x):\n    return x", "import os\n", "class A:\n    pass\n\nclas
 
 
 @pytest.mark.parametrize("speculator,kv_mode,skip", [("draft", "propagate", "row"), ("draft", "gap", "batch"),
-                                                     ("lookup", "propagate", "batch"), ("lookup", "gap", "row")])
+                                                     ("lookup", "propagate", "batch"), ("lookup", "gap", "row"),
+                                                     ("draft", "recompute", "row"), ("lookup", "recompute", "batch")])
 def test_exits_off_equals_dense(ee_model_dir, speculator, kv_mode, skip):
     engine = SpecEEEngine.from_pretrained(ee_model_dir, speculator=speculator, kv_mode=kv_mode, threshold=2.0, skip=skip)
     dense = engine.generate(PROMPTS, max_new_tokens=12, mode="dense")
@@ -25,7 +26,7 @@ def test_exits_off_equals_dense(ee_model_dir, speculator, kv_mode, skip):
 
 @pytest.mark.parametrize("skip", ["row", "batch"])
 @pytest.mark.parametrize("verify", ["local", "full"])
-@pytest.mark.parametrize("kv_mode", ["propagate", "gap"])
+@pytest.mark.parametrize("kv_mode", ["propagate", "gap", "recompute"])
 def test_always_exit_runs_fewer_layers(ee_model_dir, verify, kv_mode, skip):
     engine = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.0, verify=verify, kv_mode=kv_mode, skip=skip)
     res = engine.generate(PROMPTS, max_new_tokens=10, mode="specee", ignore_eos=True)
@@ -88,7 +89,7 @@ def test_schedule_update_rule():
 
 def test_bad_options_are_rejected(ee_model_dir):
     with pytest.raises(ValueError, match="kv_mode must be one of"):
-        SpecEEEngine.from_pretrained(ee_model_dir, kv_mode="recompute")
+        SpecEEEngine.from_pretrained(ee_model_dir, kv_mode="copy")
     with pytest.raises(TypeError, match="unknown engine options"):
         SpecEEEngine.from_pretrained(ee_model_dir, thresold=0.5)
 
@@ -128,3 +129,4 @@ def test_draft_vocab_subset_limits_candidates(tmp_path, ee_model_dir):
     engine.generate(PROMPTS[:2], max_new_tokens=6, mode="specee")
     cands = torch.cat(seen)
     assert ((cands >= 100) & (cands < 400)).all() and cands.shape[1] == 4
+
