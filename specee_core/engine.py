@@ -79,7 +79,8 @@ class SpecEEEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
-        self._cache = None
+        self._cache_memory = None  # the KV allocation kept between calls
+        self._cache = None  # the cache of the last batch (a view of that memory)
 
     @property
     def config(self) -> ModelConfig:
@@ -178,10 +179,12 @@ class SpecEEEngine:
         return out
 
     def _get_cache(self, batch: int, max_len: int):
-        c = self._cache
+        """An empty cache of exactly `batch` rows, on memory kept between calls (grown when too small)."""
+        c = self._cache_memory
         if c is None or c.batch < batch or c.max_len < max_len:
-            self._cache = self.model.new_cache(batch, max_len)
-        self._cache.reset()
+            grown = (batch, max_len) if c is None else (max(batch, c.batch), max(max_len, c.max_len))
+            self._cache_memory = c = self.model.new_cache(*grown)
+        self._cache = c.first_rows(batch)
         return self._cache
 
     @torch.inference_mode()
@@ -193,8 +196,6 @@ class SpecEEEngine:
         lens = torch.tensor([len(p) for p in prompt_ids])
         max_new = [min(params.max_new_tokens, self.context_len - len(p)) for p in prompt_ids]
         cache = self._get_cache(n, int(max(len(p) + m for p, m in zip(prompt_ids, max_new))))
-        # full batch of the cache object may be larger than n: rows 0..n-1 are ours
-        rows_all = torch.arange(n, device=dev) if cache.batch != n else None
 
         # prefill: right-padded, every layer, never early exit
         t_max = int(lens.max())
@@ -202,7 +203,7 @@ class SpecEEEngine:
         for b, p in enumerate(prompt_ids):
             tokens[b, : len(p)] = torch.tensor(p)
         positions = torch.arange(t_max).expand(n, t_max)
-        h = model.forward(tokens.to(dev), positions.to(dev), cache, rows_all, n_valid=lens)
+        h = model.forward(tokens.to(dev), positions.to(dev), cache, n_valid=lens)
         last = h[torch.arange(n, device=dev), (lens - 1).to(dev)]  # [B, D]
         first = sample(model.logits(last), params, generator)
 
@@ -225,13 +226,19 @@ class SpecEEEngine:
         return [self._result(batch, b, t0, stepper) for b in range(n)]
 
     def _dense_step(self, batch: Batch, alive: list[int], rows, cache, generator) -> tuple[list[int], list[int]]:
+        if rows is None:  # every row of the cache is alive: no gathers or scatters
+            h = self.model.forward(batch.next_tokens.unsqueeze(1), batch.positions.unsqueeze(1).to(self.device), cache)
+            h = h[:, 0]
+            toks = sample(self.model.logits(h), batch.params, generator)
+            batch.next_tokens.copy_(toks)
+            batch.last_hidden.copy_(h)
+            return toks.tolist(), [self.model.num_layers] * len(alive)
         idx = torch.tensor(alive)
-        h = self.model.forward(batch.next_tokens[idx].unsqueeze(1) if rows is not None else batch.next_tokens.unsqueeze(1),
-                               batch.positions[idx].unsqueeze(1).to(self.device), cache, rows)
-        h = h[:, 0]
+        h = self.model.forward(batch.next_tokens[idx].unsqueeze(1), batch.positions[idx].unsqueeze(1).to(self.device),
+                               cache, rows)[:, 0]
         toks = sample(self.model.logits(h), batch.params, generator)
-        batch.next_tokens[idx.to(self.device)] = toks
-        batch.last_hidden[idx.to(self.device)] = h
+        batch.next_tokens[rows] = toks
+        batch.last_hidden[rows] = h
         return toks.tolist(), [self.model.num_layers] * len(alive)
 
     def _record(self, batch: Batch, alive: list[int], toks: list[int], layers: list[int]) -> None:

@@ -13,50 +13,113 @@ class KVCache:
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, hd]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, hd]
+        self._attach(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    def _attach(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v  # [L, B, Hkv, S, hd]
+        num_layers, batch, _, self.max_len, _ = k.shape
+        self.device = k.device
         self.lengths = torch.zeros(num_layers, batch, dtype=torch.int64)  # [L, B] on the host
-        self.device = torch.device(device)
-        self.max_len = max_len
+        # per layer: the length every row has, or None when rows differ (then slots are indexed per row)
+        self.uniform: list[int | None] = [0] * num_layers
+        # per-layer views, so the per-token hot path indexes a Python list, not a tensor
+        self._k, self._v, self._lens = list(k.unbind(0)), list(v.unbind(0)), list(self.lengths.unbind(0))
+
+    def first_rows(self, n: int) -> KVCache:
+        """An empty cache of n rows on this one's memory (a smaller batch reuses a larger allocation,
+        and its steps still take the every-row fast path)."""
+        if n > self.batch:
+            raise ValueError(f"cache has {self.batch} rows, {n} requested")
+        view = KVCache.__new__(KVCache)
+        view._attach(self.k[:, :n], self.v[:, :n])
+        return view
 
     @property
     def batch(self) -> int:
         return self.k.shape[1]
 
     def append(self, layer: int, rows: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
-               n_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               n_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
         """Store k, v [N, Hkv, T, hd] for `rows` (None = every row) after each row's valid slots,
         advance lengths by n_valid [N] (default T: padded tail tokens of a ragged chunk are
-        written but not counted), and return (keys [N, Hkv, S, hd], values, mask [N, 1, T, S])
-        where the mask lets query t of a row see slots <= start + t that are valid.
+        written but not counted), and return (keys [N, Hkv, S, hd], values, mask, causal) for
+        scaled_dot_product_attention: query t of a row may see the valid slots <= start + t, given
+        either as a bool mask [N, 1, T, S] or, where that is all it says, mask None and causal
+        True (a chunk from slot 0) or False (one token, every slot valid).
         """
         n, _, t, _ = k.shape
-        start = self.lengths[layer] if rows is None else self.lengths[layer, rows.cpu()]  # [N] host
-        count = torch.full((n,), t, dtype=torch.int64) if n_valid is None else n_valid.cpu()
+        start = self.uniform[layer]
+        if rows is None and start is not None and (n_valid is None or start == 0):
+            return self._append_uniform(layer, start, k, v, n_valid)
+        return self._append_rows(layer, rows, k, v, n_valid)
+
+    def _check_room(self, layer: int, end: int) -> None:
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow at layer {layer}: need {end} slots, have {self.max_len}")
+
+    def _append_uniform(self, layer: int, start: int, k, v, n_valid):
+        """Every row at the same length: the write is a slice copy, and no mask is needed for one
+        token or for a chunk from slot 0 (padded queries of a ragged chunk see garbage; ignored)."""
+        t = k.shape[2]
+        end = start + t
+        self._check_room(layer, end)
+        kc, vc = self._k[layer], self._v[layer]
+        kc.narrow(2, start, t).copy_(k)
+        vc.narrow(2, start, t).copy_(v)
+        if n_valid is None:
+            self._lens[layer].add_(t)
+            self.uniform[layer] = end
+        else:
+            self._lens[layer].copy_(n_valid)
+            self._set_uniform(layer)
+        keys, values = kc.narrow(2, 0, end), vc.narrow(2, 0, end)
+        if t == 1 or start == 0:
+            return keys, values, None, t > 1
+        return keys, values, self._mask(torch.full((k.shape[0],), start), t, end, self.lengths[layer]), False
+
+    def _append_rows(self, layer: int, rows, k, v, n_valid):
+        n, _, t, _ = k.shape
+        rows_host = None if rows is None else rows.cpu()
+        start = self.lengths[layer].clone() if rows is None else self.lengths[layer, rows_host]  # [N] host
         end_write = int(start.max()) + t
-        if end_write > self.max_len:
-            raise ValueError(f"KV cache overflow at layer {layer}: need {end_write} slots, have {self.max_len}")
-        dev_start = start.to(self.device, non_blocking=True)
-        ar = torch.arange(t, device=self.device)
-        slots = dev_start[:, None] + ar  # [N, T]
+        self._check_room(layer, end_write)
+        kc, vc = self._k[layer], self._v[layer]
         row_idx = torch.arange(n, device=self.device) if rows is None else rows
-        kc, vc = self.k[layer], self.v[layer]
-        # advanced indices around a slice: the indexed view is [N, T, Hkv, hd]
-        kc[row_idx[:, None], :, slots] = k.transpose(1, 2)
-        vc[row_idx[:, None], :, slots] = v.transpose(1, 2)
-        new_len = start + count
+        if t == 1:
+            dev_start = start.to(self.device, non_blocking=True)
+            kc[row_idx, :, dev_start] = k[:, :, 0]
+            vc[row_idx, :, dev_start] = v[:, :, 0]
+        else:  # advanced indices around a slice: the indexed view is [N, T, Hkv, hd]
+            slots = start.to(self.device, non_blocking=True)[:, None] + torch.arange(t, device=self.device)
+            kc[row_idx[:, None], :, slots] = k.transpose(1, 2)
+            vc[row_idx[:, None], :, slots] = v.transpose(1, 2)
+        new_len = start + (t if n_valid is None else n_valid.cpu())
         if rows is None:
             self.lengths[layer] = new_len
         else:
-            self.lengths[layer, rows.cpu()] = new_len
+            self.lengths[layer, rows_host] = new_len
+        self._set_uniform(layer)
         s = int(new_len.max()) if t == 1 else end_write
         if rows is None:
             keys, values = kc[:, :, :s], vc[:, :, :s]
         else:
             keys, values = kc[rows, :, :s], vc[rows, :, :s]
+        return keys, values, self._mask(start, t, s, new_len), False
+
+    def _mask(self, start: torch.Tensor, t: int, s: int, new_len: torch.Tensor) -> torch.Tensor:
+        """[N, 1, T, S]: query j of row r sees slot x when x <= start[r] + j and x < new_len[r]."""
         key_slot = torch.arange(s, device=self.device)
+        if t == 1:
+            return (key_slot < new_len.to(self.device)[:, None]).view(-1, 1, 1, s)
+        slots = start.to(self.device)[:, None] + torch.arange(t, device=self.device)  # [N, T]
         mask = (key_slot <= slots[:, :, None]) & (key_slot < new_len.to(self.device)[:, None, None])
-        return keys, values, mask.unsqueeze(1)
+        return mask.unsqueeze(1)
+
+    def _set_uniform(self, layer: int) -> None:
+        lens = self.lengths[layer]
+        first = int(lens[0])
+        self.uniform[layer] = first if bool((lens == first).all()) else None
 
     def reset(self) -> None:
         self.lengths.zero_()
+        self.uniform = [0] * len(self.uniform)

@@ -35,10 +35,28 @@ class ModelWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Computed in fp32 and cast back before the weight, as HF Llama does (bit-compatible)."""
+    """RMSNorm as HF Llama computes it: in fp32, cast back to x's dtype before the weight
+    (bit-compatible in bf16/fp16)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+class RMSNorm:
+    """rms_norm with a fixed weight [D]. fp32 on CPU takes one fused kernel instead of the dozen ops
+    torch's rms_norm decomposes into there: layer_norm of [x, -x] with weight [w, w], whose mean is
+    zero by construction, so its variance is mean(x^2) (equal to rms_norm within fp32 rounding)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight, self.eps = weight, eps
+        self.fused = weight.dtype == torch.float32 and weight.device.type == "cpu"
+        self.ln_weight = torch.cat((weight, weight)) if self.fused else None  # [2D]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fused:
+            return rms_norm(x, self.weight, self.eps)
+        d = x.shape[-1]
+        return F.layer_norm(torch.cat((x, -x), dim=-1), (2 * d,), self.ln_weight, None, self.eps)[..., :d]
 
 
 class LlamaModel:
@@ -48,9 +66,16 @@ class LlamaModel:
         self.device = torch.device(device)
         self.dtype = dtype
         self.rope = RotaryEmbedding(config, self.device)
+        eps = config.rms_norm_eps
+        self.input_norms = [None if lw.input_norm is None else RMSNorm(lw.input_norm, eps) for lw in weights.layers]
+        self.post_norms = [RMSNorm(lw.post_norm, eps) for lw in weights.layers]
+        self.norm = RMSNorm(weights.norm, eps)
         c = config
         self.q_size = c.num_attention_heads * c.head_dim
         self.kv_size = c.num_key_value_heads * c.head_dim
+        self.qk_heads = c.num_attention_heads + c.num_key_value_heads  # heads RoPE rotates
+        self.all_heads = self.qk_heads + c.num_key_value_heads
+        self.qk_split = (c.num_attention_heads, c.num_key_value_heads)
         self.scale = c.head_dim ** -0.5
         self.gqa = c.num_attention_heads != c.num_key_value_heads
 
@@ -76,20 +101,16 @@ class LlamaModel:
         """Run decoder layer i on hidden h [N, T, D] of cache rows `rows` [N] (None = all rows)."""
         c, lw = self.config, self.w.layers[i]
         n, t, _ = h.shape
-        x = h if lw.input_norm is None else rms_norm(h, lw.input_norm, c.rms_norm_eps)
-        qkv = F.linear(x, lw.wqkv, lw.bqkv)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(n, t, c.num_attention_heads, c.head_dim).transpose(1, 2)  # [N, H, T, hd]
-        k = k.view(n, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # [N, Hkv, T, hd]
-        v = v.view(n, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values, mask = cache.append(i, rows, k, v, n_valid)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
+        norm = self.input_norms[i]
+        x = h if norm is None else norm(h)
+        qkv = F.linear(x, lw.wqkv, lw.bqkv).view(n, t, self.all_heads, c.head_dim).transpose(1, 2)
+        q, k = apply_rope(qkv[:, : self.qk_heads], *rope).split(self.qk_split, dim=1)  # one rotation for q and k
+        keys, values, mask, causal = cache.append(i, rows, k, qkv[:, self.qk_heads :], n_valid)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale,
+                                           enable_gqa=self.gqa)
         h = h + F.linear(o.transpose(1, 2).reshape(n, t, self.q_size), lw.wo, lw.bo)
-        x = rms_norm(h, lw.post_norm, c.rms_norm_eps)
-        gate, up = F.linear(x, lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, lw.w_down, lw.b_down)
+        gate, up = F.linear(self.post_norms[i](h), lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate).mul_(up), lw.w_down, lw.b_down)
 
     def write_kv(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
                  rows: torch.Tensor | None = None) -> None:
@@ -97,13 +118,13 @@ class LlamaModel:
         (the "propagate" mode for layers an early exit skipped)."""
         c, lw = self.config, self.w.layers[i]
         n, t, _ = h.shape
-        x = rms_norm(h, lw.input_norm, c.rms_norm_eps)
+        x = self.input_norms[i](h)
         kv = F.linear(x, lw.wqkv[self.q_size:], None if lw.bqkv is None else lw.bqkv[self.q_size:])
         k, v = kv.view(n, t, 2 * c.num_key_value_heads, c.head_dim).transpose(1, 2).chunk(2, dim=1)
         cache.append(i, rows, apply_rope(k, *rope), v)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return rms_norm(h, self.w.norm, self.config.rms_norm_eps)
+        return self.norm(h)
 
     def lm_head(self, h_normed: torch.Tensor) -> torch.Tensor:
         """[..., D] -> logits [..., V]."""

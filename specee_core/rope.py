@@ -46,7 +46,10 @@ class RotaryEmbedding:
     def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * inv_freq  # [..., hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        half = inv_freq.shape[-1]
+        sin = emb.sin()
+        sin[..., :half].neg_()  # rotate-half's sign folded in: see apply_rope
+        return emb.cos(), sin
 
     def dynamic_inv_freq(self, seq_len: int) -> torch.Tensor:
         c = self.config
@@ -55,7 +58,8 @@ class RotaryEmbedding:
         return base_inv_freq(base, self.dim, self.device)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N, T] -> (cos, sin), each [N, 1, T, hd] in dtype, ready to broadcast over heads."""
+        """positions [N, T] -> (cos, signed sin), each [N, 1, T, hd] in dtype, ready to broadcast over
+        heads; the sin's first half is negated, the form apply_rope takes."""
         max_pos = int(positions.max()) + 1
         if self.config.rope_type == "dynamic" and max_pos > self.config.max_position_embeddings:
             cos, sin = self._cos_sin(positions, self.dynamic_inv_freq(max_pos))
@@ -66,8 +70,8 @@ class RotaryEmbedding:
         return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, H, T, hd]; rotate-half convention, as HF Llama checkpoints expect."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [N, H, T, hd]; rotate-half convention, as HF Llama checkpoints expect:
+    x * cos + cat(-x2, x1) * sin, written as x * cos + cat(x2, x1) * cat(-sin1, sin2) (bit-identical,
+    negation is exact) so the rotation is one roll instead of two slices, a negation and a cat."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
