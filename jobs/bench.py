@@ -118,7 +118,16 @@ def time_decode(runner: Runner, variants: list[str], prompts: list[str], batch: 
             runner.call(v, c, n)
             full += time.perf_counter() - t
         samples[v].append(len(prompts) * (n - 1) / max(full - first, 1e-9))
-    return {v: {"decode_tokens_per_s": statistics.mean(s), "runs": [round(x, 1) for x in s]} for v, s in samples.items()}
+    return {v: {"decode_tokens_per_s": statistics.mean(s), "median_tokens_per_s": statistics.median(s),
+                "runs": [round(x, 1) for x in s]} for v, s in samples.items()}
+
+
+def speedup(speed: dict, variant: str, base: str) -> dict:
+    """variant over base: ratio of the means, and the median of the per-round ratios (round r of
+    every variant ran back to back, so a slow spell of this shared machine hits both alike)."""
+    a, b = speed[variant]["runs"], speed[base]["runs"]
+    return {f"vs_{base}": speed[variant]["decode_tokens_per_s"] / speed[base]["decode_tokens_per_s"],
+            f"vs_{base}_median_of_rounds": statistics.median(x / y for x, y in zip(a, b))}
 
 
 def agreement(dense: list[list[int]], other: list[list[int]]) -> dict:
@@ -245,16 +254,18 @@ def run(cfg: BenchConfig) -> dict:
         speed = time_decode(runner, modes, prompts, bs, cfg.max_new_tokens, cfg.repeats)
         for v in modes:
             if v != "hf" and "hf" in speed:
-                speed[v]["vs_hf"] = speed[v]["decode_tokens_per_s"] / speed["hf"]["decode_tokens_per_s"]
+                speed[v].update(speedup(speed, v, "hf"))
         if "specee" in speed and "dense" in speed:
-            speed["specee"]["vs_dense"] = speed["specee"]["decode_tokens_per_s"] / speed["dense"]["decode_tokens_per_s"]
+            speed["specee"].update(speedup(speed, "specee", "dense"))
         result["speed"][f"batch_{bs}"] = speed
         log.info("batch %d: %s", bs, json.dumps(speed))
     if "specee" in modes:
         ths = [float(t) for t in cfg.thresholds.split(",") if t]
-        result["quality"] = quality(engine, cfg, ths)
-        result["heldout"] = {"dense": heldout_accuracy(engine, cfg, 2.0),
-                             "specee": heldout_accuracy(engine, cfg, engine.early_exit.options.threshold)}
+        if ths and cfg.quality_prompts:
+            result["quality"] = quality(engine, cfg, ths)
+        if cfg.heldout_windows:
+            result["heldout"] = {"dense": heldout_accuracy(engine, cfg, 2.0),
+                                 "specee": heldout_accuracy(engine, cfg, engine.early_exit.options.threshold)}
     if cfg.plot and "quality" in result:
         plot_curve(result["quality"], engine.config.num_hidden_layers, Path(cfg.plot))
     text = json.dumps(result, indent=2)

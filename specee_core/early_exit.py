@@ -146,22 +146,24 @@ class CandidateScorer:
         if not self.fused:
             self.w = (model.w.lm_head[cand] * model.w.norm).float()  # [N, K, D]
 
-    def __call__(self, h: torch.Tensor, sel: torch.Tensor, prev: torch.Tensor, pred) -> tuple[torch.Tensor, ...]:
-        """h [n, D] pre-norm hidden of the rows `sel` [n] (indices into N), prev [n, K] ->
-        (p_exit [n], prob [n, K], local_argmax [n] token ids)."""
+    def __call__(self, h: torch.Tensor, sel: torch.Tensor | None, prev: torch.Tensor, pred) -> tuple[torch.Tensor, ...]:
+        """h [n, D] pre-norm hidden of the rows `sel` [n] (indices into N; None = all N rows),
+        prev [n, K] -> (p_exit [n], prob [n, K], local_argmax [n] token ids)."""
         m = self.model
+        cand = self.cand if sel is None else self.cand[sel]
         if self.fused:
             from kernels import predictor_forward
 
-            return predictor_forward(m.final_norm(h), self.cand[sel], m.w.lm_head, prev, pred.w1, pred.b1, pred.w2,
+            return predictor_forward(m.final_norm(h), cand, m.w.lm_head, prev, pred.w1, pred.b1, pred.w2,
                                      pred.b2, backend="triton")
         hf = h.float()
         r = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + m.config.rms_norm_eps)  # [n, 1]
-        z = torch.bmm(self.w[sel], hf.unsqueeze(-1)).squeeze(-1) * r  # [n, K]
+        w = self.w if sel is None else self.w[sel]
+        z = torch.bmm(w, hf.unsqueeze(-1)).squeeze(-1) * r  # [n, K]
         p = z.softmax(-1)
         hidden = torch.relu(torch.addmm(pred.b1, torch.cat((z, p, p - prev), dim=-1), pred.w1.t()))
         p_exit = torch.sigmoid(torch.addmm(pred.b2, hidden, pred.w2.t()).squeeze(-1))
-        return p_exit, p, self.cand[sel].gather(1, z.argmax(-1, keepdim=True)).squeeze(1)
+        return p_exit, p, cand.gather(1, z.argmax(-1, keepdim=True)).squeeze(1)
 
 
 @dataclass
@@ -180,8 +182,12 @@ class RowStats:
 
 
 class Stepper:
-    """Decode steps of one batch in SpecEE mode. Rows exit independently; after an exit the
-    remaining layers run only over the rows still active (compacted)."""
+    """Decode steps of one batch in SpecEE mode. Rows exit independently; with skip "row" the
+    remaining layers run only over the rows still active (compacted).
+
+    Per-row bookkeeping (which rows are active, exited, evaluated at a layer) is kept in Python
+    lists: at decode batch sizes that is cheaper than the dozens of tiny tensor ops per layer it
+    replaces; tensors index only the hidden states, candidates and outputs."""
 
     def __init__(self, ee: EarlyExit, engine, batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor):
         self.ee, self.engine, self.batch, self.cache = ee, engine, batch, cache
@@ -191,24 +197,20 @@ class Stepper:
         self.windows = [OnlineWindow(ee.schedule) for _ in range(n)]
         self.rows = [RowStats(explore_histogram=[0] * m.num_layers) for _ in range(n)]
         self.features = m.final_norm(batch.last_hidden)  # [B, D] feature of the last fed position
-        self.has_pred = torch.zeros(m.num_layers + 1, dtype=torch.bool)
-        self.has_pred[sorted(ee.predictors.layers)] = True
+        self.pred_layers = frozenset(ee.predictors.layers)
         self.pending: list[list[Pending]] = [[] for _ in range(n)]  # kv_mode="recompute"
+        self._chunk_rope: tuple = ((), None)  # (positions, rope) of the last recompute chunk
         self.t_draft = self.t_pred = self.t_total = 0.0
         self.step_no = 0
         t0 = time.perf_counter()
         ee.speculator.start(batch.prompt_ids, m.final_norm(prefill_hidden), lens, cache.max_len)
         self.t_draft += time.perf_counter() - t0
 
-    def _predictor_mask(self, alive: list[int], explore: bool) -> torch.Tensor:
-        """[N, L+1] bool: row j runs the predictor after layer l."""
-        L = self.model.num_layers
+    def _predictor_layers(self, alive: list[int], explore: bool) -> list[frozenset[int]]:
+        """Per alive row: the layers after which its predictor runs this step."""
         if explore:
-            return self.has_pred.expand(len(alive), L + 1)
-        mask = torch.zeros(len(alive), L + 1, dtype=torch.bool)
-        for j, b in enumerate(alive):
-            mask[j, list(self.windows[b].active_layers())] = True
-        return mask & self.has_pred
+            return [self.pred_layers] * len(alive)
+        return [self.pred_layers & frozenset(self.windows[b].active_layers()) for b in alive]
 
     def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> tuple[list[int], list[int]]:
         t_start = time.perf_counter()
@@ -217,134 +219,165 @@ class Stepper:
         for b in alive:  # bring histories up to date with the tokens recorded since the last step
             self.histories[b].extend(batch.generated[b][len(self.histories[b]) - len(batch.prompt_ids[b]):])
         n = len(alive)
-        idx = torch.tensor(alive, device=dev)
-        toks = batch.next_tokens[idx]
-        cand = ee.speculator.propose(alive, self.histories, toks, self.features[idx])  # [N, K]
+
+        def rows_of(indices: list[int], count: int) -> torch.Tensor | None:
+            """An index tensor for `indices` into `count` rows; None when it takes them all in order."""
+            return None if len(indices) == count else torch.tensor(indices, device=dev)
+
+        idx = None if rows is None else torch.tensor(alive, device=dev)  # rows None: every batch row is alive
+        toks = batch.next_tokens if idx is None else batch.next_tokens[idx]
+        cand = ee.speculator.propose(alive, self.histories, toks, self.features if idx is None else self.features[idx])
         t_spec = time.perf_counter()
         self.t_draft += t_spec - t_start
 
         explore = opts.explore_every > 0 and self.step_no % opts.explore_every == 0
         self.step_no += 1
-        pmask = self._predictor_mask(alive, explore)
+        pred_layers = self._predictor_layers(alive, explore)
         h = m.embed(toks[:, None])  # [N, 1, D]
-        cos, sin = m.rope_for(batch.positions[idx.cpu()].to(dev)[:, None])
-        local = torch.arange(n)  # current active rows, as indices into alive
+        positions = batch.positions if rows is None else batch.positions[torch.tensor(alive)]
+        cos, sin = m.rope_for(positions.to(dev)[:, None])
+        active = list(range(n))  # h's rows, as indices into alive
         cache_rows = rows
-        prev = torch.zeros(n, ee.predictors.k, device=dev)
+        prev = torch.zeros(n, ee.predictors.k, device=dev)  # last evaluated layer's candidate probabilities
         out_tok = torch.empty(n, dtype=torch.int64, device=dev)
-        out_layer = torch.full((n,), L, dtype=torch.int64)
+        out_layer = [L] * n
         out_feat = torch.empty(n, m.config.hidden_size, dtype=m.dtype, device=dev)
         scorer = CandidateScorer(m, cand, opts.predictor_backend)
         compact = opts.skip == "row" or (opts.skip == "auto" and dev.type == "cuda")
-        done = torch.zeros(n, dtype=torch.bool)  # "batch" policy: rows that exited but keep flowing
+        done = [False] * n  # "batch" policy: rows that exited but keep flowing
 
         t_pred = 0.0
         recompute = opts.kv_mode == "recompute"
         for i in range(L):
             if recompute:
-                h = self._layer_with_pending(i, h, (cos, sin), [alive[r] for r in local.tolist()], cache_rows, idx)
+                h = self._layer_with_pending(i, h, (cos, sin), [alive[j] for j in active], cache_rows)
             else:
                 h = m.layer(i, h, (cos, sin), cache, cache_rows)
             layer = i + 1
             if layer == L:
                 break
-            sel = pmask[local, layer] & ~done[local]
-            if not bool(sel.any()):
+            sel = [r for r, j in enumerate(active) if layer in pred_layers[j] and not done[j]]  # rows of h
+            if not sel:
                 continue
             tp = time.perf_counter()
-            si = sel.nonzero().squeeze(1)  # into the active rows
-            rows_sel = local[si]  # into alive
-            hs = h[si.to(dev), 0]
-            p_exit, prob, local_arg = scorer(hs, rows_sel.to(dev), prev[rows_sel.to(dev)], ee.predictors.layers[layer])
-            prev[rows_sel.to(dev)] = prob
-            for r in rows_sel.tolist():
-                self.rows[alive[r]].predictor_calls += 1
-            fire = (p_exit > opts.threshold).cpu()
-            exit_at = None
-            if bool(fire.any()):
-                hf = m.final_norm(hs[fire.to(dev)])
+            js = [active[r] for r in sel]  # the same rows, as indices into alive
+            sel_dev, js_dev = rows_of(sel, len(active)), rows_of(js, n)
+            hs = h[:, 0] if sel_dev is None else h[sel_dev, 0]
+            p_exit, prob, local_arg = scorer(hs, js_dev, prev if js_dev is None else prev[js_dev],
+                                             ee.predictors.layers[layer])
+            if js_dev is None:
+                prev = prob
+            else:
+                prev[js_dev] = prob
+            for j in js:
+                self.rows[alive[j]].predictor_calls += 1
+            fired = [q for q, f in enumerate((p_exit > opts.threshold).tolist()) if f]  # positions in sel
+            exit_rows = []  # rows of h that exit at this layer
+            if fired:
+                f_dev = rows_of(fired, len(sel))
+                hf = m.final_norm(hs if f_dev is None else hs[f_dev])
                 if opts.verify == "local" and batch.params.greedy:
-                    tok = local_arg[fire.to(dev)]
-                    ok = torch.ones(len(tok), dtype=torch.bool)
+                    tok = local_arg if f_dev is None else local_arg[f_dev]
+                    ok = [True] * len(fired)
                 else:  # one full LM-head product, only for the rows whose predictor fired
                     tok = sample(m.lm_head(hf), batch.params, generator)
-                    ok = (tok[:, None] == cand[rows_sel[fire].to(dev)]).any(1).cpu() if batch.params.greedy \
-                        else torch.ones(len(tok), dtype=torch.bool)
-                if bool(ok.any()):
-                    exit_at = si[fire][ok]  # into the active rows
-                    exiting = local[exit_at]
-                    out_tok[exiting.to(dev)] = tok[ok.to(dev)]
-                    out_layer[exiting] = layer
-                    out_feat[exiting.to(dev)] = hf[ok.to(dev)]
+                    fired_cand = cand[torch.tensor([js[q] for q in fired], device=dev)]
+                    ok = (tok[:, None] == fired_cand).any(1).tolist() if batch.params.greedy else [True] * len(fired)
+                accepted = [a for a, good in enumerate(ok) if good]  # positions in fired
+                if accepted:
+                    exit_rows = [sel[fired[a]] for a in accepted]
+                    exiting = torch.tensor([active[r] for r in exit_rows], device=dev)
+                    a_dev = rows_of(accepted, len(fired))
+                    out_tok[exiting] = tok if a_dev is None else tok[a_dev]
+                    out_feat[exiting] = hf if a_dev is None else hf[a_dev]
+                    for r in exit_rows:
+                        out_layer[active[r]] = layer
             t_pred += time.perf_counter() - tp
-            if exit_at is None:
+            if not exit_rows:
                 continue
             if not compact:
-                done[local[exit_at]] = True
-                if not bool(done[local].all()):
+                for r in exit_rows:
+                    done[active[r]] = True
+                if not all(done[j] for j in active):
                     continue
-                exit_at = torch.arange(len(local))  # every row has exited: the batch skips the rest
-            e_dev = exit_at.to(dev)
+                exit_rows = list(range(len(active)))  # every row has exited: the batch skips the rest
             if recompute:
-                for j, r in zip(exit_at.tolist(), local[exit_at].tolist()):
-                    b = alive[r]
-                    self.pending[b].append(Pending(int(batch.positions[b]), layer, h[j, 0].clone()))
+                for r in exit_rows:
+                    b = alive[active[r]]
+                    self.pending[b].append(Pending(int(batch.positions[b]), layer, h[r, 0].clone()))
             if opts.kv_mode == "propagate":
-                crows = idx[exit_at.to(dev)] if cache_rows is None else cache_rows[e_dev]
+                e_dev = torch.tensor(exit_rows, device=dev)
+                crows = torch.tensor([alive[active[r]] for r in exit_rows], device=dev)  # cache row = batch row
                 rope_e = (cos[e_dev], sin[e_dev])
                 for j in range(layer, L):
                     m.write_kv(j, h[e_dev], rope_e, cache, crows)
-            keep = torch.ones(len(local), dtype=torch.bool)
-            keep[exit_at] = False
-            if not bool(keep.any()):
-                local = local[keep]
+            leaving = set(exit_rows)
+            keep = [r for r in range(len(active)) if r not in leaving]
+            if not keep:
+                active = []
                 break
-            k_dev = keep.to(dev)
-            h, cos, sin, local = h[k_dev], cos[k_dev], sin[k_dev], local[keep]
-            cache_rows = idx[local.to(dev)]
-        if not compact and len(local):  # rows that exited but kept flowing are settled
-            keep = ~done[local]
-            h, local = h[keep.to(dev)], local[keep]
-        if len(local):  # rows that ran every layer: the normal LM head
+            k_dev = torch.tensor(keep, device=dev)
+            h, cos, sin = h[k_dev], cos[k_dev], sin[k_dev]
+            active = [active[r] for r in keep]
+            cache_rows = torch.tensor([alive[j] for j in active], device=dev)
+        if not compact and active:  # rows that exited but kept flowing are settled
+            still = [r for r, j in enumerate(active) if not done[j]]
+            if len(still) < len(active):
+                h = h[torch.tensor(still, device=dev)]
+                active = [active[r] for r in still]
+        if active:  # rows that ran every layer: the normal LM head
             hn = m.final_norm(h[:, 0])
-            l_dev = local.to(dev)
-            out_tok[l_dev] = sample(m.lm_head(hn), batch.params, generator)
-            out_feat[l_dev] = hn
+            a_dev = rows_of(active, n)
+            if a_dev is None:
+                out_tok = sample(m.lm_head(hn), batch.params, generator)
+                out_feat = hn
+            else:
+                out_tok[a_dev] = sample(m.lm_head(hn), batch.params, generator)
+                out_feat[a_dev] = hn
         self.t_pred += t_pred
-        batch.next_tokens[idx] = out_tok
-        self.features[idx] = out_feat
-        layers = out_layer.tolist()
-        for b, l in zip(alive, layers):
+        if idx is None:
+            batch.next_tokens.copy_(out_tok)
+            self.features.copy_(out_feat)
+        else:
+            batch.next_tokens[idx] = out_tok
+            self.features[idx] = out_feat
+        for b, l in zip(alive, out_layer):
             self.windows[b].push(l)
             if explore:
                 self.rows[b].explore_histogram[l - 1] += 1
         self.t_total += time.perf_counter() - t_start
-        return out_tok.tolist(), layers
+        return out_tok.tolist(), out_layer
 
-    def _layer_with_pending(self, i: int, h: torch.Tensor, rope, rows_b: list[int], cache_rows, idx):
+    def _layer_with_pending(self, i: int, h: torch.Tensor, rope, rows_b: list[int], cache_rows):
         """Layer i for the current tokens h [n, 1, D] of batch rows rows_b, preceded in the same
         chunk by each row's pending positions that still lack layer i (position order)."""
         m = self.model
         waiting = [[p for p in self.pending[b] if p.next_layer == i] for b in rows_b]
         if not any(waiting):
             return m.layer(i, h, rope, self.cache, cache_rows)
-        n, dev = len(rows_b), m.device
-        t = 1 + max(len(w) for w in waiting)
-        x = h.new_zeros(n, t, h.shape[-1])
-        pos = torch.zeros(n, t, dtype=torch.int64)
-        n_valid = torch.tensor([len(w) + 1 for w in waiting])
-        for r, (b, w) in enumerate(zip(rows_b, waiting)):
-            for k, p in enumerate(w):
-                x[r, k], pos[r, k] = p.h, p.position
-            x[r, len(w)], pos[r, len(w)] = h[r, 0], int(self.batch.positions[b])
-        out = m.layer(i, x, m.rope_for(pos.to(dev)), self.cache, cache_rows, n_valid)
+        counts = [len(w) + 1 for w in waiting]
+        t = max(counts)
+        pad = h.new_zeros(h.shape[-1])
+        # row r's chunk: its pending hidden states, the current token, zero padding up to t
+        x = torch.stack([torch.stack([p.h for p in w] + [h[r, 0]] + [pad] * (t - c))
+                         for r, (w, c) in enumerate(zip(waiting, counts))])  # [n, t, D]
+        pos = tuple(tuple(p.position for p in w) + (int(self.batch.positions[b]),) * (1 + t - c)
+                    for b, w, c in zip(rows_b, waiting, counts))
+        if self._chunk_rope[0] != pos:  # successive layers usually share the chunk
+            self._chunk_rope = (pos, m.rope_for(torch.tensor(pos, device=m.device)))
+        # equal counts (always at batch 1): no per-row valid lengths, the cache's uniform path
+        n_valid = None if min(counts) == t else torch.tensor(counts)
+        out = m.layer(i, x, self._chunk_rope[1], self.cache, cache_rows, n_valid)
         for r, w in enumerate(waiting):
             for k, p in enumerate(w):
                 p.h, p.next_layer = out[r, k], i + 1
         if i + 1 == m.num_layers:  # fully computed: nothing pending for these rows any more
             for b in rows_b:
                 self.pending[b] = [p for p in self.pending[b] if p.next_layer < m.num_layers]
-        return out[torch.arange(n, device=dev), (n_valid - 1).to(dev)].unsqueeze(1)
+        if n_valid is None:  # the current token is every row's last
+            return out[:, t - 1 :]
+        current = torch.tensor([c - 1 for c in counts], device=m.device)
+        return out[torch.arange(len(rows_b), device=m.device), current].unsqueeze(1)
 
     def row_stats(self, b: int) -> dict:
         total = max(self.t_total, 1e-9)

@@ -75,7 +75,9 @@ class KVCache:
         keys, values = kc.narrow(2, 0, end), vc.narrow(2, 0, end)
         if t == 1 or start == 0:
             return keys, values, None, t > 1
-        return keys, values, self._mask(torch.full((k.shape[0],), start), t, end, self.lengths[layer]), False
+        # a chunk after `start` valid slots: query j sees slots <= start + j (causal, bottom-right aligned)
+        mask = torch.ones(t, end, dtype=torch.bool, device=self.device).tril_(diagonal=start)
+        return keys, values, mask.view(1, 1, t, end), False
 
     def _append_rows(self, layer: int, rows, k, v, n_valid):
         n, _, t, _ = k.shape
