@@ -24,6 +24,7 @@ class KVCache:
         self.uniform: list[int | None] = [0] * num_layers
         # per-layer views, so the per-token hot path indexes a Python list, not a tensor
         self._k, self._v, self._lens = list(k.unbind(0)), list(v.unbind(0)), list(self.lengths.unbind(0))
+        self._last_mask: tuple = (None, None)  # ((T, start), mask) of the last chunk mask
 
     def first_rows(self, n: int) -> KVCache:
         """An empty cache of n rows on this one's memory (a smaller batch reuses a larger allocation,
@@ -75,9 +76,16 @@ class KVCache:
         keys, values = kc.narrow(2, 0, end), vc.narrow(2, 0, end)
         if t == 1 or start == 0:
             return keys, values, None, t > 1
-        # a chunk after `start` valid slots: query j sees slots <= start + j (causal, bottom-right aligned)
-        mask = torch.ones(t, end, dtype=torch.bool, device=self.device).tril_(diagonal=start)
-        return keys, values, mask.view(1, 1, t, end), False
+        return keys, values, self._chunk_mask(t, start), False
+
+    def _chunk_mask(self, t: int, start: int) -> torch.Tensor:
+        """[1, 1, T, start + T] additive mask of a chunk after `start` valid slots: query j sees slots
+        <= start + j (causal, bottom-right aligned). Additive, not bool: attention would convert a
+        bool mask on every call. The last one is kept: successive layers of a step mostly share it."""
+        if self._last_mask[0] != (t, start):
+            mask = torch.full((t, start + t), float("-inf"), dtype=self.k.dtype, device=self.device)
+            self._last_mask = ((t, start), mask.triu_(diagonal=start + 1).view(1, 1, t, start + t))
+        return self._last_mask[1]
 
     def _append_rows(self, layer: int, rows, k, v, n_valid):
         n, _, t, _ = k.shape
