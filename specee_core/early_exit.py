@@ -181,6 +181,11 @@ class RowStats:
     explore_histogram: list[int] = field(default_factory=list)
 
 
+def _index(indices: list[int], count: int, device) -> torch.Tensor | None:
+    """An index tensor for the sorted `indices` into `count` rows; None when they are all of them."""
+    return None if len(indices) == count else torch.tensor(indices, device=device)
+
+
 class Stepper:
     """Decode steps of one batch in SpecEE mode. Rows exit independently; with skip "row" the
     remaining layers run only over the rows still active (compacted).
@@ -220,10 +225,6 @@ class Stepper:
             self.histories[b].extend(batch.generated[b][len(self.histories[b]) - len(batch.prompt_ids[b]):])
         n = len(alive)
 
-        def rows_of(indices: list[int], count: int) -> torch.Tensor | None:
-            """An index tensor for `indices` into `count` rows; None when it takes them all in order."""
-            return None if len(indices) == count else torch.tensor(indices, device=dev)
-
         idx = None if rows is None else torch.tensor(alive, device=dev)  # rows None: every batch row is alive
         toks = batch.next_tokens if idx is None else batch.next_tokens[idx]
         cand = ee.speculator.propose(alive, self.histories, toks, self.features if idx is None else self.features[idx])
@@ -261,7 +262,7 @@ class Stepper:
                 continue
             tp = time.perf_counter()
             js = [active[r] for r in sel]  # the same rows, as indices into alive
-            sel_dev, js_dev = rows_of(sel, len(active)), rows_of(js, n)
+            sel_dev, js_dev = _index(sel, len(active), dev), _index(js, n, dev)
             hs = h[:, 0] if sel_dev is None else h[sel_dev, 0]
             p_exit, prob, local_arg = scorer(hs, js_dev, prev if js_dev is None else prev[js_dev],
                                              ee.predictors.layers[layer])
@@ -274,7 +275,7 @@ class Stepper:
             fired = [q for q, f in enumerate((p_exit > opts.threshold).tolist()) if f]  # positions in sel
             exit_rows = []  # rows of h that exit at this layer
             if fired:
-                f_dev = rows_of(fired, len(sel))
+                f_dev = _index(fired, len(sel), dev)
                 hf = m.final_norm(hs if f_dev is None else hs[f_dev])
                 if opts.verify == "local" and batch.params.greedy:
                     tok = local_arg if f_dev is None else local_arg[f_dev]
@@ -287,7 +288,7 @@ class Stepper:
                 if accepted:
                     exit_rows = [sel[fired[a]] for a in accepted]
                     exiting = torch.tensor([active[r] for r in exit_rows], device=dev)
-                    a_dev = rows_of(accepted, len(fired))
+                    a_dev = _index(accepted, len(fired), dev)
                     out_tok[exiting] = tok if a_dev is None else tok[a_dev]
                     out_feat[exiting] = hf if a_dev is None else hf[a_dev]
                     for r in exit_rows:
@@ -327,7 +328,7 @@ class Stepper:
                 active = [active[r] for r in still]
         if active:  # rows that ran every layer: the normal LM head
             hn = m.final_norm(h[:, 0])
-            a_dev = rows_of(active, n)
+            a_dev = _index(active, n, dev)
             if a_dev is None:
                 out_tok = sample(m.lm_head(hn), batch.params, generator)
                 out_feat = hn
@@ -357,9 +358,9 @@ class Stepper:
             return m.layer(i, h, rope, self.cache, cache_rows)
         counts = [len(w) + 1 for w in waiting]
         t = max(counts)
-        pad = h.new_zeros(h.shape[-1])
+        pad = [h.new_zeros(h.shape[-1])] if min(counts) < t else []
         # row r's chunk: its pending hidden states, the current token, zero padding up to t
-        x = torch.stack([torch.stack([p.h for p in w] + [h[r, 0]] + [pad] * (t - c))
+        x = torch.stack([torch.stack([p.h for p in w] + [h[r, 0]] + pad * (t - c))
                          for r, (w, c) in enumerate(zip(waiting, counts))])  # [n, t, D]
         pos = tuple(tuple(p.position for p in w) + (int(self.batch.positions[b]),) * (1 + t - c)
                     for b, w, c in zip(rows_b, waiting, counts))

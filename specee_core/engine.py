@@ -227,18 +227,18 @@ class SpecEEEngine:
 
     def _dense_step(self, batch: Batch, alive: list[int], rows, cache, generator) -> tuple[list[int], list[int]]:
         if rows is None:  # every row of the cache is alive: no gathers or scatters
-            h = self.model.forward(batch.next_tokens.unsqueeze(1), batch.positions.unsqueeze(1).to(self.device), cache)
-            h = h[:, 0]
-            toks = sample(self.model.logits(h), batch.params, generator)
+            fed, positions = batch.next_tokens, batch.positions
+        else:
+            idx = torch.tensor(alive)
+            fed, positions = batch.next_tokens[idx], batch.positions[idx]
+        h = self.model.forward(fed.unsqueeze(1), positions.unsqueeze(1).to(self.device), cache, rows)[:, 0]
+        toks = sample(self.model.logits(h), batch.params, generator)
+        if rows is None:
             batch.next_tokens.copy_(toks)
             batch.last_hidden.copy_(h)
-            return toks.tolist(), [self.model.num_layers] * len(alive)
-        idx = torch.tensor(alive)
-        h = self.model.forward(batch.next_tokens[idx].unsqueeze(1), batch.positions[idx].unsqueeze(1).to(self.device),
-                               cache, rows)[:, 0]
-        toks = sample(self.model.logits(h), batch.params, generator)
-        batch.next_tokens[rows] = toks
-        batch.last_hidden[rows] = h
+        else:
+            batch.next_tokens[rows] = toks
+            batch.last_hidden[rows] = h
         return toks.tolist(), [self.model.num_layers] * len(alive)
 
     def _record(self, batch: Batch, alive: list[int], toks: list[int], layers: list[int]) -> None:

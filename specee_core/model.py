@@ -72,7 +72,6 @@ class LlamaModel:
         self.norm = RMSNorm(weights.norm, eps)
         c = config
         self.q_size = c.num_attention_heads * c.head_dim
-        self.kv_size = c.num_key_value_heads * c.head_dim
         self.qk_heads = c.num_attention_heads + c.num_key_value_heads  # heads RoPE rotates
         self.all_heads = self.qk_heads + c.num_key_value_heads
         self.qk_split = (c.num_attention_heads, c.num_key_value_heads)
