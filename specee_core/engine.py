@@ -56,7 +56,7 @@ class Batch:
     exit_layers: list[list[int]]
     finish: list[str | None]
     texts: list[str | None]  # the text cut at a stop string; None = decode the tokens
-    positions: torch.Tensor  # [B] host: position of the next token to feed
+    positions: torch.Tensor  # [B] host: position of the next token to feed = len(prompt) + len(generated) - 1
     next_tokens: torch.Tensor  # [B] device: the token to feed next
     last_hidden: torch.Tensor | None = None  # [B, D] hidden state of the last fed token (draft heads use it)
     t_first: float = 0.0
@@ -249,7 +249,9 @@ class SpecEEEngine:
             if batch.on_token is not None:
                 batch.on_token(b, tok)
             batch.exit_layers[b].append(layer)
-            batch.positions[b] += 1
+            # the token just chosen is fed next, right after the prompt and the tokens before it: the
+            # prefill's token goes in at position len(prompt), not one past it
+            batch.positions[b] = len(batch.prompt_ids[b]) + len(batch.generated[b]) - 1
             if tok in self.eos_ids and not batch.params.ignore_eos:
                 batch.finish[b] = "stop"
             elif batch.params.stop:

@@ -18,8 +18,10 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 def make_hf_model(path: Path, *, layers: int = 4, hidden: int = 64, heads: int = 4, kv_heads: int = 4,
                   tied: bool = True, rope_scaling: dict | None = None, max_pos: int = 256, seed: int = 0,
-                  dtype=torch.float32, max_shard_size: str | None = None, safe: bool = True):
-    """A random LlamaForCausalLM saved in HF layout with the bundled tokenizer beside it."""
+                  dtype=torch.float32, max_shard_size: str | None = None, safe: bool = True,
+                  qk_scale: float = 1.0):
+    """A random LlamaForCausalLM saved in HF layout with the bundled tokenizer beside it.
+    qk_scale > 1 sharpens attention (query and key weights scaled), so outputs depend on positions."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     kw = {}
@@ -33,6 +35,9 @@ def make_hf_model(path: Path, *, layers: int = 4, hidden: int = 64, heads: int =
     model = LlamaForCausalLM(cfg).to(dtype).eval()
     with torch.no_grad():  # random init is too flat to exercise anything: sharpen the logits
         model.lm_head.weight.mul_(8) if not tied else model.model.embed_tokens.weight.mul_(4)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(qk_scale)
+            layer.self_attn.k_proj.weight.mul_(qk_scale)
     save_kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **save_kw)
     if not safe:  # the legacy format (transformers 5 writes safetensors only)
