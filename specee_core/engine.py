@@ -124,6 +124,27 @@ class SpecEEEngine:
         return cls(model, tokenizer, EngineOptions(**engine_opts), early_exit)
 
     # ---- input checks -----------------------------------------------------------------------
+    @property
+    def has_chat_template(self) -> bool:
+        return getattr(self.tokenizer, "chat_template", None) is not None
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """The prompt text of a conversation ([{"role", "content"}, ...]) through the tokenizer's chat
+        template, ending where the assistant's answer starts. ValueError without a template or when the
+        template rejects the messages."""
+        if not self.has_chat_template:
+            raise ValueError("this model's tokenizer has no chat template: send plain prompts")
+        tok = self.tokenizer
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - jinja raises whatever the template's author wrote
+            raise ValueError(f"the chat template rejected the messages: {e}") from None
+        # a template that writes BOS itself, then tokenized with BOS added again: keep one
+        bos = tok.bos_token
+        if bos and text.startswith(bos) and tok("a")["input_ids"][:1] == [tok.bos_token_id]:
+            text = text[len(bos):]
+        return text
+
     def encode_prompt(self, prompt) -> list[int]:
         """Token ids of one prompt; PromptError when it cannot run."""
         if not isinstance(prompt, str):

@@ -1,8 +1,9 @@
 """Load an HF-layout Llama checkpoint from a local directory. Never downloads anything.
 
 Reads config.json and one of: model.safetensors, model.safetensors.index.json (sharded), or
-pytorch_model.bin (torch.load with weights_only=True). Every problem is an error that names
-the file and what is wrong.
+pytorch_model.bin (torch.load with weights_only=True). A .gguf file, or a directory holding one
+.gguf and no config.json, is converted once into a cache directory (specee_core.gguf) and loaded
+from there. Every problem is an error that names the file and what is wrong.
 """
 from __future__ import annotations
 
@@ -22,12 +23,31 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 
 def find_model_dir(path: str | Path) -> Path:
+    """The HF-layout directory for path: the directory itself, or the cached conversion of a
+    .gguf file (given directly, or the only .gguf in a directory without config.json)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model directory not found: {path}")
+    if path.is_file() and path.suffix == ".gguf":
+        return _gguf_dir(path)
     if not path.is_dir():
-        raise NotADirectoryError(f"model path is not a directory: {path}")
+        raise NotADirectoryError(f"model path is not a directory or a .gguf file: {path}")
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) > 1:
+            raise ValueError(f"{path}: no config.json and {len(ggufs)} .gguf files "
+                             f"({', '.join(g.name for g in ggufs)}); pass the one to load")
+        if ggufs:
+            return _gguf_dir(ggufs[0])
     return path
+
+
+def _gguf_dir(gguf_path: Path) -> Path:
+    from specee_core.gguf import converted_dir
+
+    model_dir = converted_dir(gguf_path)
+    log.info("%s: loading its conversion in %s", gguf_path, model_dir)
+    return model_dir
 
 
 def read_state_dict(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:

