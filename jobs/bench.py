@@ -2,8 +2,14 @@
 side in one run (interleaved A-B-C-C-B-A so drift hits every variant alike), plus SpecEE's
 quality against dense greedy decoding. Prints one JSON document.
 
-    python -m jobs.bench --model models/specee-tiny                  # everything
+    python -m jobs.bench                                             # SmolLM2 bf16: hf, hf_lookup, dense, specee
     python -m jobs.bench --modes hf,dense --batch-sizes 1,8          # the engine-core comparison
+    python -m jobs.bench --dtype float32 --modes hf,dense            # fp32, where dense equals transformers
+    python -m jobs.bench --model models/specee-tiny --prompts-file "" --chat false
+
+Variants: hf (transformers generate in the same dtype), hf_lookup (transformers prompt lookup
+decoding, prompt_lookup_num_tokens=10), dense, specee (this engine). The JSON also holds the
+memory-bandwidth limit (weight bytes per token / measured copy bandwidth) and each variant's share.
 
 Decode tokens/s = B x (N - 1) / (time(generate N tokens) - time(generate 1 token)), the same
 for every variant, greedy, EOS ignored so every row makes N tokens.
@@ -29,14 +35,19 @@ from specee_core.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
+VARIANTS = ("hf", "hf_lookup", "dense", "specee")
+
+
 @dataclass
 class BenchConfig:
-    model: Path = Path("models/specee-tiny")
-    corpus: Path = Path("data/corpus")
-    prompts_file: Path | None = None  # JSONL with a "prompt" field; default: held-out corpus snippets
-    modes: str = "hf,dense,specee"
+    model: Path = Path("models/smollm2-135m-instruct")
+    corpus: Path = Path("data/corpus")  # held-out snippets when there is no prompts file; teacher-forced accuracy
+    prompts_file: str = "prompts/instructions_heldout.jsonl"  # JSONL with a "prompt" field; "": corpus snippets
+    chat: str = "auto"  # prompts through the chat template: "auto" (when the model has one) | "true" | "false"
+    dtype: str = "bfloat16"  # of the engine and of transformers
+    modes: str = "hf,hf_lookup,dense,specee"
     batch_sizes: str = "1,8"
-    num_prompts: int = 8
+    num_prompts: int = 16
     max_new_tokens: int = 128
     repeats: int = 2
     thresholds: str = "0.3,0.5,0.7,0.9"
@@ -53,9 +64,11 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         self.model, self.corpus = Path(self.model), Path(self.corpus)
-        bad = set(self.mode_list) - {"hf", "dense", "specee"}
+        bad = set(self.mode_list) - set(VARIANTS)
         if bad:
-            raise ValueError(f"unknown modes {sorted(bad)}: expected hf, dense, specee")
+            raise ValueError(f"unknown modes {sorted(bad)}: expected some of {', '.join(VARIANTS)}")
+        if self.chat not in ("auto", "true", "false"):
+            raise ValueError(f"chat must be auto, true or false, got {self.chat!r}")
 
     @property
     def mode_list(self) -> list[str]:
@@ -70,11 +83,15 @@ def git_commit() -> str:
         return "unknown"
 
 
-def load_prompts(cfg: BenchConfig, n: int, seed: int = 0) -> list[str]:
+def load_prompts(cfg: BenchConfig, n: int, engine: SpecEEEngine, offset: int = 0) -> list[str]:
+    """n prompts from the prompts file (from row `offset` on; through the chat template when asked),
+    else held-out corpus snippets."""
     if cfg.prompts_file:
         with open(cfg.prompts_file) as f:
-            return [json.loads(line)["prompt"] for line in f][:n]
-    return sample_snippets(cfg.corpus / "heldout.jsonl", n, seed=seed)
+            rows = [json.loads(line)["prompt"] for line in f][offset : offset + n]
+        chat = engine.has_chat_template if cfg.chat == "auto" else cfg.chat == "true"
+        return [engine.chat_prompt([{"role": "user", "content": r}]) for r in rows] if chat else rows
+    return sample_snippets(cfg.corpus / "heldout.jsonl", n, seed=offset)
 
 
 class Runner:
@@ -87,23 +104,28 @@ class Runner:
         return self.engine.generate(prompts, max_new_tokens=n, mode=mode, ignore_eos=True, **kw)
 
     @torch.inference_mode()
-    def transformers(self, prompts: list[str], n: int):
+    def transformers(self, prompts: list[str], n: int, lookup: bool = False):
         tok = self.engine.tokenizer
         tok.padding_side = "left"
         enc = tok(prompts, return_tensors="pt", padding=True)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        out = self.hf.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad)
+        extra = {"prompt_lookup_num_tokens": 10} if lookup else {}
+        out = self.hf.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad,
+                               top_p=None, top_k=None, temperature=None, **extra)
         return out[:, enc["input_ids"].shape[1]:].tolist()
 
     def call(self, variant: str, prompts: list[str], n: int):
-        return self.transformers(prompts, n) if variant == "hf" else self.ours(variant, prompts, n)
+        if variant.startswith("hf"):
+            if variant == "hf_lookup" and len(prompts) > 1:
+                return None  # transformers' prompt lookup runs batch 1 only
+            return self.transformers(prompts, n, lookup=variant == "hf_lookup")
+        return self.ours(variant, prompts, n)
 
 
 def time_decode(runner: Runner, variants: list[str], prompts: list[str], batch: int, n: int, repeats: int) -> dict:
     """Decode tokens/s per variant over len(prompts) prompts in batches of `batch`."""
     chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
-    for v in variants:  # warm-up
-        runner.call(v, chunks[0], 2)
+    variants = [v for v in variants if runner.call(v, chunks[0], 2) is not None]  # warm-up; drops what cannot run
     samples: dict[str, list[float]] = {v: [] for v in variants}
     order = []
     for r in range(repeats):
@@ -120,6 +142,25 @@ def time_decode(runner: Runner, variants: list[str], prompts: list[str], batch: 
         samples[v].append(len(prompts) * (n - 1) / max(full - first, 1e-9))
     return {v: {"decode_tokens_per_s": statistics.mean(s), "median_tokens_per_s": statistics.median(s),
                 "runs": [round(x, 1) for x in s]} for v, s in samples.items()}
+
+
+def copy_bandwidth_gb_s(mb: int = 512, repeats: int = 5) -> float:
+    """Memory bandwidth as a large tensor copy sees it (read + write bytes / time, best of repeats)."""
+    src = torch.empty(mb << 20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() / best / 1e9
+
+
+def weight_bytes_per_token(engine: SpecEEEngine) -> int:
+    """Bytes a batch-1 decode step must read: every decoder layer's weights and the LM head."""
+    w = engine.model.w
+    layer = sum(t.numel() * t.element_size() for lw in w.layers for t in vars(lw).values() if t is not None)
+    return layer + w.lm_head.numel() * w.lm_head.element_size() + w.norm.numel() * w.norm.element_size()
 
 
 def speedup(speed: dict, variant: str, base: str) -> dict:
@@ -182,7 +223,7 @@ def heldout_accuracy(engine: SpecEEEngine, cfg: BenchConfig, threshold: float) -
 
 
 def quality(engine: SpecEEEngine, cfg: BenchConfig, thresholds: list[float]) -> dict:
-    prompts = load_prompts(cfg, cfg.quality_prompts, seed=1)
+    prompts = load_prompts(cfg, cfg.quality_prompts, engine, offset=cfg.num_prompts)
     dense = engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
     d_ids = [r.token_ids for r in dense]
     out = {}
@@ -231,20 +272,27 @@ def run(cfg: BenchConfig) -> dict:
         torch.set_num_threads(cfg.threads)
     has_predictors = (cfg.model / "predictors.safetensors").is_file()
     ee_opts = dict(speculator=cfg.speculator, kv_mode=cfg.kv_mode, verify=cfg.verify, threshold=cfg.threshold)
-    engine = SpecEEEngine.from_pretrained(cfg.model, **(ee_opts if has_predictors else {}))
+    engine = SpecEEEngine.from_pretrained(cfg.model, dtype=cfg.dtype, **(ee_opts if has_predictors else {}))
     modes = cfg.mode_list
     if "specee" in modes and engine.early_exit is None:
         raise ValueError(f"{cfg.model} has no predictors: drop 'specee' from --modes or train them")
     hf = None
-    if "hf" in modes:
+    if any(m.startswith("hf") for m in modes):
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(str(cfg.model), dtype=torch.float32, local_files_only=True).eval()
+        hf = AutoModelForCausalLM.from_pretrained(str(cfg.model), dtype=engine.model.dtype,
+                                                  local_files_only=True).eval()
     runner = Runner(engine, hf)
-    prompts = load_prompts(cfg, cfg.num_prompts)
+    prompts = load_prompts(cfg, cfg.num_prompts, engine)
+    bandwidth = copy_bandwidth_gb_s()
+    per_token = weight_bytes_per_token(engine)
     result: dict = {"config": {k: str(v) for k, v in vars(cfg).items()}, "git_commit": git_commit(),
                     "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
-                    "device": str(engine.device), "num_layers": engine.config.num_hidden_layers, "speed": {}}
+                    "device": str(engine.device), "dtype": str(engine.model.dtype),
+                    "num_layers": engine.config.num_hidden_layers,
+                    "bandwidth": {"copy_gb_s": bandwidth, "weight_mb_per_token": per_token / 1e6,
+                                  "batch_1_limit_tokens_per_s": bandwidth * 1e9 / per_token},
+                    "prompt_tokens": [len(engine.encode_prompt(p)) for p in prompts], "speed": {}}
     if engine.early_exit is not None:
         o = engine.early_exit.options
         result["specee_options"] = {"threshold": o.threshold, "verify": o.verify, "kv_mode": o.kv_mode,
@@ -252,9 +300,12 @@ def run(cfg: BenchConfig) -> dict:
                                     "offline_layers": engine.early_exit.schedule.offline_layers}
     for bs in [int(b) for b in cfg.batch_sizes.split(",")]:
         speed = time_decode(runner, modes, prompts, bs, cfg.max_new_tokens, cfg.repeats)
-        for v in modes:
+        for v in speed:
             if v != "hf" and "hf" in speed:
                 speed[v].update(speedup(speed, v, "hf"))
+            if bs == 1:
+                speed[v]["share_of_bandwidth_limit"] = (speed[v]["decode_tokens_per_s"]
+                                                        / result["bandwidth"]["batch_1_limit_tokens_per_s"])
         if "specee" in speed and "dense" in speed:
             speed["specee"].update(speedup(speed, "specee", "dense"))
         result["speed"][f"batch_{bs}"] = speed
@@ -263,7 +314,7 @@ def run(cfg: BenchConfig) -> dict:
         ths = [float(t) for t in cfg.thresholds.split(",") if t]
         if ths and cfg.quality_prompts:
             result["quality"] = quality(engine, cfg, ths)
-        if cfg.heldout_windows:
+        if cfg.heldout_windows and (cfg.corpus / "heldout.jsonl").is_file():
             result["heldout"] = {"dense": heldout_accuracy(engine, cfg, 2.0),
                                  "specee": heldout_accuracy(engine, cfg, engine.early_exit.options.threshold)}
     if cfg.plot and "quality" in result:

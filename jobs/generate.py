@@ -1,6 +1,6 @@
 """Batch generation with Ray Data: prompt files in, one Parquet row per prompt out.
 
-    python -m jobs.generate --output out/gen                     # bundled sample prompts, bundled model
+    python -m jobs.generate --output out/gen                     # SmolLM2, held-out instruction prompts
     python -m jobs.generate --input prompts.jsonl --output out/gen --mode dense --max-new-tokens 32
     ray job submit --working-dir . -- python -m jobs.generate --output /abs/path/out/gen
 
@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = REPO / "models" / "specee-tiny"
-DEFAULT_INPUT = REPO / "prompts" / "sample_prompts.jsonl"
+DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"  # `make model` imports it
+DEFAULT_INPUT = REPO / "prompts" / "instructions_heldout.jsonl"
 
 
 def has_predictors(model: str | Path) -> bool:
@@ -30,7 +30,8 @@ def has_predictors(model: str | Path) -> bool:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", default=[str(DEFAULT_INPUT)],
-                   help="JSONL/CSV/Parquet files or directories with a prompt column (default: bundled samples)")
+                   help="JSONL/CSV/Parquet files or directories with a prompt column (default: held-out "
+                        "instruction prompts)")
     p.add_argument("--output", required=True, help="output directory (local or mounted; absolute under ray job submit)")
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--mode", choices=["dense", "specee"], default=None,
@@ -45,7 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-actors", type=int, default=2, help="engine replicas (one GPU each on a GPU cluster)")
     p.add_argument("--batch-size", type=int, default=16, help="rows per actor call and engine batch")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda: one GPU per actor)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default float32)")
+    p.add_argument("--dtype", default="bfloat16",
+                   help="float32, bfloat16 or float16 (bf16: the fast path on CPUs with avx512_bf16 and on GPUs; "
+                        "float32 equals transformers token for token)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="each prompt is a user message, run through the model's chat template "
+                        "(default: when the model has one)")
     p.add_argument("--cpus-per-actor", type=float, default=None)
     p.add_argument("--torch-threads", type=int, default=None, help="default: the actor's CPUs, at least 1")
     p.add_argument("--limit", type=int, default=None, help="only the first N rows, in file order")
@@ -76,7 +82,7 @@ def build_config(args: argparse.Namespace):
     stage = StageConfig(model=args.model, mode=mode, device=args.device, dtype=args.dtype,
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, stop=tuple(args.stop), seed=args.seed, batch_size=args.batch_size,
-                        torch_threads=args.torch_threads, engine_options=early_exit)
+                        torch_threads=args.torch_threads, chat=args.chat, engine_options=early_exit)
     return BatchConfig(input=args.input, output=args.output, stage=stage, waves=args.waves,
                        num_actors=args.num_actors, cpus_per_actor=args.cpus_per_actor,
                        input_format=args.input_format, prompt_column=args.prompt_column, id_column=args.id_column,

@@ -1,6 +1,6 @@
 """Ray Serve app: an OpenAI-compatible HTTP endpoint around one SpecEEEngine per replica.
 
-    serve run pipeline.serve:app model=models/specee-tiny     # or SPECEE_MODEL=...; see ServeArgs
+    serve run pipeline.serve:app                                   # SmolLM2 (make model); model=DIR or SPECEE_MODEL=...
     serve deploy serve_config.yaml
 
 Routes: POST /v1/completions, POST /v1/chat/completions (when the tokenizer has a chat template),
@@ -46,11 +46,11 @@ class ServeArgs(BaseModel):
     strings and are converted) or `args:` in serve_config.yaml."""
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str = Field(default_factory=lambda: os.environ.get("SPECEE_MODEL", "models/specee-tiny"))
+    model: str = Field(default_factory=lambda: os.environ.get("SPECEE_MODEL", "models/smollm2-135m-instruct"))
     model_name: str | None = None  # the name clients send; default: the model directory's name
     mode: Literal["dense", "specee"] | None = Field(default_factory=lambda: os.environ.get("SPECEE_MODE") or None)
     device: str = "cpu"
-    dtype: str | None = None  # float32 | bfloat16 | float16; default: the loader's choice
+    dtype: str | None = "bfloat16"  # float32 | bfloat16 | float16 (bf16: the fast path on CPUs with avx512_bf16)
     engine_options: dict = Field(default_factory=dict)  # more SpecEEEngine.from_pretrained options
     max_batch_size: int = Field(8, ge=1)  # prompts per batched engine call
     batch_wait_timeout_s: float = Field(0.02, ge=0)  # how long a batch waits to fill up

@@ -56,6 +56,7 @@ class StageConfig:
     seed: int | None = None
     batch_size: int = 16  # rows per actor call, also the engine's max batch
     torch_threads: int | None = None  # None: the CPUs Ray gave the actor, at least 1
+    chat: bool | None = None  # prompt = a user message through the chat template; None: when the model has one
     engine_options: dict = field(default_factory=dict)  # early-exit options (EarlyExitOptions), specee only
 
     def __post_init__(self) -> None:
@@ -90,6 +91,9 @@ class GenerateRows:
         self.schedule_version = None if cfg.mode == "dense" or self.engine.schedule is None \
             else self.engine.schedule.version
         self.num_layers = self.engine.config.num_hidden_layers
+        self.chat = self.engine.has_chat_template if cfg.chat is None else cfg.chat
+        if self.chat and not self.engine.has_chat_template:
+            raise ValueError(f"chat=True but {cfg.model} has no chat template")
         log.info("actor pid %d: %s on %s, mode %s, schedule v%s", os.getpid(), cfg.model, cfg.device, cfg.mode,
                  self.schedule_version)
 
@@ -99,23 +103,36 @@ class GenerateRows:
         input_errors = batch["input_error"].to_pylist()
         waves = batch["wave"].to_pylist()
         rows: list[dict | None] = [None] * len(ids)
-        runnable = []
+        runnable, texts = [], {}
         for i, (prompt, error) in enumerate(zip(prompts, input_errors)):
             if error is not None:  # the reader could not make a prompt of the row
                 rows[i] = self._error_row(ids[i], prompt, waves[i], f"InputError: {error}")
                 continue
             try:  # one row at a time, so that one bad prompt does not fail the batch
-                self.engine.encode_prompt(prompt)
+                texts[i] = self._prompt_text(prompt)
+                self.engine.encode_prompt(texts[i])
                 runnable.append(i)
             except PromptError as e:
                 rows[i] = self._error_row(ids[i], prompt, waves[i], f"PromptError: {e}")
-        for i, result in zip(runnable, self._generate([prompts[i] for i in runnable])):
+        for i, result in zip(runnable, self._generate([texts[i] for i in runnable])):
             if isinstance(result, Exception):
                 rows[i] = self._error_row(ids[i], prompts[i], waves[i], f"{type(result).__name__}: {result}")
             else:
                 rows[i] = self._row(ids[i], prompts[i], waves[i], result)
         maybe_crash_once()
         return pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA)
+
+    def _prompt_text(self, prompt) -> str:
+        """What the engine runs for a row's prompt: the prompt itself, or in chat mode the chat template
+        around it as the user's message."""
+        if not self.chat:
+            return prompt
+        if not isinstance(prompt, str) or not prompt:
+            raise PromptError(f"prompt must be a non-empty string, got {prompt!r:.40}")
+        try:
+            return self.engine.chat_prompt([{"role": "user", "content": prompt}])
+        except ValueError as e:
+            raise PromptError(str(e)) from None
 
     def _generate(self, prompts: list[str]) -> list:
         """GenerationResults, or for a prompt that fails when run alone its exception."""

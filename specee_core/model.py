@@ -59,6 +59,42 @@ class RMSNorm:
         return F.layer_norm(torch.cat((x, -x), dim=-1), (2 * d,), self.ln_weight, None, self.eps)[..., :d]
 
 
+def _can_pack(w: torch.Tensor) -> bool:
+    return (w.device.type == "cpu" and w.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class Linear:
+    """y = x @ w.T (+ b) for a weight w [out, in]. On CPU in bf16 the weight is also kept in oneDNN's
+    blocked layout, packed on first use: its GEMV reads memory about twice as fast as the plain
+    layout's at decode sizes (1-16 rows), with bit-identical results. Elsewhere: F.linear."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None, pack: bool | None = None):
+        self.w, self.b = w, b
+        self.pack = _can_pack(w) if pack is None else pack
+        self._packed: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.pack:
+            return F.linear(x, self.w, self.b)
+        if self._packed is None:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.w, 1)
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.b, "none", [], "")
+
+
+@dataclass
+class LayerLinears:
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+
+    @classmethod
+    def of(cls, lw: LayerWeights) -> LayerLinears:
+        return cls(Linear(lw.wqkv, lw.bqkv), Linear(lw.wo, lw.bo), Linear(lw.w_gate_up, lw.b_gate_up),
+                   Linear(lw.w_down, lw.b_down))
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device | str, dtype: torch.dtype):
         self.config = config
@@ -70,6 +106,8 @@ class LlamaModel:
         self.input_norms = [None if lw.input_norm is None else RMSNorm(lw.input_norm, eps) for lw in weights.layers]
         self.post_norms = [RMSNorm(lw.post_norm, eps) for lw in weights.layers]
         self.norm = RMSNorm(weights.norm, eps)
+        self.linears = [LayerLinears.of(lw) for lw in weights.layers]
+        self.head = Linear(weights.lm_head)
         c = config
         self.q_size = c.num_attention_heads * c.head_dim
         self.qk_heads = c.num_attention_heads + c.num_key_value_heads  # heads RoPE rotates
@@ -98,18 +136,18 @@ class LlamaModel:
     def layer(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
               rows: torch.Tensor | None = None, n_valid: torch.Tensor | None = None) -> torch.Tensor:
         """Run decoder layer i on hidden h [N, T, D] of cache rows `rows` [N] (None = all rows)."""
-        c, lw = self.config, self.w.layers[i]
+        c, lin = self.config, self.linears[i]
         n, t, _ = h.shape
         norm = self.input_norms[i]
         x = h if norm is None else norm(h)
-        qkv = F.linear(x, lw.wqkv, lw.bqkv).view(n, t, self.all_heads, c.head_dim).transpose(1, 2)
+        qkv = lin.qkv(x).view(n, t, self.all_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rope(qkv[:, : self.qk_heads], *rope).split(self.qk_split, dim=1)  # one rotation for q and k
         keys, values, mask, causal = cache.append(i, rows, k, qkv[:, self.qk_heads :], n_valid)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale,
                                            enable_gqa=self.gqa)
-        h = h + F.linear(o.transpose(1, 2).reshape(n, t, self.q_size), lw.wo, lw.bo)
-        gate, up = F.linear(self.post_norms[i](h), lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate).mul_(up), lw.w_down, lw.b_down)
+        h = h + lin.o(o.transpose(1, 2).reshape(n, t, self.q_size))
+        gate, up = lin.gate_up(self.post_norms[i](h)).chunk(2, dim=-1)
+        return h + lin.down(F.silu(gate).mul_(up))
 
     def write_kv(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
                  rows: torch.Tensor | None = None) -> None:
@@ -127,7 +165,7 @@ class LlamaModel:
 
     def lm_head(self, h_normed: torch.Tensor) -> torch.Tensor:
         """[..., D] -> logits [..., V]."""
-        return F.linear(h_normed, self.w.lm_head)
+        return self.head(h_normed)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.final_norm(h))

@@ -23,7 +23,7 @@ from torch import nn
 from specee_core.config import ModelConfig
 from specee_core.kv_cache import KVCache
 from specee_core.loader import read_state_dict
-from specee_core.model import LayerWeights, LlamaModel, ModelWeights, rms_norm
+from specee_core.model import LayerWeights, Linear, LlamaModel, ModelWeights, rms_norm
 from specee_core.rope import apply_rope
 
 log = logging.getLogger(__name__)
@@ -165,13 +165,12 @@ class DraftSpeculator(Speculator):
     def __init__(self, head: DraftHead, model: LlamaModel, k: int = 4, use_subset: bool = True):
         self.k = k
         self.subset = head.vocab_subset.to(model.device) if use_subset and head.vocab_subset is not None else None
-        self.subset_w = None if self.subset is None else model.w.lm_head[self.subset].contiguous()  # [V', D]
+        self.subset_head = None if self.subset is None else Linear(model.w.lm_head[self.subset].contiguous())  # [V', D]
         self.model_base = model
         dtype, dev = model.dtype, model.device
         lw = head.to(device=dev, dtype=dtype).layer_weights()
         lw = LayerWeights(**{f: (None if t is None else t.detach()) for f, t in vars(lw).items()})
-        self.fc_w = head.fc.weight.detach()  # [D, 2D]
-        self.fc_b = head.fc.bias.detach()
+        self.fc = Linear(head.fc.weight.detach(), head.fc.bias.detach())  # [D, 2D]
         self.draft = LlamaModel(model.config, ModelWeights(embed=model.w.embed, layers=[lw], norm=model.w.norm,
                                                            lm_head=model.w.lm_head), dev, dtype)
         self.cache: KVCache | None = None
@@ -179,7 +178,7 @@ class DraftSpeculator(Speculator):
     def _step(self, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, rows, n_valid=None):
         """tokens [N, T], feats [N, T, D] -> draft output features [N, T, D]."""
         m = self.draft
-        h = F.linear(torch.cat((m.embed(tokens), feats), dim=-1), self.fc_w, self.fc_b)
+        h = self.fc(torch.cat((m.embed(tokens), feats), dim=-1))
         return m.layer(0, h, m.rope_for(positions), self.cache, rows, n_valid)
 
     def start(self, prompt_ids, features, lens, max_len) -> None:
@@ -201,8 +200,8 @@ class DraftSpeculator(Speculator):
         sub = idx if len(rows) < self.cache.batch else None
         out = self._step(tokens[:, None], features[:, None], positions, sub)[:, 0]
         if self.subset is None:
-            return self.draft.lm_head(out).topk(self.k, dim=-1).indices
-        return self.subset[F.linear(out, self.subset_w).topk(self.k, dim=-1).indices]
+            return self.model_base.lm_head(out).topk(self.k, dim=-1).indices  # the base's head, shared
+        return self.subset[self.subset_head(out).topk(self.k, dim=-1).indices]
 
 
 class PromptLookupSpeculator(Speculator):

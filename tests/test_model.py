@@ -150,3 +150,32 @@ def test_fused_rms_norm_and_rope_forms_equal_the_reference_formulas():
     rotate_half = torch.cat((-q[..., 8:], q[..., :8]), dim=-1)  # HF's formula with the plain sin
     signed = torch.cat((-sin[..., :8], sin[..., 8:]), dim=-1)
     assert torch.equal(apply_rope(q, cos, signed), q * cos + rotate_half * sin)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="oneDNN bf16 not available on this CPU")
+def test_packed_bf16_linear_is_bit_identical_to_f_linear(tiny_model_dir):
+    """The CPU bf16 path's oneDNN-packed weights change the memory layout, not the arithmetic: the
+    whole model's logits equal those of plain F.linear, bit for bit, for a prefill and decode steps."""
+    import torch.nn.functional as F
+
+    from specee_core.model import Linear
+
+    w, b = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
+    lin = Linear(w, b)
+    assert lin.pack
+    for m in (1, 4, 17):
+        x = torch.randn(2, m, 64).bfloat16()
+        assert torch.equal(lin(x), F.linear(x, w, b))
+    packed, plain = load_model(tiny_model_dir, dtype="bfloat16"), load_model(tiny_model_dir, dtype="bfloat16")
+    for linear in [plain.head] + [getattr(l, f) for l in plain.linears for f in ("qkv", "o", "gate_up", "down")]:
+        linear.pack = False
+    caches = packed.new_cache(2, 32), plain.new_cache(2, 32)
+    start = 0
+    for t in (17, 1, 3):
+        ids = torch.randint(2, 8000, (2, t))
+        pos = torch.arange(start, start + t).expand(2, t)
+        a, b = (m.logits(m.forward(ids, pos, c)) for m, c in zip((packed, plain), caches))
+        assert torch.equal(a, b)
+        start += t
+    assert packed.head._packed is not None and plain.head._packed is None

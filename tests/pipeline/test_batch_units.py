@@ -165,7 +165,7 @@ def test_default_mode_follows_the_model(tmp_path):
     (tmp_path / "predictors.safetensors").write_bytes(b"")
     cfg = build_config(args)
     assert cfg.stage.mode == "specee" and cfg.stage.engine_options == {"explore_every": 8}
-    assert parse_args(["--output", "o"]).input == [str(REPO / "prompts" / "sample_prompts.jsonl")]
+    assert parse_args(["--output", "o"]).input == [str(REPO / "prompts" / "instructions_heldout.jsonl")]
 
 
 class FakeEngine:

@@ -54,9 +54,9 @@ def server(dirs):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run_many([
-        serve.RunTarget(app({"model": str(plain), "model_name": "tiny", "num_cpus": 0.5,
+        serve.RunTarget(app({"model": str(plain), "model_name": "tiny", "num_cpus": 0.5, "dtype": "float32",
                              "max_tokens_limit": MAX_TOKENS_LIMIT}), name="specee", route_prefix="/"),
-        serve.RunTarget(app({"model": str(chat), "model_name": "tiny-chat", "num_cpus": 0.5}), name="chat",
+        serve.RunTarget(app({"model": str(chat), "model_name": "tiny-chat", "num_cpus": 0.5, "dtype": "float32"}), name="chat",
                         route_prefix="/chat"),
     ])
     try:
