@@ -75,6 +75,17 @@ def is_heldout_id(row_id: str, fraction: float = 0.05) -> bool:
     return zlib.crc32(row_id.encode()) % 10_000 < fraction * 10_000
 
 
+def drop_partial_line(path: Path) -> None:
+    """Cut a line a killed writer left unfinished, so that appending starts on a fresh line."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+        log.warning("%s: unfinished last line removed", path)
+
+
 def sample_prompts(path: Path, n: int, seed: int = 0, exclude: Path | None = None) -> list[dict]:
     """n instruction rows drawn at random (by seed) from path, skipping the ids found in the JSON
     lines of `exclude` (e.g. a distill file, so that measurements use prompts a draft never saw)."""
@@ -101,15 +112,17 @@ def distill(cfg: DistillConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     rows = read_prompts(cfg.prompts, cfg.limit)
+    drop_partial_line(cfg.out)
     done = {r["id"] for r in read_jsonl(cfg.out)} if cfg.out.is_file() else set()
     todo = [r for r in rows if r["id"] not in done]
     log.info("%d prompts, %d already in %s, %d to go", len(rows), len(rows) - len(todo), cfg.out, len(todo))
     if not todo:
+        write_manifest(cfg, 0.0)
         return {"written": 0, "skipped": len(rows)}
     engine = SpecEEEngine.from_pretrained(cfg.model, dtype=cfg.dtype, max_batch_size=cfg.batch_size)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens)
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    t0, tokens, written = time.perf_counter(), 0, 0
+    t0, tokens, written, manifest = time.perf_counter(), 0, 0, None
     with open(cfg.out, "a") as f, tqdm(total=len(todo), unit="prompt", desc="distill") as bar:
         for s in range(0, len(todo), cfg.batch_size):
             chunk = todo[s : s + cfg.batch_size]
@@ -118,6 +131,7 @@ def distill(cfg: DistillConfig) -> dict:
                 f.write(json.dumps({"id": r["id"], "prompt_ids": p, "answer_ids": res.token_ids}) + "\n")
                 tokens += len(res.token_ids)
             f.flush()
+            manifest = write_manifest(cfg, time.perf_counter() - t0, manifest)
             written += len(chunk)
             bar.update(len(chunk))
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}", tokens=tokens)
@@ -125,6 +139,30 @@ def distill(cfg: DistillConfig) -> dict:
               "seconds": round(time.perf_counter() - t0, 1), "out": str(cfg.out)}
     print(json.dumps(report), flush=True)
     return report
+
+
+def manifest_path(out: Path) -> Path:
+    return out.with_name(out.name + ".manifest.json")
+
+
+def write_manifest(cfg: DistillConfig, seconds: float, started: dict | None = None) -> dict:
+    """Rewrite <out>.manifest.json: what the file holds and how it was made. `seconds` of this run
+    add to those of the runs before it, read from the manifest as this run found it (`started`;
+    None: read it now). Returns the manifest this run started from, for the next call."""
+    from jobs.build_corpus import HELD_OUT
+
+    path = manifest_path(cfg.out)
+    if started is None:
+        started = json.loads(path.read_text()) if path.is_file() else {}
+    rows = read_jsonl(cfg.out) if cfg.out.is_file() else []
+    manifest = {"model": str(cfg.model), "prompts": str(cfg.prompts), "max_new_tokens": cfg.max_new_tokens,
+                "dtype": cfg.dtype, "decoding": "greedy", "rows": len(rows),
+                "prompt_tokens": sum(len(r["prompt_ids"]) for r in rows),
+                "answer_tokens": sum(len(r["answer_ids"]) for r in rows),
+                "seconds": round(started.get("seconds", 0.0) + seconds, 1),
+                "held_out_modules_excluded": list(HELD_OUT)}
+    path.write_text(json.dumps(manifest, indent=2))
+    return started
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,11 @@
 """Write <model>/MODEL_CARD.md from the logs the training jobs left beside the model.
 
     python -m jobs.model_card --model models/specee-tiny
+    python -m jobs.model_card --model models/smollm2-135m-instruct
+
+A model imported from a GGUF file (specee_import.json beside it) gets a card for its SpecEE
+artifacts: the base file and its sha256, the distilled training data, the draft head's
+held-out and decode hit rates, the predictors, the oracle exit depth and the schedule.
 """
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ def load_json(path: Path) -> dict:
 
 
 def render(cfg: CardConfig) -> str:
+    if (cfg.model / "specee_import.json").is_file():
+        return render_imported(cfg.model)
     m = cfg.model
     config = load_json(m / "config.json")
     log = load_json(m / "train_log.json")
@@ -80,6 +87,100 @@ def render(cfg: CardConfig) -> str:
             lines.append(f"| {layer} | {r['positive_rate']:.2f} | {r['precision']:.2f} | {r['recall']:.2f} |")
         lines.append("")
     lines += ["## Reproduce", "", "```", REPRODUCE, "```", ""]
+    return "\n".join(lines)
+
+
+def pct(x) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+def render_imported(m: Path) -> str:
+    """The card of a GGUF-imported model's SpecEE artifacts, from specee_import.json, the draft head's
+    config, predictors_report.json, schedule.json and schedule_report.json."""
+    record = load_json(m / "specee_import.json")
+    config = load_json(m / "config.json")
+    meta = load_json(m / "draft" / "config.json").get("specee", {})
+    held, dcfg = meta.get("heldout", {}), meta.get("config", {})
+    train = held.get("train", {})
+    distill = train.get("distill_manifest", {})
+    preds = load_json(m / "predictors_report.json")
+    schedule = load_json(m / "schedule.json")
+    prof = load_json(m / "schedule_report.json")
+    spec = preds.get("speculator", {})
+    decode, whole = spec.get("draft", {}), spec.get("draft_whole_vocab", {})
+    draft_mb = sum(f.stat().st_size for f in (m / "draft").glob("*")) / 1e6
+    k = dcfg.get("k", "4")
+    n_layers = config.get("num_hidden_layers")
+    lines = [
+        f"# {m.name}: SpecEE artifacts", "",
+        "SpecEE's draft head, per-layer exit predictors and predictor schedule for SmolLM2-135M-Instruct. "
+        "The base weights are not in the repository: `make model` (jobs.import_gguf) converts them from the "
+        "GGUF file below and checks its sha256. All numbers below are read from the training jobs' logs.", "",
+        "## Base model", "",
+        f"- `{record.get('source')}`, sha256 `{record.get('sha256')}`, {record.get('size', 0):,} bytes "
+        f"(tensor types {record.get('quant_types')}), dequantized to {record.get('stored_dtype')} safetensors "
+        f"(gguf {record.get('gguf_version')}, transformers {record.get('transformers_version')})",
+        f"- {n_layers} decoder layers, hidden {config.get('hidden_size')}, {config.get('num_attention_heads')} heads "
+        f"({config.get('num_key_value_heads')} KV heads), MLP {config.get('intermediate_size')}, vocab "
+        f"{config.get('vocab_size')}, tied embeddings: {config.get('tie_word_embeddings')}; chat template from the GGUF", "",
+        "## Training data", "",
+        f"- Prompts: `{distill.get('prompts')}` (jobs.make_instructions: one user message per documented function "
+        f"of standard-library modules outside the held-out list). Held-out modules, never trained on: "
+        f"{', '.join(distill.get('held_out_modules_excluded', []))}. `prompts/instructions_heldout.jsonl` (those "
+        "modules) and HumanEval were never used for training.",
+        f"- Self-distillation (jobs.make_distill_data): the model's own {distill.get('decoding')} answers "
+        f"({distill.get('dtype')}, chat template, at most {distill.get('max_new_tokens')} new tokens) to "
+        f"{distill.get('rows')} prompts: {distill.get('prompt_tokens', 0):,} prompt and "
+        f"{distill.get('answer_tokens', 0):,} answer tokens, {distill.get('seconds', 0) / 60:.0f} min of decoding",
+        f"- Draft head: {train.get('train_rows')} of those rows ({train.get('train_tokens', 0):,} tokens, "
+        f"sequences prompt + answer); {train.get('heldout_rows')} rows held out by a hash of the id for evaluation",
+        f"- Predictors: full-depth greedy decoding ({preds.get('dtype')}) of {preds.get('num_prompts')} other "
+        f"training prompts, {preds.get('steps')} decode steps",
+        f"- Schedule: {prof.get('num_prompts')} training prompts x {prof.get('max_new_tokens')} tokens in SpecEE mode "
+        f"with every predictor on (threshold {prof.get('threshold')})", "",
+        "## Draft head (`draft/`)", "",
+        f"- EAGLE-1 layout (one decoder layer over [token embedding; base feature]), bf16, {draft_mb:.1f} MB; "
+        f"ranks the {held.get('subset_size', 'whole vocabulary')} most frequent answer tokens "
+        f"({pct(held.get('draft_vocab_token_coverage'))} of the training answers' tokens)",
+        f"- Trained {train.get('steps')} steps ({dcfg.get('epochs')} epochs planned, batch {dcfg.get('batch_size')}, "
+        f"lr {dcfg.get('lr')}) in {train.get('train_time_s', 0) / 60:.0f} min on base features computed in "
+        f"{train.get('feature_dtype')} ({train.get('features_s', 0) / 60:.0f} min)",
+        "",
+        f"| hit rate of the base model's greedy token | top-1 | top-{k} |", "|---|---|---|",
+        f"| teacher-forced, held-out answers ({held.get('positions')} positions), frequent-token subset | "
+        f"{pct(held.get('subset_top1'))} | {pct(held.get(f'subset_top{k}'))} |",
+        f"| teacher-forced, held-out answers, whole vocabulary | {pct(held.get('heldout_top1'))} | "
+        f"{pct(held.get(f'heldout_top{k}'))} |",
+        f"| decoding ({decode.get('steps')} steps), frequent-token subset | {pct(decode.get('top1'))} | {pct(decode.get('topk'))} |",
+        f"| decoding, whole vocabulary | {pct(whole.get('top1'))} | {pct(whole.get('topk'))} |", "",
+        "## Exit predictors (`predictors.safetensors`)", "",
+        f"- One MLP (3k={3 * int(k)} -> 512 -> 1) per layer 1..{n_layers - 1 if n_layers else '?'}; label: the layer's "
+        "argmax among the draft's candidates is the full-depth token; validated on a random 20% of the decode steps",
+        f"- Oracle exit depth (the first layer from which every deeper layer's label holds): "
+        f"{preds.get('oracle_avg_layers', float('nan')):.1f} layers, {pct(preds.get('oracle_layer_fraction'))} of the model", "",
+        "| layer | positive rate | predicted rate | precision | recall |", "|---|---|---|---|---|",
+    ]
+    for layer, r in preds.get("layers", {}).items():
+        lines.append(f"| {layer} | {r['positive_rate']:.2f} | {r['predicted_rate']:.2f} | {r['precision']:.2f} | {r['recall']:.2f} |")
+    lines += [
+        "", "## Schedule (`schedule.json`)", "",
+        f"- Offline predictor layers {schedule.get('offline_layers')} (the layers covering {pct(prof.get('coverage'))} "
+        f"of the profiled early exits), online window {schedule.get('window')} with offsets {schedule.get('offsets')}",
+        f"- Profiling with every predictor on: {prof.get('tokens')} tokens, {prof.get('avg_layers_all_predictors', float('nan')):.1f} "
+        f"layers per token on average; exit histogram (layers run 1..{n_layers}): {prof.get('exit_histogram')}", "",
+        "## Reproduce", "", "```",
+        "make model   # jobs.import_gguf",
+        f"python -m jobs.make_distill_data --model {m} --prompts {distill.get('prompts')} --out {dcfg.get('data')} "
+        f"--limit {distill.get('rows')} --max-new-tokens {distill.get('max_new_tokens')} --batch-size 16 --dtype {distill.get('dtype')}",
+        f"python -m jobs.train_draft --model {m} --data {dcfg.get('data')} --feature-dtype {dcfg.get('feature_dtype')} "
+        f"--seq-len {dcfg.get('seq_len')} --batch-size {dcfg.get('batch_size')} --epochs {dcfg.get('epochs')} "
+        f"--time-budget-min {dcfg.get('time_budget_min')}",
+        f"python -m jobs.train_predictors --model {m} --dtype {preds.get('dtype')} --prompts {preds.get('prompts')} "
+        f"--exclude {dcfg.get('data')} --num-prompts {preds.get('num_prompts')} --max-new-tokens {preds.get('max_new_tokens')}",
+        f"python -m jobs.profile_schedule --model {m} --dtype {prof.get('dtype')} --prompts {prof.get('prompts')} "
+        f"--num-prompts {prof.get('num_prompts')} --max-new-tokens {prof.get('max_new_tokens')}",
+        f"python -m jobs.model_card --model {m}", "```", "",
+    ]
     return "\n".join(lines)
 
 

@@ -2,6 +2,11 @@
 profiling prompts, rank layers by exit frequency, and write <model>/schedule.json.
 
     python -m jobs.profile_schedule --model models/specee-tiny
+    python -m jobs.profile_schedule --model models/smollm2-135m-instruct --dtype bfloat16 \
+        --prompts prompts/instructions_train.jsonl
+
+Profiling prompts are corpus snippets, or with --prompts instruction rows rendered with the
+chat template when the tokenizer has one. The report also goes to <model>/schedule_report.json.
 
 The number of offline layers is the smallest set covering --coverage of all early exits
 (clamped to [--min-layers, --max-layers]); the choice itself is scheduler.select_offline_layers,
@@ -11,11 +16,12 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from jobs.cli import parse_config
-from jobs.build_corpus import sample_snippets
+from jobs.train_predictors import optional_path, training_prompts
 from specee_core import SpecEEEngine
 from specee_core.early_exit import SCHEDULE_FILE
 from specee_core.scheduler import Schedule, select_offline_layers
@@ -25,6 +31,8 @@ from specee_core.scheduler import Schedule, select_offline_layers
 class ProfileConfig:
     model: Path = Path("models/specee-tiny")
     corpus: Path = Path("data/corpus")
+    prompts: Path | None = None  # instruction rows {"id", "prompt"} (JSON lines) instead of corpus snippets
+    dtype: str = "float32"  # the engine's dtype: profile in the one it will serve with
     num_prompts: int = 48
     max_new_tokens: int = 96
     coverage: float = 0.8
@@ -35,7 +43,7 @@ class ProfileConfig:
     seed: int = 1
 
     def __post_init__(self) -> None:
-        self.model, self.corpus = Path(self.model), Path(self.corpus)
+        self.model, self.corpus, self.prompts = Path(self.model), Path(self.corpus), optional_path(self.prompts)
         if not 0 < self.coverage <= 1:
             raise ValueError(f"coverage must be in (0, 1], got {self.coverage}")
 
@@ -51,10 +59,11 @@ def layers_for_coverage(histogram: list[int], coverage: float) -> int:
 
 
 def profile(cfg: ProfileConfig) -> dict:
-    engine = SpecEEEngine.from_pretrained(cfg.model, speculator=cfg.speculator, threshold=cfg.threshold)
+    engine = SpecEEEngine.from_pretrained(cfg.model, dtype=cfg.dtype, speculator=cfg.speculator, threshold=cfg.threshold)
     L = engine.config.num_hidden_layers
     engine.set_schedule(Schedule.all_layers(L, source="profile-all"))
-    prompts = sample_snippets(cfg.corpus / "train.jsonl", cfg.num_prompts, seed=cfg.seed)
+    prompts = training_prompts(engine, cfg.corpus, cfg.prompts, cfg.num_prompts, cfg.seed)
+    t0 = time.perf_counter()
     results = engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, mode="specee")
     hist = [sum(r.stats["exit_histogram"][i] for r in results) for i in range(L)]
     n = max(cfg.min_layers, min(cfg.max_layers, layers_for_coverage(hist, cfg.coverage)))
@@ -62,7 +71,11 @@ def profile(cfg: ProfileConfig) -> dict:
     schedule.save(cfg.model / SCHEDULE_FILE)
     tokens = sum(hist)
     report = {"exit_histogram": hist, "tokens": tokens, "avg_layers_all_predictors": sum((i + 1) * c for i, c in enumerate(hist)) / tokens,
-              "offline_layers": schedule.offline_layers, "coverage": sum(hist[l - 1] for l in schedule.offline_layers) / max(1, sum(hist[:-1]))}
+              "offline_layers": schedule.offline_layers, "coverage": sum(hist[l - 1] for l in schedule.offline_layers) / max(1, sum(hist[:-1])),
+              "prompts": str(cfg.prompts or cfg.corpus / "train.jsonl"), "num_prompts": len(prompts),
+              "max_new_tokens": cfg.max_new_tokens, "threshold": cfg.threshold, "dtype": cfg.dtype,
+              "seconds": round(time.perf_counter() - t0, 1)}
+    (cfg.model / "schedule_report.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report), flush=True)
     return report
 

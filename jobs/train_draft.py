@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from jobs.cli import parse_config
-from jobs.make_distill_data import is_heldout_id, read_jsonl
+from jobs.make_distill_data import is_heldout_id, manifest_path, read_jsonl
 from jobs.train_base import fixed_windows, tokenize_split
 from specee_core import load_model, load_tokenizer
 from specee_core.speculators import DraftHead
@@ -145,6 +145,8 @@ def load_sequences(cfg: DraftTrainConfig, tokenizer, vocab_size: int) -> tuple[l
         summary = {"source": str(cfg.data), "train_rows": len(train_rows), "heldout_rows": len(held),
                    "train_tokens": sum(len(seq(r)) for r in train_rows),
                    "train_answer_tokens": len(answers)}
+        if manifest_path(cfg.data).is_file():  # how the data was made travels with the head
+            summary["distill_manifest"] = json.loads(manifest_path(cfg.data).read_text())
         train_b = make_batches([seq(r) for r in train_rows], [0] * len(train_rows), cfg.batch_size)
         eval_b = make_batches([seq(r) for r in held], [len(r["prompt_ids"]) - 1 for r in held], cfg.batch_size)
         return train_b, eval_b, np.bincount(answers, minlength=vocab_size), summary
@@ -225,7 +227,7 @@ def train(cfg: DraftTrainConfig) -> dict:
             log.info("resumed from %s at step %d of %d", ckpt, step, steps)
     t0 = time.perf_counter() - elapsed
     t_ckpt = time.perf_counter()
-    out_of_time = False
+    out_of_time = cfg.time_budget_min > 0 and elapsed > cfg.time_budget_min * 60  # a resumed run already out of time
     while step < steps and not out_of_time:
         epoch, first = divmod(step, len(train_b))
         order = torch.randperm(len(train_b), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
@@ -245,12 +247,12 @@ def train(cfg: DraftTrainConfig) -> dict:
                 print(json.dumps({"epoch": epoch, "step": step, "of": steps, "loss": round(loss.item(), 4),
                                   "smooth_l1": round(reg.item(), 4), "ce": round(ce.item(), 3),
                                   "lr": round(opt.param_groups[0]["lr"], 6), "elapsed_s": round(elapsed, 1)}), flush=True)
-            if time.perf_counter() - t_ckpt > cfg.ckpt_every_s:
+            out_of_time = cfg.time_budget_min > 0 and elapsed > cfg.time_budget_min * 60
+            if out_of_time or step == steps or time.perf_counter() - t_ckpt > cfg.ckpt_every_s:
                 torch.save({"config": asdict(cfg), "head": head.state_dict(), "opt": opt.state_dict(), "step": step,
                             "elapsed_s": elapsed}, ckpt)
                 t_ckpt = time.perf_counter()
-            if cfg.time_budget_min > 0 and elapsed > cfg.time_budget_min * 60:
-                out_of_time = True
+            if out_of_time:
                 break
 
     report = evaluate(head, model, eval_b, cfg, subset)

@@ -146,6 +146,9 @@ def test_fused_rms_norm_and_rope_forms_equal_the_reference_formulas():
 
     x, w = torch.randn(3, 5, 96), torch.randn(96)
     torch.testing.assert_close(RMSNorm(w, 1e-5)(x), rms_norm(x, w, 1e-5), atol=1e-6, rtol=1e-5)
+    for dtype in (torch.bfloat16, torch.float16):  # HF's formula, bit for bit
+        xh, wh = (torch.randn(64, 576) * torch.rand(64, 1) * 10).to(dtype), torch.randn(576).to(dtype)
+        assert torch.equal(RMSNorm(wh, 1e-5)(xh), rms_norm(xh, wh, 1e-5))
     q, cos, sin = torch.randn(2, 4, 5, 16), torch.randn(2, 1, 5, 16), torch.randn(2, 1, 5, 16)
     rotate_half = torch.cat((-q[..., 8:], q[..., :8]), dim=-1)  # HF's formula with the plain sin
     signed = torch.cat((-sin[..., :8], sin[..., 8:]), dim=-1)

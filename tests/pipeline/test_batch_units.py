@@ -177,6 +177,7 @@ class FakeEngine:
         self.config = SimpleNamespace(num_hidden_layers=num_layers)
         self.schedule = Schedule(num_layers=num_layers, offline_layers=[3], version=0)
         self.calls = []
+        self.has_chat_template = False
 
     def set_schedule(self, schedule: Schedule) -> None:
         self.schedule = schedule
@@ -236,3 +237,33 @@ def test_stage_uses_the_wave_schedule_and_isolates_failing_rows(monkeypatch):
     stats.add(out)
     assert (stats.rows, stats.errors, stats.retune_histogram) == (5, 3, [2, 0, 0, 2])
     assert next_schedule(wave_schedule, stats).version == 8
+
+
+def test_stage_runs_prompts_through_the_chat_template(tmp_path):
+    """A model with a chat template: each row's prompt is the user's message (chat=None means auto);
+    the row keeps the raw prompt, the completion is what the engine answers to the rendered chat."""
+    import json
+
+    from pipeline.stage import GenerateRows
+    from specee_core import SpecEEEngine
+    from tests.conftest import make_hf_model
+
+    make_hf_model(tmp_path, layers=2, hidden=64, heads=4, kv_heads=2)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    stage = GenerateRows(StageConfig(model=str(tmp_path), max_new_tokens=6), None, "run-1")
+    assert stage.chat
+    batch = pa.table({"id": ["a", "b"], "prompt": ["Reverse a string.", ""], "input_error": [None, None],
+                      "wave": pa.array([0, 0], pa.int32())})
+    rows = {r["id"]: r for r in stage(batch).to_pylist()}
+    engine = SpecEEEngine.from_pretrained(tmp_path)
+    rendered = engine.chat_prompt([{"role": "user", "content": "Reverse a string."}])
+    assert rendered.startswith("<|user|>\nReverse a string.") and rendered.endswith("<|assistant|>\n")
+    expect = engine.generate([rendered], max_new_tokens=6)[0]
+    assert rows["a"]["prompt"] == "Reverse a string." and rows["a"]["completion"] == expect.text
+    assert rows["a"]["prompt_tokens"] == len(engine.encode_prompt(rendered))
+    assert rows["b"]["error"].startswith("PromptError")
+    plain = GenerateRows(StageConfig(model=str(tmp_path), max_new_tokens=6, chat=False), None, "run-2")
+    assert plain(batch).to_pylist()[0]["prompt_tokens"] == len(engine.encode_prompt("Reverse a string."))
