@@ -49,6 +49,7 @@ class KVCache:
         True (a chunk from slot 0) or False (one token, every slot valid).
         """
         n, _, t, _ = k.shape
+        k, v = k.to(self.k.dtype), v.to(self.k.dtype)  # the cache may hold a wider dtype (fp32 for CPU bf16)
         start = self.uniform[layer]
         if rows is None and start is not None and (n_valid is None or start == 0):
             return self._append_uniform(layer, start, k, v, n_valid)
