@@ -47,6 +47,19 @@ def test_always_exit_runs_fewer_layers(ee_model_dir, verify, kv_mode, skip):
         assert (cache.lengths[-1, :4] < full).all()
 
 
+@pytest.mark.parametrize("kv_mode", ["propagate", "recompute"])
+def test_bf16_specee_paths(ee_model_dir, kv_mode):
+    """The CPU bf16 path (oneDNN-packed weights, fp32 K/V): exits off equals dense token for token, and
+    always-exit steps run with their KV writes (propagated rows, recompute chunks) into the fp32 cache."""
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, dtype="bfloat16", kv_mode=kv_mode, threshold=2.0)
+    assert engine.model.kv_dtype == torch.float32
+    dense = engine.generate(PROMPTS, max_new_tokens=10, mode="dense")
+    off = engine.generate(PROMPTS, max_new_tokens=10, mode="specee")
+    assert [r.token_ids for r in off] == [r.token_ids for r in dense]
+    res = engine.with_options(threshold=0.0).generate(PROMPTS, max_new_tokens=10, mode="specee", ignore_eos=True)
+    assert max(l for r in res for l in r.exit_layers[1:]) < engine.config.num_hidden_layers
+
+
 def test_batch_skip_keeps_exited_rows_flowing(ee_model_dir):
     """skip='batch': a row that exited keeps running layers (exact KV) until every row has exited;
     skip='row' compacts. Same tokens and exit layers for a row that exits alone."""
