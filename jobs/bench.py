@@ -190,7 +190,7 @@ class TeacherForced:
 
     def step(self, alive, rows, generator):
         toks, layers = self.inner.step(alive, rows, generator)
-        for b, tok in zip(alive, toks):
+        for b, (tok,) in zip(alive, toks):
             i = len(self.batch.generated[b])  # index of the token this step produced
             truth = self.targets[b][i]
             self.hits[0] += tok == truth

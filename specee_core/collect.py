@@ -54,7 +54,7 @@ class CollectStepper:
         self.data.final.append(tok.cpu())
         batch.next_tokens[idx] = tok
         self.features[idx] = hn
-        return tok.tolist(), [m.num_layers] * len(alive)
+        return [[t] for t in tok.tolist()], [[m.num_layers]] * len(alive)
 
 
 def collect_exit_data(engine, prompts: list[str], speculator: Speculator, max_new_tokens: int = 128) -> ExitData:

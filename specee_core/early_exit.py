@@ -100,8 +100,16 @@ def initial_schedule(model_dir: str | Path) -> Schedule:
     return Schedule(num_layers=num_layers, offline_layers=layers, source="predictors")
 
 
-def load_early_exit(model_dir: Path, model, tokenizer, **options) -> EarlyExit | None:
-    """EarlyExit from the files beside the model, or None when there are no predictors."""
+def load_draft_head(model_dir: Path, model) -> DraftHead | None:
+    """The draft head in draft/ beside the model, or None."""
+    path = Path(model_dir) / DRAFT_DIR
+    return DraftHead.load(path, model.config) if (path / "config.json").is_file() else None
+
+
+def load_early_exit(model_dir: Path, model, tokenizer, draft_head: DraftHead | None = None,
+                    **options) -> EarlyExit | None:
+    """EarlyExit from the files beside the model, or None when there are no predictors. draft_head:
+    the already loaded draft head (None: none)."""
     unknown = set(options) - {f.name for f in fields(EarlyExitOptions)}
     if unknown:
         raise TypeError(f"unknown engine options: {sorted(unknown)}")
@@ -117,9 +125,7 @@ def load_early_exit(model_dir: Path, model, tokenizer, **options) -> EarlyExit |
                         window=schedule.window if opts.window is None else opts.window,
                         offsets=schedule.offsets if opts.offsets is None else opts.offsets,
                         version=schedule.version, source=schedule.source)
-    draft = None
-    if (model_dir / DRAFT_DIR / "config.json").is_file():
-        draft = DraftSpeculator(DraftHead.load(model_dir / DRAFT_DIR, model.config), model, k=predictors.k)
+    draft = None if draft_head is None else DraftSpeculator(draft_head, model, k=predictors.k)
     if opts.speculator == "draft":
         if draft is None:
             raise FileNotFoundError(f"speculator='draft' but no draft head at {model_dir / DRAFT_DIR}")
@@ -347,7 +353,7 @@ class Stepper:
             if explore:
                 self.rows[b].explore_histogram[l - 1] += 1
         self.t_total += time.perf_counter() - t_start
-        return out_tok.tolist(), out_layer
+        return [[t] for t in out_tok.tolist()], [[l] for l in out_layer]
 
     def _layer_with_pending(self, i: int, h: torch.Tensor, rope, rows_b: list[int], cache_rows):
         """Layer i for the current tokens h [n, 1, D] of batch rows rows_b, preceded in the same

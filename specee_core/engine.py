@@ -12,13 +12,13 @@ from typing import Callable
 import torch
 
 from specee_core.config import ModelConfig
-from specee_core.loader import load_model, load_tokenizer
+from specee_core.loader import find_model_dir, load_model, load_tokenizer
 from specee_core.model import LlamaModel
 from specee_core.sampling import SamplingParams, sample
 
 log = logging.getLogger(__name__)
 
-MODES = ("dense", "specee")
+MODES = ("dense", "specee", "spec")
 
 
 class PromptError(ValueError):
@@ -62,17 +62,20 @@ class Batch:
     t_first: float = 0.0
     t_done: list[float] = field(default_factory=list)
     on_token: Callable[[int, int], None] | None = None
+    mode: str = "dense"
 
     def alive(self) -> list[int]:
         return [b for b, f in enumerate(self.finish) if f is None]
 
 
 class SpecEEEngine:
-    def __init__(self, model: LlamaModel, tokenizer, options: EngineOptions | None = None, early_exit=None):
+    def __init__(self, model: LlamaModel, tokenizer, options: EngineOptions | None = None, early_exit=None,
+                 draft_head=None):
         self.model = model
         self.tokenizer = tokenizer
         self.options = options or EngineOptions()
         self.early_exit = early_exit  # specee_core.early_exit.EarlyExit, when draft/predictors are present
+        self.draft_head = draft_head  # specee_core.speculators.DraftHead, when draft/ is present
         c = model.config
         self.context_len = self.options.context_len or default_context_len(c)
         eos = set(c.eos_token_id)
@@ -100,7 +103,8 @@ class SpecEEEngine:
         (threshold, verify, kv_mode, ...: see specee_core.early_exit.EarlyExitOptions)."""
         if self.early_exit is None:
             raise ValueError("this engine has no predictors: early-exit options do not apply")
-        return SpecEEEngine(self.model, self.tokenizer, self.options, self.early_exit.with_options(**early_exit_options))
+        return SpecEEEngine(self.model, self.tokenizer, self.options, self.early_exit.with_options(**early_exit_options),
+                            self.draft_head)
 
     def set_schedule(self, schedule) -> None:
         """Switch to another predictor schedule (the Ray pipeline does this between waves)."""
@@ -118,10 +122,12 @@ class SpecEEEngine:
         model = load_model(path, device=device, dtype=dtype)
         tokenizer = load_tokenizer(path)
         engine_opts = {k: options.pop(k) for k in list(options) if k in EngineOptions.__dataclass_fields__}
-        from specee_core.early_exit import load_early_exit
+        from specee_core.early_exit import load_draft_head, load_early_exit
 
-        early_exit = load_early_exit(Path(path), model, tokenizer, **options)
-        return cls(model, tokenizer, EngineOptions(**engine_opts), early_exit)
+        model_dir = find_model_dir(path)
+        draft_head = load_draft_head(model_dir, model)
+        early_exit = load_early_exit(model_dir, model, tokenizer, draft_head, **options)
+        return cls(model, tokenizer, EngineOptions(**engine_opts), early_exit, draft_head)
 
     # ---- input checks -----------------------------------------------------------------------
     @property
@@ -161,7 +167,8 @@ class SpecEEEngine:
     def generate(self, prompts: list[str], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, stop: list[str] | str | None = None,
                  seed: int | None = None, mode: str = "dense", ignore_eos: bool = False,
-                 on_token: Callable[[int, int], None] | None = None) -> list[GenerationResult]:
+                 on_token: Callable[[int, int], None] | None = None, spec: dict | None = None,
+                 ) -> list[GenerationResult]:
         """Generate a completion for each prompt, in batches of options.max_batch_size.
 
         on_token(prompt_index, token_id) is called for every generated token as it is chosen
@@ -173,6 +180,8 @@ class SpecEEEngine:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "specee" and self.early_exit is None:
             raise ValueError("mode='specee' needs predictors and a speculator: none were found beside the model")
+        if spec and mode != "spec":
+            raise ValueError("spec options apply to mode='spec' only")
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, stop=stop or [], seed=seed,
                                 ignore_eos=ignore_eos)
@@ -182,13 +191,40 @@ class SpecEEEngine:
                 ids.append(self.encode_prompt(p))
             except PromptError as e:
                 raise PromptError(f"prompt {i}: {e}") from None
-        factory = self.early_exit.new_stepper if mode == "specee" else None
-        return self.run(ids, params, factory, on_token)
+        factory, headroom = None, 0
+        if mode == "specee":
+            factory = self.early_exit.new_stepper
+        elif mode == "spec":
+            factory, headroom = self._spec_factory(spec or {})
+        return self.run(ids, params, factory, on_token, mode=mode, cache_headroom=headroom)
+
+    def _spec_factory(self, spec: dict):
+        """The stepper factory of mode="spec" (options: specee_core.spec_decode.SpecOptions fields) and
+        the cache slots a verify chunk may need past a row's last token (rows are padded to one width)."""
+        from specee_core.spec_decode import DraftHeadProposer, LookupProposer, SpecOptions, SpecStepper
+        from specee_core.speculators import DraftSpeculator
+
+        opts = SpecOptions(**spec)
+        head = self.draft_head
+        if opts.proposer == "draft" and head is None:
+            raise ValueError("spec proposer 'draft' needs a draft head beside the model (draft/)")
+        use_draft = opts.proposer == "draft" or (opts.proposer == "auto" and head is not None)
+
+        def factory(engine, batch, cache, prefill_hidden, lens):
+            proposer = DraftHeadProposer(DraftSpeculator(head, self.model, k=1)) if use_draft else LookupProposer()
+            return SpecStepper(proposer, engine, batch, cache, prefill_hidden, lens, depth=opts.depth)
+
+        return factory, opts.depth + 1
 
     def run(self, prompt_ids: list[list[int]], params: SamplingParams, new_stepper=None,
-            on_token: Callable[[int, int], None] | None = None) -> list[GenerationResult]:
+            on_token: Callable[[int, int], None] | None = None, mode: str | None = None,
+            cache_headroom: int = 0) -> list[GenerationResult]:
         """Lower-level generate over token ids: new_stepper(engine, batch, cache, prefill_hidden, lens)
-        builds the object whose step() replaces the dense decode step (None: dense)."""
+        builds the object whose step(alive, rows, generator) replaces the dense decode step (None:
+        dense) and returns, per alive row, the tokens it decided and the layers each ran. mode names
+        the results' stats["mode"] (default: "dense" without a stepper, else "specee"); cache_headroom:
+        KV slots allocated past each batch's longest row."""
+        mode = mode or ("dense" if new_stepper is None else "specee")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -196,7 +232,8 @@ class SpecEEEngine:
         bs = self.options.max_batch_size
         for s in range(0, len(prompt_ids), bs):
             report = None if on_token is None else (lambda b, tok, _s=s: on_token(_s + b, tok))
-            out += self._generate_batch(prompt_ids[s : s + bs], params, new_stepper, generator, report)
+            out += self._generate_batch(prompt_ids[s : s + bs], params, new_stepper, generator, report, mode,
+                                        cache_headroom)
         return out
 
     def _get_cache(self, batch: int, max_len: int):
@@ -210,13 +247,14 @@ class SpecEEEngine:
 
     @torch.inference_mode()
     def _generate_batch(self, prompt_ids: list[list[int]], params: SamplingParams, new_stepper,
-                        generator: torch.Generator | None, on_token=None) -> list[GenerationResult]:
+                        generator: torch.Generator | None, on_token=None, mode: str = "dense",
+                        cache_headroom: int = 0) -> list[GenerationResult]:
         t0 = time.perf_counter()
         model, dev = self.model, self.device
         n = len(prompt_ids)
         lens = torch.tensor([len(p) for p in prompt_ids])
         max_new = [min(params.max_new_tokens, self.context_len - len(p)) for p in prompt_ids]
-        cache = self._get_cache(n, int(max(len(p) + m for p, m in zip(prompt_ids, max_new))))
+        cache = self._get_cache(n, int(max(len(p) + m for p, m in zip(prompt_ids, max_new))) + cache_headroom)
 
         # prefill: right-padded, every layer, never early exit
         t_max = int(lens.max())
@@ -231,11 +269,11 @@ class SpecEEEngine:
         batch = Batch(prompt_ids=prompt_ids, params=params, max_new=max_new, generated=[[] for _ in range(n)],
                       exit_layers=[[] for _ in range(n)], finish=[None] * n, texts=[None] * n,
                       positions=lens.clone(), next_tokens=first, last_hidden=last, t_done=[0.0] * n,
-                      on_token=on_token)
+                      on_token=on_token, mode=mode)
         stepper = None if new_stepper is None else new_stepper(self, batch, cache, h, lens)
         del h
         batch.t_first = time.perf_counter()
-        self._record(batch, list(range(n)), first.tolist(), [model.num_layers] * n)
+        self._record(batch, list(range(n)), [[t] for t in first.tolist()], [[model.num_layers]] * n)
 
         while alive := batch.alive():
             rows = torch.tensor(alive, device=dev) if (len(alive) < cache.batch) else None
@@ -246,7 +284,7 @@ class SpecEEEngine:
             self._record(batch, alive, toks, layers)
         return [self._result(batch, b, t0, stepper) for b in range(n)]
 
-    def _dense_step(self, batch: Batch, alive: list[int], rows, cache, generator) -> tuple[list[int], list[int]]:
+    def _dense_step(self, batch: Batch, alive: list[int], rows, cache, generator) -> tuple[list[list[int]], list[list[int]]]:
         if rows is None:  # every row of the cache is alive: no gathers or scatters
             fed, positions = batch.next_tokens, batch.positions
         else:
@@ -260,31 +298,38 @@ class SpecEEEngine:
         else:
             batch.next_tokens[rows] = toks
             batch.last_hidden[rows] = h
-        return toks.tolist(), [self.model.num_layers] * len(alive)
+        return [[t] for t in toks.tolist()], [[self.model.num_layers]] * len(alive)
 
-    def _record(self, batch: Batch, alive: list[int], toks: list[int], layers: list[int]) -> None:
-        """Append one new token per alive row, advance positions, and settle finished rows."""
+    def _record(self, batch: Batch, alive: list[int], toks: list[list[int]], layers: list[list[int]]) -> None:
+        """Append each alive row's new tokens (one, or a verified block), advance positions, and settle
+        finished rows: no token after a row's stop (EOS, stop string, max_new) is kept."""
         now = time.perf_counter()
-        for b, tok, layer in zip(alive, toks, layers):
-            batch.generated[b].append(tok)
-            if batch.on_token is not None:
-                batch.on_token(b, tok)
-            batch.exit_layers[b].append(layer)
-            # the token just chosen is fed next, right after the prompt and the tokens before it: the
-            # prefill's token goes in at position len(prompt), not one past it
-            batch.positions[b] = len(batch.prompt_ids[b]) + len(batch.generated[b]) - 1
-            if tok in self.eos_ids and not batch.params.ignore_eos:
+        for b, block, block_layers in zip(alive, toks, layers):
+            for tok, layer in zip(block, block_layers):
+                if batch.finish[b] is None:
+                    self._record_one(batch, b, tok, layer, now)
+
+    def _record_one(self, batch: Batch, b: int, tok: int, layer: int, now: float) -> None:
+        """Append one token to row b, advance its position, and settle the row if it finished."""
+        batch.generated[b].append(tok)
+        if batch.on_token is not None:
+            batch.on_token(b, tok)
+        batch.exit_layers[b].append(layer)
+        # the token just chosen is fed next, right after the prompt and the tokens before it: the
+        # prefill's token goes in at position len(prompt), not one past it
+        batch.positions[b] = len(batch.prompt_ids[b]) + len(batch.generated[b]) - 1
+        if tok in self.eos_ids and not batch.params.ignore_eos:
+            batch.finish[b] = "stop"
+        elif batch.params.stop:
+            text = self.tokenizer.decode(batch.generated[b], skip_special_tokens=True)
+            cut = min((i for i in (text.find(s) for s in batch.params.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                batch.texts[b] = text[:cut]
                 batch.finish[b] = "stop"
-            elif batch.params.stop:
-                text = self.tokenizer.decode(batch.generated[b], skip_special_tokens=True)
-                cut = min((i for i in (text.find(s) for s in batch.params.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    batch.texts[b] = text[:cut]
-                    batch.finish[b] = "stop"
-            if batch.finish[b] is None and len(batch.generated[b]) >= batch.max_new[b]:
-                batch.finish[b] = "length"
-            if batch.finish[b] is not None:
-                batch.t_done[b] = now
+        if batch.finish[b] is None and len(batch.generated[b]) >= batch.max_new[b]:
+            batch.finish[b] = "length"
+        if batch.finish[b] is not None:
+            batch.t_done[b] = now
 
     def _result(self, batch: Batch, b: int, t0: float, stepper) -> GenerationResult:
         ids = batch.generated[b]
@@ -302,7 +347,7 @@ class SpecEEEngine:
         }
         layers = batch.exit_layers[b]
         stats = exit_stats(layers, self.model.num_layers)
-        stats["mode"] = "dense" if stepper is None else "specee"
+        stats["mode"] = batch.mode
         if hasattr(stepper, "row_stats"):
             stats.update(stepper.row_stats(b))
         # what the scheduler's update rule should consume: unbiased exploration exits when taken

@@ -40,16 +40,22 @@ class KVCache:
         return self.k.shape[1]
 
     def append(self, layer: int, rows: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
-               n_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+               n_valid: torch.Tensor | None = None, tree: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
         """Store k, v [N, Hkv, T, hd] for `rows` (None = every row) after each row's valid slots,
         advance lengths by n_valid [N] (default T: padded tail tokens of a ragged chunk are
         written but not counted), and return (keys [N, Hkv, S, hd], values, mask, causal) for
         scaled_dot_product_attention: query t of a row may see the valid slots <= start + t, given
         either as a bool mask [N, 1, T, S] or, where that is all it says, mask None and causal
         True (a chunk from slot 0) or False (one token, every slot valid).
+        tree [N, T, T] bool (a draft tree under verification): query j sees the row's valid slots
+        before the chunk and the chunk's nodes i with tree[r, j, i] (its ancestors and itself)
+        instead of the causal rule.
         """
         n, _, t, _ = k.shape
         k, v = k.to(self.k.dtype), v.to(self.k.dtype)  # the cache may hold a wider dtype (fp32 for CPU bf16)
+        if tree is not None:
+            return self._append_tree(layer, rows, k, v, tree)
         start = self.uniform[layer]
         if rows is None and start is not None and (n_valid is None or start == 0):
             return self._append_uniform(layer, start, k, v, n_valid)
@@ -116,6 +122,37 @@ class KVCache:
         else:
             keys, values = kc[rows, :, :s], vc[rows, :, :s]
         return keys, values, self._mask(start, t, s, new_len), False
+
+    def _append_tree(self, layer: int, rows, k, v, tree: torch.Tensor):
+        start = self.lengths[layer].clone() if rows is None else self.lengths[layer, rows.cpu()]  # [N] host
+        keys, values, _, _ = self._append_rows(layer, rows, k, v, None)
+        s, t = keys.shape[2], k.shape[2]
+        dev_start = start.to(self.device)[:, None, None]  # [N, 1, 1]
+        key_slot = torch.arange(s, device=self.device)
+        node = (key_slot - dev_start).clamp(0, t - 1).expand(-1, t, -1)  # [N, T, S] chunk node of each slot
+        in_tree = tree.to(self.device).gather(2, node) & (key_slot >= dev_start) & (key_slot < dev_start + t)
+        return keys, values, ((key_slot < dev_start) | in_tree).unsqueeze(1), False
+
+    def keep(self, rows: torch.Tensor | None, start: torch.Tensor, nodes: torch.Tensor, count: torch.Tensor) -> None:
+        """After verifying a chunk written at slots start [N] (host) of `rows` (None = all): keep, in every
+        layer, the chunk's nodes [N, A] (chunk indices, ascending; entries past count [N] ignored) at
+        consecutive slots start.. and set each row's length to start + count."""
+        n, a = nodes.shape
+        row_idx = torch.arange(n) if rows is None else rows.cpu()
+        moved = (nodes != torch.arange(a)) & (torch.arange(a) < count[:, None])  # a chain keeps its prefix in place
+        if bool(moved.any()):
+            src = (start[:, None] + nodes.clamp(min=0)).to(self.device)
+            dst = (start[:, None] + torch.arange(a)).to(self.device)
+            r = row_idx.to(self.device)[:, None]
+            for buf in (self.k, self.v):  # advanced indices around a slice: [N, A, L, Hkv, hd]
+                buf[:, r, :, dst] = buf[:, r, :, src].clone()
+        self.truncate(row_idx, start + count)
+
+    def truncate(self, rows: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Set the length of rows [N] (host) to lengths [N] in every layer (entries past it are dropped)."""
+        self.lengths[:, rows] = lengths.expand(self.lengths.shape[0], -1)
+        for layer in range(self.lengths.shape[0]):
+            self._set_uniform(layer)
 
     def _mask(self, start: torch.Tensor, t: int, s: int, new_len: torch.Tensor) -> torch.Tensor:
         """[N, 1, T, S]: query j of row r sees slot x when x <= start[r] + j and x < new_len[r]."""

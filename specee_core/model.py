@@ -144,15 +144,17 @@ class LlamaModel:
         return self.rope(positions, self.dtype)
 
     def layer(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
-              rows: torch.Tensor | None = None, n_valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Run decoder layer i on hidden h [N, T, D] of cache rows `rows` [N] (None = all rows)."""
+              rows: torch.Tensor | None = None, n_valid: torch.Tensor | None = None,
+              tree: torch.Tensor | None = None) -> torch.Tensor:
+        """Run decoder layer i on hidden h [N, T, D] of cache rows `rows` [N] (None = all rows); tree
+        [N, T, T] bool: the chunk is a draft tree, node j attends to the nodes i with tree[:, j, i]."""
         c, lin = self.config, self.linears[i]
         n, t, _ = h.shape
         norm = self.input_norms[i]
         x = h if norm is None else norm(h)
         qkv = lin.qkv(x).view(n, t, self.all_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rope(qkv[:, : self.qk_heads], *rope).split(self.qk_split, dim=1)  # one rotation for q and k
-        keys, values, mask, causal = cache.append(i, rows, k, qkv[:, self.qk_heads :], n_valid)
+        keys, values, mask, causal = cache.append(i, rows, k, qkv[:, self.qk_heads :], n_valid, tree)
         o = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, is_causal=causal,
                                            scale=self.scale, enable_gqa=self.gqa)
         h = h + lin.o(o.transpose(1, 2).reshape(n, t, self.q_size).to(h.dtype))
@@ -182,10 +184,12 @@ class LlamaModel:
 
     # ---- whole passes -----------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                rows: torch.Tensor | None = None, n_valid: torch.Tensor | None = None) -> torch.Tensor:
-        """All layers over input_ids [N, T]; returns the last hidden state [N, T, D] (before the final norm)."""
+                rows: torch.Tensor | None = None, n_valid: torch.Tensor | None = None,
+                tree: torch.Tensor | None = None) -> torch.Tensor:
+        """All layers over input_ids [N, T]; returns the last hidden state [N, T, D] (before the final norm).
+        tree [N, T, T]: the tokens are a draft tree (see layer)."""
         h = self.embed(input_ids)
         rope = self.rope_for(positions)
         for i in range(self.num_layers):
-            h = self.layer(i, h, rope, cache, rows, n_valid)
+            h = self.layer(i, h, rope, cache, rows, n_valid, tree)
         return h

@@ -199,9 +199,14 @@ class DraftSpeculator(Speculator):
         positions = (self.cache.lengths[0, idx.cpu()]).to(tokens.device)[:, None]
         sub = idx if len(rows) < self.cache.batch else None
         out = self._step(tokens[:, None], features[:, None], positions, sub)[:, 0]
+        return self.top(out, self.k)
+
+    def top(self, out: torch.Tensor, k: int) -> torch.Tensor:
+        """Draft output features [N, D] -> the k most likely next tokens [N, k], best first (through
+        the base's LM head, or its frequent-token subset)."""
         if self.subset is None:
-            return self.model_base.lm_head(out).topk(self.k, dim=-1).indices  # the base's head, shared
-        return self.subset[self.subset_head(out).topk(self.k, dim=-1).indices]
+            return self.model_base.lm_head(out).topk(k, dim=-1).indices  # the base's head, shared
+        return self.subset[self.subset_head(out).topk(k, dim=-1).indices]
 
 
 class PromptLookupSpeculator(Speculator):

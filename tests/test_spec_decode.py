@@ -1,0 +1,122 @@
+"""Speculative decoding: greedy mode="spec" equals dense token for token; the tree-attention verify
+forward equals running each root-to-node path on its own; KV of accepted nodes is kept exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specee_core import SpecEEEngine, load_model
+from specee_core.spec_decode import Draft, accept_greedy
+from tests.conftest import BUNDLED, make_hf_model
+
+CODE = ["import os\nimport sys\n\n\ndef main(argv=None):\n", "class Point:\n    def __init__(self, x, y):\n",
+        "    def __repr__(self):\n        return", "for key, value in sorted(items.items()):\n",
+        "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return SpecEEEngine.from_pretrained(BUNDLED, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def sharp_model_dir(tmp_path_factory):
+    """A random config whose outputs depend on positions (sharp attention, llama3 rope)."""
+    path = tmp_path_factory.mktemp("spec-sharp")
+    make_hf_model(path, layers=3, hidden=96, heads=6, kv_heads=2, qk_scale=6.0, max_pos=512,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    return path
+
+
+@pytest.mark.parametrize("proposer", ["draft", "lookup"])
+@pytest.mark.parametrize("depth", [1, 4])
+def test_greedy_spec_equals_dense_on_the_bundled_model(tiny, proposer, depth):
+    dense = tiny.generate(CODE, max_new_tokens=40, ignore_eos=True)
+    spec = tiny.generate(CODE, max_new_tokens=40, ignore_eos=True, mode="spec",
+                         spec={"proposer": proposer, "depth": depth})
+    single = [tiny.generate([p], max_new_tokens=40, ignore_eos=True, mode="spec",
+                            spec={"proposer": proposer, "depth": depth})[0] for p in CODE[:2]]
+    assert [r.token_ids for r in spec] == [r.token_ids for r in dense]
+    assert [r.token_ids for r in single] == [r.token_ids for r in dense[:2]]
+    accepted = sum(r.stats["mean_accepted"] * r.stats["spec_steps"] for r in spec)
+    assert accepted > 20, "drafts were hardly ever accepted: the acceptance path went untested"
+    assert all(r.stats["mode"] == "spec" and r.stats["spec_steps"] < 40 for r in spec)
+
+
+def test_greedy_spec_equals_dense_on_a_position_sensitive_random_model(sharp_model_dir):
+    engine = SpecEEEngine.from_pretrained(sharp_model_dir)
+    prompts = [p * 3 for p in CODE]  # repetitive: prompt lookup finds continuations
+    dense = engine.generate(prompts, max_new_tokens=24, ignore_eos=True)
+    spec = engine.generate(prompts, max_new_tokens=24, ignore_eos=True, mode="spec", spec={"depth": 5})
+    assert [r.token_ids for r in spec] == [r.token_ids for r in dense]
+
+
+def test_stops_hold_inside_an_accepted_block(tiny):
+    dense = tiny.generate(CODE, max_new_tokens=40, ignore_eos=True)
+    # max_new_tokens not a multiple of a block, EOS and a stop string in the middle of blocks
+    for n in (1, 2, 7):
+        spec = tiny.generate(CODE, max_new_tokens=n, ignore_eos=True, mode="spec", spec={"depth": 4})
+        assert [r.token_ids for r in spec] == [r.token_ids[:n] for r in dense]
+    eos = dense[0].token_ids[9]
+    saved = tiny.eos_ids
+    tiny.eos_ids = saved | {eos}
+    try:
+        d = tiny.generate(CODE, max_new_tokens=40)
+        s = tiny.generate(CODE, max_new_tokens=40, mode="spec", spec={"depth": 4})
+    finally:
+        tiny.eos_ids = saved
+    assert [r.token_ids for r in s] == [r.token_ids for r in d]
+    assert s[0].finish_reason == "stop" and s[0].token_ids[-1] == eos and len(s[0].token_ids) <= 10
+    stop = dense[1].text[8:11]
+    d = tiny.generate(CODE, max_new_tokens=40, stop=[stop])
+    s = tiny.generate(CODE, max_new_tokens=40, stop=[stop], mode="spec", spec={"depth": 4})
+    assert [(r.text, r.finish_reason, r.token_ids) for r in s] == [(r.text, r.finish_reason, r.token_ids) for r in d]
+
+
+def test_tree_verify_equals_each_path_run_alone_and_keep_leaves_the_path(sharp_model_dir):
+    """A tree root -> {a -> {c, d}, b}: each node's output from one tree forward equals the output of
+    its root-to-node path fed after the prefix; keeping path root-b compacts the cache to what
+    feeding root, b after the prefix writes."""
+    model = load_model(sharp_model_dir)
+    prefix = torch.randint(2, 8000, (1, 30))
+    tokens = torch.tensor([[11, 12, 13, 14, 15]])  # root, a, b, c, d
+    draft = Draft(tokens=tokens, parent=torch.tensor([[-1, 0, 0, 1, 1]]), valid=torch.ones(1, 5, dtype=torch.bool))
+    depth, anc = draft.depth_and_ancestors()
+    assert depth.tolist() == [[0, 1, 1, 2, 2]]
+    cache = model.new_cache(1, 64)
+    model.forward(prefix, torch.arange(30)[None], cache)
+    h = model.forward(tokens, 30 + depth, cache, tree=anc)
+    for node, path in ((0, [0]), (1, [0, 1]), (2, [0, 2]), (3, [0, 1, 3]), (4, [0, 1, 4])):
+        alone = model.new_cache(1, 64)
+        model.forward(prefix, torch.arange(30)[None], alone)
+        ref = model.forward(tokens[:, path], torch.arange(30, 30 + len(path))[None], alone)
+        torch.testing.assert_close(h[0, node], ref[0, -1], atol=1e-5, rtol=1e-5)
+    cache.keep(None, torch.tensor([30]), torch.tensor([[0, 2]]), torch.tensor([2]))
+    assert cache.lengths[:, 0].tolist() == [32] * model.num_layers
+    alone = model.new_cache(1, 64)
+    model.forward(prefix, torch.arange(30)[None], alone)
+    model.forward(tokens[:, [0, 2]], torch.arange(30, 32)[None], alone)
+    torch.testing.assert_close(cache.k[:, :, :, :32], alone.k[:, :, :, :32], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.v[:, :, :, :32], alone.v[:, :, :, :32], atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_acceptance_takes_the_longest_agreeing_path():
+    draft = Draft(tokens=torch.tensor([[5, 7, 8, 9, 4]]), parent=torch.tensor([[-1, 0, 0, 1, 2]]),
+                  valid=torch.ones(1, 5, dtype=torch.bool))
+    # base's choice after each node: after root 8 (node 2 agrees, node 1 not), after node 2: 4 (node 4 agrees)
+    v = accept_greedy(draft, torch.tensor([[8, 9, 4, 0, 6]]))
+    assert v.accepted == [[2, 4]] and v.tokens == [[8, 4, 6]]
+    v = accept_greedy(draft, torch.tensor([[3, 9, 4, 0, 6]]))  # nothing agrees: the bonus token alone
+    assert v.accepted == [[]] and v.tokens == [[3]]
+
+
+def test_spec_rejects_what_it_cannot_do(tiny, tmp_path):
+    with pytest.raises(ValueError, match="temperature=0"):
+        tiny.generate(CODE[:1], max_new_tokens=4, temperature=0.8, mode="spec")
+    with pytest.raises(ValueError, match="depth"):
+        tiny.generate(CODE[:1], max_new_tokens=4, mode="spec", spec={"depth": 0})
+    make_hf_model(tmp_path, layers=2, hidden=64, heads=4, kv_heads=2)
+    with pytest.raises(ValueError, match="draft head"):
+        SpecEEEngine.from_pretrained(tmp_path).generate(CODE[:1], max_new_tokens=4, mode="spec",
+                                                         spec={"proposer": "draft"})
