@@ -8,7 +8,9 @@ quality against dense greedy decoding. Prints one JSON document.
     python -m jobs.bench --model models/specee-tiny --prompts-file "" --chat false
 
 Variants: hf (transformers generate in the same dtype), hf_lookup (transformers prompt lookup
-decoding, prompt_lookup_num_tokens=10), dense, specee (this engine). The JSON also holds the
+decoding, prompt_lookup_num_tokens=10), dense, specee (early exit), spec (speculative decoding with the
+draft head), spec_lookup (speculative decoding with prompt lookup) of this engine; the spec variants
+also report tokens per verify step and agreement with dense. The JSON also holds the
 memory-bandwidth limit (weight bytes per token / measured copy bandwidth) and each variant's share.
 
 Decode tokens/s = B x (N - 1) / (time(generate N tokens) - time(generate 1 token)), the same
@@ -35,7 +37,7 @@ from specee_core.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
-VARIANTS = ("hf", "hf_lookup", "dense", "specee")
+VARIANTS = ("hf", "hf_lookup", "dense", "specee", "spec", "spec_lookup")
 
 
 @dataclass
@@ -45,7 +47,8 @@ class BenchConfig:
     prompts_file: str = "prompts/instructions_heldout.jsonl"  # JSONL with a "prompt" field; "": corpus snippets
     chat: str = "auto"  # prompts through the chat template: "auto" (when the model has one) | "true" | "false"
     dtype: str = "bfloat16"  # of the engine and of transformers
-    modes: str = "hf,hf_lookup,dense,specee"
+    modes: str = "hf,hf_lookup,dense,specee,spec,spec_lookup"
+    spec_depth: int = 4  # drafted tokens per speculative step
     batch_sizes: str = "1,8"
     num_prompts: int = 16
     max_new_tokens: int = 128
@@ -97,11 +100,15 @@ def load_prompts(cfg: BenchConfig, n: int, engine: SpecEEEngine, offset: int = 0
 class Runner:
     """One callable per variant: run(prompts, max_new_tokens) -> token lists."""
 
-    def __init__(self, engine: SpecEEEngine, hf_model=None):
-        self.engine, self.hf = engine, hf_model
+    def __init__(self, engine: SpecEEEngine, hf_model=None, spec_depth: int = 4):
+        self.engine, self.hf, self.spec_depth = engine, hf_model, spec_depth
 
-    def ours(self, mode: str, prompts: list[str], n: int, **kw):
-        return self.engine.generate(prompts, max_new_tokens=n, mode=mode, ignore_eos=True, **kw)
+    def ours(self, variant: str, prompts: list[str], n: int, **kw):
+        if variant.startswith("spec_") or variant == "spec":
+            proposer = "lookup" if variant == "spec_lookup" else "draft"
+            kw["spec"] = {"proposer": proposer, "depth": self.spec_depth}
+            variant = "spec"
+        return self.engine.generate(prompts, max_new_tokens=n, mode=variant, ignore_eos=True, **kw)
 
     @torch.inference_mode()
     def transformers(self, prompts: list[str], n: int, lookup: bool = False):
@@ -142,6 +149,18 @@ def time_decode(runner: Runner, variants: list[str], prompts: list[str], batch: 
         samples[v].append(len(prompts) * (n - 1) / max(full - first, 1e-9))
     return {v: {"decode_tokens_per_s": statistics.mean(s), "median_tokens_per_s": statistics.median(s),
                 "runs": [round(x, 1) for x in s]} for v, s in samples.items()}
+
+
+def spec_quality(runner: Runner, variant: str, prompts: list[str], batch: int, n: int) -> dict:
+    """Tokens per verify step, draft / verify time shares and agreement with dense, one pass."""
+    res, dense = [], []
+    for i in range(0, len(prompts), batch):
+        res += runner.ours(variant, prompts[i : i + batch], n)
+        dense += runner.ours("dense", prompts[i : i + batch], n)
+    steps = sum(r.stats["spec_steps"] for r in res)
+    return {"tokens_per_step": sum(len(r.token_ids) - 1 for r in res) / max(steps, 1),
+            "draft_time_share": statistics.mean(r.stats["draft_time_share"] for r in res),
+            **agreement([r.token_ids for r in dense], [r.token_ids for r in res])}
 
 
 def copy_bandwidth_gb_s(mb: int = 512, repeats: int = 5) -> float:
@@ -282,7 +301,9 @@ def run(cfg: BenchConfig) -> dict:
 
         hf = AutoModelForCausalLM.from_pretrained(str(cfg.model), dtype=engine.model.dtype,
                                                   local_files_only=True).eval()
-    runner = Runner(engine, hf)
+    if "spec" in modes and engine.draft_head is None:
+        raise ValueError(f"{cfg.model} has no draft head: drop 'spec' from --modes (spec_lookup needs none)")
+    runner = Runner(engine, hf, cfg.spec_depth)
     prompts = load_prompts(cfg, cfg.num_prompts, engine)
     bandwidth = copy_bandwidth_gb_s()
     per_token = weight_bytes_per_token(engine)
@@ -306,8 +327,11 @@ def run(cfg: BenchConfig) -> dict:
             if bs == 1:
                 speed[v]["share_of_bandwidth_limit"] = (speed[v]["decode_tokens_per_s"]
                                                         / result["bandwidth"]["batch_1_limit_tokens_per_s"])
-        if "specee" in speed and "dense" in speed:
-            speed["specee"].update(speedup(speed, "specee", "dense"))
+        for v in ("specee", "spec", "spec_lookup"):
+            if v in speed and "dense" in speed:
+                speed[v].update(speedup(speed, v, "dense"))
+                if v.startswith("spec"):
+                    speed[v].update(spec_quality(runner, v, prompts, bs, cfg.max_new_tokens))
         result["speed"][f"batch_{bs}"] = speed
         log.info("batch %d: %s", bs, json.dumps(speed))
     if "specee" in modes:

@@ -34,8 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "instruction prompts)")
     p.add_argument("--output", required=True, help="output directory (local or mounted; absolute under ray job submit)")
     p.add_argument("--model", default=str(DEFAULT_MODEL))
-    p.add_argument("--mode", choices=["dense", "specee"], default=None,
-                   help="default: specee when the model has predictors beside it, else dense")
+    p.add_argument("--mode", choices=["dense", "specee", "spec"], default=None,
+                   help="dense | specee (early exit) | spec (speculative decoding, greedy, lossless); "
+                        "default: specee when the model has predictors beside it, else dense")
     p.add_argument("--waves", type=int, default=4, help="re-tune the predictor schedule between waves")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
