@@ -76,6 +76,7 @@ class SpecEEEngine:
         self.options = options or EngineOptions()
         self.early_exit = early_exit  # specee_core.early_exit.EarlyExit, when draft/predictors are present
         self.draft_head = draft_head  # specee_core.speculators.DraftHead, when draft/ is present
+        self._draft_runner = None  # its DraftSpeculator for mode="spec", built on first use
         c = model.config
         self.context_len = self.options.context_len or default_context_len(c)
         eos = set(c.eos_token_id)
@@ -204,14 +205,19 @@ class SpecEEEngine:
         from specee_core.spec_decode import DraftHeadProposer, LookupProposer, SpecOptions, SpecStepper
         from specee_core.speculators import DraftSpeculator
 
+        unknown = set(spec) - set(SpecOptions.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown spec options {sorted(unknown)}: expected {sorted(SpecOptions.__dataclass_fields__)}")
         opts = SpecOptions(**spec)
         head = self.draft_head
         if opts.proposer == "draft" and head is None:
             raise ValueError("spec proposer 'draft' needs a draft head beside the model (draft/)")
         use_draft = opts.proposer == "draft" or (opts.proposer == "auto" and head is not None)
+        if use_draft and self._draft_runner is None:  # the draft layer's weights, prepared once
+            self._draft_runner = DraftSpeculator(head, self.model, k=1)
 
         def factory(engine, batch, cache, prefill_hidden, lens):
-            proposer = DraftHeadProposer(DraftSpeculator(head, self.model, k=1)) if use_draft else LookupProposer()
+            proposer = DraftHeadProposer(self._draft_runner) if use_draft else LookupProposer()
             return SpecStepper(proposer, engine, batch, cache, prefill_hidden, lens, depth=opts.depth)
 
         return factory, opts.depth + 1

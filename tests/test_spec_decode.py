@@ -116,6 +116,10 @@ def test_spec_rejects_what_it_cannot_do(tiny, tmp_path):
         tiny.generate(CODE[:1], max_new_tokens=4, temperature=0.8, mode="spec")
     with pytest.raises(ValueError, match="depth"):
         tiny.generate(CODE[:1], max_new_tokens=4, mode="spec", spec={"depth": 0})
+    with pytest.raises(ValueError, match="unknown spec options"):
+        tiny.generate(CODE[:1], max_new_tokens=4, mode="spec", spec={"depht": 3})
+    with pytest.raises(ValueError, match="mode='spec' only"):
+        tiny.generate(CODE[:1], max_new_tokens=4, spec={"depth": 3})
     make_hf_model(tmp_path, layers=2, hidden=64, heads=4, kv_heads=2)
     with pytest.raises(ValueError, match="draft head"):
         SpecEEEngine.from_pretrained(tmp_path).generate(CODE[:1], max_new_tokens=4, mode="spec",
