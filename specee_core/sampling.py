@@ -38,13 +38,11 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """logits [N, V] -> token ids [N]."""
-    if params.greedy:  # max's indices: the first maximum, as argmax, in a third of argmax's time on CPU bf16
-        return logits.max(dim=-1).indices
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] -> the distribution sampling draws from (temperature, top-k, top-p applied), fp32."""
     logits = logits.float() / params.temperature
     if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
@@ -52,5 +50,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         # drop a token when the tokens before it already cover top_p (the first always stays)
         drop = probs.cumsum(-1) - probs > params.top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return logits.softmax(-1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """logits [N, V] -> token ids [N]."""
+    if params.greedy:  # max's indices: the first maximum, as argmax, in a third of argmax's time on CPU bf16
+        return logits.max(dim=-1).indices
+    return torch.multinomial(probabilities(logits, params), 1, generator=generator).squeeze(-1)

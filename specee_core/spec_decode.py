@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specee_core.sampling import SamplingParams, probabilities
+
 log = logging.getLogger(__name__)
 
 
@@ -25,6 +27,9 @@ class Draft:
     tokens: torch.Tensor  # [N, T] node tokens; node 0 = the root
     parent: torch.Tensor  # [N, T] parent node (-1 for the root and for padding); parent[j] < j
     valid: torch.Tensor  # [N, T] bool; rows with fewer nodes are padded
+    # [N, T, V] the distribution node j's token was drawn from (row 0 unused); None: deterministic
+    # drafts (greedy draft head, prompt lookup), i.e. one-hot on the drafted token
+    q: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -81,8 +86,9 @@ class LookupProposer:
                     return hist[i + n : i + n + depth]
         return []
 
-    def propose(self, rows: list[int], histories: list[list[int]], depths: list[int]) -> Draft:
-        """histories[b] ends with row b's root (the next token)."""
+    def propose(self, rows: list[int], histories: list[list[int]], depths: list[int],
+                params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Draft:
+        """histories[b] ends with row b's root (the next token). Drafts are deterministic (q None)."""
         conts = [self.continuation(histories[b], d) if d > 0 else [] for b, d in zip(rows, depths)]
         return Draft.chains([histories[b][-1] for b in rows], conts)
 
@@ -107,8 +113,12 @@ class DraftHeadProposer:
         self.pend_tokens = [[int(t)] for t in batch.next_tokens.tolist()]
         self.pend_feats = [m.final_norm(batch.last_hidden[b : b + 1]) for b in range(n)]  # [1, D] each
 
-    def propose(self, rows: list[int], histories: list[list[int]], depths: list[int]) -> Draft:
+    def propose(self, rows: list[int], histories: list[list[int]], depths: list[int],
+                params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Draft:
+        """Greedy drafts when params is None or greedy; otherwise each draft token is sampled from the
+        draft's distribution under params, which the draft's q records for rejection sampling."""
         spec, dev = self.spec, self.spec.model_base.device
+        sampled = params is not None and not params.greedy
         n, depth = len(rows), max(depths)
         t = max(len(self.pend_tokens[b]) for b in rows)
         toks = torch.zeros(n, t, dtype=torch.int64)
@@ -126,9 +136,14 @@ class DraftHeadProposer:
         n_valid = None if bool((counts == t).all()) else counts
         out = spec._step(toks.to(dev), feats.to(dev), positions, sub, n_valid)  # [N, t, D]
         f = out[torch.arange(n, device=dev), (counts - 1).to(dev)]  # predicted feature after each row's last pair
-        drafted = []
+        drafted, qs = [], []
         for step in range(depth):
-            tok = spec.top(f, 1)[:, 0]  # [N] the draft's greedy token
+            if sampled:
+                q = probabilities(self.draft_logits(f), params)  # [N, V]
+                tok = torch.multinomial(q, 1, generator=generator).squeeze(1)
+                qs.append(q.cpu())
+            else:
+                tok = spec.top(f, 1)[:, 0]  # [N] the draft's greedy token
             drafted.append(tok)
             if step + 1 < depth:
                 pos = (synced + counts + step)[:, None].to(dev)
@@ -138,7 +153,20 @@ class DraftHeadProposer:
             self.pend_tokens[b], self.pend_feats[b] = [], None
         drafted = torch.stack(drafted, 1).tolist() if drafted else [[] for _ in rows]
         roots = [histories[b][-1] for b in rows]
-        return Draft.chains(roots, [d[:k] for d, k in zip(drafted, depths)])
+        draft = Draft.chains(roots, [d[:k] for d, k in zip(drafted, depths)])
+        if sampled and qs:
+            q = torch.stack(qs, 1)[:, : draft.size - 1]  # [N, T-1, V]
+            draft.q = torch.cat((torch.zeros_like(q[:, :1]), q), 1)
+        return draft
+
+    def draft_logits(self, f: torch.Tensor) -> torch.Tensor:
+        """Draft output features [N, D] -> logits [N, V] over the whole vocabulary (-inf outside the
+        frequent-token subset, when the head ranks one)."""
+        spec = self.spec
+        if spec.subset is None:
+            return spec.model_base.lm_head(f).float()
+        out = torch.full((f.shape[0], spec.model_base.config.vocab_size), float("-inf"), device=f.device)
+        return out.index_copy_(1, spec.subset, spec.subset_head(f).float())
 
     def accepted(self, rows: list[int], features: list[torch.Tensor], tokens: list[list[int]]) -> None:
         """features[r] [a + 1, D]: the verified (final-normed) features of row r's root and accepted
@@ -181,6 +209,39 @@ def accept_greedy(draft: Draft, base_next: torch.Tensor) -> Verdict:
     return Verdict(accepted, out)
 
 
+def accept_sampled(draft: Draft, p: torch.Tensor, generator: torch.Generator | None) -> Verdict:
+    """Rejection sampling along chains, which keeps the base model's distribution exactly: p [N, T, V]
+    is the base's distribution after each node. Node j's token x (drawn from q_j) is accepted with
+    probability min(1, p(x) / q_j(x)); the first rejection draws the committed token from the
+    normalised residual max(0, p - q_j) instead; after a fully accepted chain the bonus is drawn from p."""
+    toks, valid = draft.tokens.tolist(), draft.valid.tolist()
+    accepted, out = [], []
+    for r in range(len(toks)):
+        path, last, extra = [], 0, None
+        for j in range(1, len(toks[r])):
+            if not valid[r][j]:
+                break
+            x = toks[r][j]
+            target = p[r, j - 1]
+            q = draft.q[r, j] if draft.q is not None else None
+            qx = 1.0 if q is None else float(q[x])
+            u = float(torch.rand((), generator=generator))
+            if qx > 0 and u * qx < float(target[x]):  # u < p(x) / q(x), without dividing
+                path.append(j)
+                last = j
+                continue
+            residual = (target - q).clamp_(min=0) if q is not None else target.clone().index_fill_(0, torch.tensor([x]), 0)
+            total = float(residual.sum())
+            dist = residual / total if total > 0 else target
+            extra = int(torch.multinomial(dist, 1, generator=generator))
+            break
+        if extra is None:
+            extra = int(torch.multinomial(p[r, last], 1, generator=generator))
+        accepted.append(path)
+        out.append([toks[r][j] for j in path] + [extra])
+    return Verdict(accepted, out)
+
+
 @dataclass
 class SpecOptions:
     proposer: str = "auto"  # "draft" (the draft head beside the model) | "lookup" | "auto" (draft if present)
@@ -204,12 +265,11 @@ class SpecStats:
 
 
 class SpecStepper:
-    """Decode steps of one batch in mode="spec" (greedy): propose, verify, commit."""
+    """Decode steps of one batch in mode="spec": propose, verify, commit. Greedy acceptance at
+    temperature 0, rejection sampling otherwise (chains)."""
 
     def __init__(self, proposer, engine, batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor,
                  depth: int):
-        if not batch.params.greedy:
-            raise ValueError("mode='spec' decodes greedily for now: use temperature=0")
         self.proposer, self.engine, self.batch, self.cache = proposer, engine, batch, cache
         self.model = engine.model
         self.depth = depth
@@ -225,14 +285,19 @@ class SpecStepper:
         histories = [batch.prompt_ids[b] + batch.generated[b] if b in alive else [] for b in range(len(batch.prompt_ids))]
         # a row drafts no more than it may still emit, minus the bonus token
         depths = [max(0, min(self.depth, batch.max_new[b] - len(batch.generated[b]) - 1)) for b in alive]
-        draft = self.proposer.propose(alive, histories, depths)
+        params = batch.params
+        draft = self.proposer.propose(alive, histories, depths, params, generator)
         t1 = time.perf_counter()
         depth, anc = draft.depth_and_ancestors()
         start = batch.positions[torch.tensor(alive)].clone()  # [N] host: the root's position = cache length
         positions = (start[:, None] + depth).to(dev)
         h = m.forward(draft.tokens.to(dev), positions, self.cache, rows, tree=anc)
         hn = m.final_norm(h)  # [N, T, D]
-        verdict = accept_greedy(draft, m.lm_head(hn).max(-1).indices.cpu())
+        logits = m.lm_head(hn)  # [N, T, V]
+        if params.greedy:
+            verdict = accept_greedy(draft, logits.max(-1).indices.cpu())
+        else:
+            verdict = accept_sampled(draft, probabilities(logits, params).cpu(), generator)
         keep = [[0] + path for path in verdict.accepted]
         width = max(len(k) for k in keep)
         nodes = torch.tensor([k + [-1] * (width - len(k)) for k in keep])

@@ -112,8 +112,6 @@ def test_greedy_acceptance_takes_the_longest_agreeing_path():
 
 
 def test_spec_rejects_what_it_cannot_do(tiny, tmp_path):
-    with pytest.raises(ValueError, match="temperature=0"):
-        tiny.generate(CODE[:1], max_new_tokens=4, temperature=0.8, mode="spec")
     with pytest.raises(ValueError, match="depth"):
         tiny.generate(CODE[:1], max_new_tokens=4, mode="spec", spec={"depth": 0})
     with pytest.raises(ValueError, match="unknown spec options"):
@@ -124,3 +122,79 @@ def test_spec_rejects_what_it_cannot_do(tiny, tmp_path):
     with pytest.raises(ValueError, match="draft head"):
         SpecEEEngine.from_pretrained(tmp_path).generate(CODE[:1], max_new_tokens=4, mode="spec",
                                                          spec={"proposer": "draft"})
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum()
+    assert counts[probs == 0].sum() == 0, "a sample fell where the target puts no mass"
+    keep = probs > 0
+    exp = probs[keep] * n
+    return float(((counts[keep] - exp) ** 2 / exp).sum())
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_rejection_sampling_keeps_the_target_distribution(with_q):
+    """A chain root -> a -> b over a 5-token vocabulary, drafted from q (or deterministically): the
+    committed first and second tokens follow the target p exactly, and always accepting would not."""
+    from specee_core.spec_decode import accept_sampled
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.1, 0.4, 0.3, 0.2, 0.0], [0.5, 0.1, 0.1, 0.1, 0.2], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    q_rows = torch.tensor([[0.6, 0.1, 0.1, 0.1, 0.1], [0.05, 0.05, 0.1, 0.1, 0.7]])
+    n = 6000
+    first, second, naive = torch.zeros(5), torch.zeros(5), torch.zeros(5)
+    for _ in range(n):
+        if with_q:
+            a, b = (int(torch.multinomial(q_rows[i], 1, generator=g)) for i in range(2))
+            q = torch.cat((torch.zeros(1, 5), q_rows)).unsqueeze(0)
+        else:
+            a, b, q = 1, 4, None
+        draft = Draft(tokens=torch.tensor([[7, a, b]]), parent=torch.tensor([[-1, 0, 1]]),
+                      valid=torch.ones(1, 3, dtype=torch.bool), q=q)
+        v = accept_sampled(draft, p.unsqueeze(0), g)
+        first[v.tokens[0][0]] += 1
+        naive[a] += 1  # what always accepting would commit first
+        if v.tokens[0][0] == 1 and len(v.tokens[0]) > 1:
+            second[v.tokens[0][1]] += 1
+    critical = 18.5  # chi-square, 4 degrees of freedom, p = 0.001
+    assert chi_square(first, p[0]) < critical
+    assert chi_square(second, p[1]) < critical  # second token given first == 1 (node a = 1 accepted or not)
+    with pytest.raises(AssertionError):
+        assert chi_square(naive, p[0]) < critical
+
+
+def test_sampled_spec_keeps_the_base_distribution_end_to_end(tiny):
+    """top_k=3 sampling, 3 tokens: the empirical joint of spec mode (draft head, depth 2, rejection
+    sampling) against the exact joint from the base model, by chi-square over the 27 cells."""
+    import itertools
+
+    prompt = CODE[1]
+    kw = dict(max_new_tokens=4, temperature=1.0, top_k=3, seed=1, ignore_eos=True)
+    m = tiny.model
+    ids = tiny.encode_prompt(prompt)
+
+    def dist(seq):  # the base's top-3 distribution after seq
+        with torch.inference_mode():
+            logits = m.logits(m.forward(torch.tensor([seq]), torch.arange(len(seq))[None], m.new_cache(1, 64))[0, -1])
+        top = logits.topk(3)
+        return top.indices.tolist(), top.values.softmax(-1).tolist()
+
+    exact = {}
+    t1s, p1 = dist(ids)
+    for a, pa in zip(t1s, p1):
+        t2s, p2 = dist(ids + [a])
+        for b, pb in zip(t2s, p2):
+            t3s, p3 = dist(ids + [a, b])
+            for c, pc in zip(t3s, p3):
+                exact[(a, b, c)] = pa * pb * pc
+    runs = tiny.generate([prompt] * 2400, mode="spec", spec={"proposer": "draft", "depth": 2}, **kw)
+    assert sum(r.stats["mean_accepted"] * r.stats["spec_steps"] for r in runs) > 200  # drafts were accepted
+    cells = sorted(exact)
+    counts = torch.zeros(len(cells))
+    for r in runs:
+        key = tuple(r.token_ids[:3])
+        assert key in exact, f"{key}: outside the top-3 support"
+        counts[cells.index(key)] += 1
+    probs = torch.tensor([exact[c] for c in cells])
+    assert chi_square(counts, probs / probs.sum()) < 60.0  # 26 degrees of freedom, p ~ 2e-4
+    assert len(list(itertools.islice(cells, 27))) == 27
