@@ -330,7 +330,7 @@ def run(cfg: BenchConfig) -> dict:
         for v in ("specee", "spec", "spec_lookup"):
             if v in speed and "dense" in speed:
                 speed[v].update(speedup(speed, v, "dense"))
-                if v.startswith("spec"):
+                if v in ("spec", "spec_lookup"):
                     speed[v].update(spec_quality(runner, v, prompts, bs, cfg.max_new_tokens))
         result["speed"][f"batch_{bs}"] = speed
         log.info("batch %d: %s", bs, json.dumps(speed))
