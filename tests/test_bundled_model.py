@@ -133,7 +133,7 @@ def test_recompute_keeps_the_kv_cache_exact(engine, batch):
         def step(self, alive, rows, generator):
             targets = [self.targets[b][len(self.batch.generated[b])] for b in alive]
             toks, layers = super().step(alive, rows, generator)
-            full.extend((t, g) for t, g, l in zip(toks, targets, layers) if l == L)
+            full.extend((t, g) for (t,), g, (l,) in zip(toks, targets, layers) if l == L)
             return toks, layers
 
     def factory(e, b, cache, h, lens):

@@ -77,8 +77,10 @@ def test_fp32_ragged_batch_equals_single_runs(prompts):
 
 
 def test_bf16_agreement_with_transformers_bf16_is_bounded(prompts):
-    """bf16 GEMMs round differently per kernel, so greedy paths may part after a near tie: require
-    the first 8 tokens of each prompt and 75% of all positions to agree; log the measured figures."""
+    """bf16 GEMMs round differently per kernel (and the engine attends in fp32 on CPU), so greedy paths
+    may part after a near tie, and from there on every position differs. Require each prompt's first
+    12 tokens to agree and the median first divergence to be at least 24 tokens (measured: 17 to 64,
+    median about 40; a position or weight bug parts within the first few tokens); log the figures."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.bfloat16).eval()
@@ -95,5 +97,5 @@ def test_bf16_agreement_with_transformers_bf16_is_bounded(prompts):
         total += m
     log.warning("bf16 vs transformers bf16: %.1f%% of positions agree, first divergence per prompt %s",
                 100 * same / total, firsts)
-    assert min(firsts) >= 8
-    assert same / total >= 0.75
+    assert min(firsts) >= 12
+    assert sorted(firsts)[len(firsts) // 2] >= 24
