@@ -224,7 +224,8 @@ def heldout_accuracy(engine: SpecEEEngine, cfg: BenchConfig, threshold: float) -
     (threshold > 1: exits off, i.e. dense)."""
     from jobs.train_base import fixed_windows, tokenize_split
 
-    stream = tokenize_split(cfg.corpus, "heldout", engine.tokenizer, Path("runs/train_base/tokens"))
+    # the token cache is per model: another tokenizer's ids would index past this vocabulary
+    stream = tokenize_split(cfg.corpus, "heldout", engine.tokenizer, Path("runs/bench_tokens") / cfg.model.name)
     windows = fixed_windows(stream, cfg.heldout_windows, cfg.window_len * 2).tolist()
     half = cfg.window_len
     prompts = [w[:half] for w in windows]
