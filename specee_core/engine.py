@@ -3,6 +3,7 @@ advances positions). Dense decoding runs every layer; mode="specee" hands each d
 to the early-exit stepper (specee_core.early_exit)."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -147,10 +148,14 @@ class SpecEEEngine:
         except Exception as e:  # noqa: BLE001 - jinja raises whatever the template's author wrote
             raise ValueError(f"the chat template rejected the messages: {e}") from None
         # a template that writes BOS itself, then tokenized with BOS added again: keep one
-        bos = tok.bos_token
-        if bos and text.startswith(bos) and tok("a")["input_ids"][:1] == [tok.bos_token_id]:
-            text = text[len(bos):]
+        if self._tokenizer_adds_bos and text.startswith(tok.bos_token):
+            text = text[len(tok.bos_token):]
         return text
+
+    @functools.cached_property
+    def _tokenizer_adds_bos(self) -> bool:
+        tok = self.tokenizer
+        return bool(tok.bos_token) and tok("a")["input_ids"][:1] == [tok.bos_token_id]
 
     def encode_prompt(self, prompt) -> list[int]:
         """Token ids of one prompt; PromptError when it cannot run."""

@@ -151,8 +151,8 @@ class KVCache:
     def truncate(self, rows: torch.Tensor, lengths: torch.Tensor) -> None:
         """Set the length of rows [N] (host) to lengths [N] in every layer (entries past it are dropped)."""
         self.lengths[:, rows] = lengths.expand(self.lengths.shape[0], -1)
-        for layer in range(self.lengths.shape[0]):
-            self._set_uniform(layer)
+        same = (self.lengths == self.lengths[:, :1]).all(1).tolist()  # [L] every row at one length
+        self.uniform = [int(n) if u else None for n, u in zip(self.lengths[:, 0].tolist(), same)]
 
     def _mask(self, start: torch.Tensor, t: int, s: int, new_len: torch.Tensor) -> torch.Tensor:
         """[N, 1, T, S]: query j of row r sees slot x when x <= start[r] + j and x < new_len[r]."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specee_core.sampling import SamplingParams, probabilities
+from specee_core.speculators import ngram_matches
 
 log = logging.getLogger(__name__)
 
@@ -79,18 +80,15 @@ class LookupProposer:
         pass
 
     def continuation(self, hist: list[int], depth: int) -> list[int]:
-        for n in range(min(self.max_ngram, len(hist) - 1), 0, -1):
-            tail = hist[-n:]
-            for i in range(len(hist) - n - 1, -1, -1):  # latest match first
-                if hist[i : i + n] == tail:
-                    return hist[i + n : i + n + depth]
-        return []
+        start = next(ngram_matches(hist, self.max_ngram), None)
+        return [] if start is None else hist[start : start + depth]
 
-    def propose(self, rows: list[int], histories: list[list[int]], depths: list[int],
+    def propose(self, rows: list[int], batch, depths: list[int],
                 params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Draft:
-        """histories[b] ends with row b's root (the next token). Drafts are deterministic (q None)."""
-        conts = [self.continuation(histories[b], d) if d > 0 else [] for b, d in zip(rows, depths)]
-        return Draft.chains([histories[b][-1] for b in rows], conts)
+        """Chains after each row's root (its last generated token). Drafts are deterministic (q None)."""
+        conts = [self.continuation(batch.prompt_ids[b] + batch.generated[b], d) if d > 0 else []
+                 for b, d in zip(rows, depths)]
+        return Draft.chains([batch.generated[b][-1] for b in rows], conts)
 
     def accepted(self, rows: list[int], features: list[torch.Tensor], tokens: list[list[int]]) -> None:
         pass
@@ -113,7 +111,7 @@ class DraftHeadProposer:
         self.pend_tokens = [[int(t)] for t in batch.next_tokens.tolist()]
         self.pend_feats = [m.final_norm(batch.last_hidden[b : b + 1]) for b in range(n)]  # [1, D] each
 
-    def propose(self, rows: list[int], histories: list[list[int]], depths: list[int],
+    def propose(self, rows: list[int], batch, depths: list[int],
                 params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Draft:
         """Greedy drafts when params is None or greedy; otherwise each draft token is sampled from the
         draft's distribution under params, which the draft's q records for rejection sampling."""
@@ -152,7 +150,7 @@ class DraftHeadProposer:
         for b in rows:
             self.pend_tokens[b], self.pend_feats[b] = [], None
         drafted = torch.stack(drafted, 1).tolist() if drafted else [[] for _ in rows]
-        roots = [histories[b][-1] for b in rows]
+        roots = [batch.generated[b][-1] for b in rows]
         draft = Draft.chains(roots, [d[:k] for d, k in zip(drafted, depths)])
         if sampled and qs:
             q = torch.stack(qs, 1)[:, : draft.size - 1]  # [N, T-1, V]
@@ -282,11 +280,10 @@ class SpecStepper:
     def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> tuple[list[list[int]], list[list[int]]]:
         batch, m, dev = self.batch, self.model, self.model.device
         t0 = time.perf_counter()
-        histories = [batch.prompt_ids[b] + batch.generated[b] if b in alive else [] for b in range(len(batch.prompt_ids))]
         # a row drafts no more than it may still emit, minus the bonus token
         depths = [max(0, min(self.depth, batch.max_new[b] - len(batch.generated[b]) - 1)) for b in alive]
         params = batch.params
-        draft = self.proposer.propose(alive, histories, depths, params, generator)
+        draft = self.proposer.propose(alive, batch, depths, params, generator)
         t1 = time.perf_counter()
         depth, anc = draft.depth_and_ancestors()
         start = batch.positions[torch.tensor(alive)].clone()  # [N] host: the root's position = cache length

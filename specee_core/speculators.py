@@ -209,6 +209,16 @@ class DraftSpeculator(Speculator):
         return self.subset[self.subset_head(out).topk(k, dim=-1).indices]
 
 
+def ngram_matches(hist: list[int], max_ngram: int):
+    """Where earlier occurrences of hist's last n tokens (n = max_ngram..1, longest first; the latest
+    occurrence first) are followed by something: yields the index of the token after each match."""
+    for n in range(min(max_ngram, len(hist) - 1), 0, -1):
+        tail = hist[-n:]
+        for i in range(len(hist) - n - 1, -1, -1):
+            if hist[i : i + n] == tail:
+                yield i + n
+
+
 class PromptLookupSpeculator(Speculator):
     """Candidates from earlier continuations of the row's latest n-gram (n = max_ngram..1),
     most recent first; short lists are completed by `fallback`, then by the row's most
@@ -223,15 +233,11 @@ class PromptLookupSpeculator(Speculator):
 
     def lookup(self, hist: list[int]) -> list[int]:
         found: list[int] = []
-        for n in range(min(self.max_ngram, len(hist) - 1), 0, -1):
-            tail = hist[-n:]
-            for i in range(len(hist) - n - 1, -1, -1):  # latest match first
-                if hist[i : i + n] == tail:
-                    nxt = hist[i + n]
-                    if nxt not in found:
-                        found.append(nxt)
-                        if len(found) == self.k:
-                            return found
+        for start in ngram_matches(hist, self.max_ngram):
+            if hist[start] not in found:
+                found.append(hist[start])
+                if len(found) == self.k:
+                    break
         return found
 
     def propose(self, rows, history, tokens, features) -> torch.Tensor:
