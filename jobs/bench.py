@@ -33,6 +33,7 @@ from jobs.cli import parse_config
 from jobs.build_corpus import sample_snippets
 from specee_core import SpecEEEngine
 from specee_core.sampling import SamplingParams
+from specee_core.stepper import StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -208,15 +209,18 @@ class TeacherForced:
     def __init__(self, inner, batch, targets: list[list[int]], hits: list[int]):
         self.inner, self.batch, self.targets, self.hits = inner, batch, targets, hits
 
-    def step(self, alive, rows, generator):
-        toks, layers = self.inner.step(alive, rows, generator)
-        for b, (tok,) in zip(alive, toks):
-            i = len(self.batch.generated[b])  # index of the token this step produced
-            truth = self.targets[b][i]
+    def step(self, alive, rows, generator) -> StepOutput:
+        out = self.inner.step(alive, rows, generator)
+        truths = []
+        for b, (tok,) in zip(alive, out.tokens):
+            truth = self.targets[b][len(self.batch.generated[b])]  # the token this step should produce
             self.hits[0] += tok == truth
             self.hits[1] += 1
-            self.batch.next_tokens[b] = truth
-        return toks, layers
+            truths.append([truth])
+        return StepOutput(truths, out.layers, out.hidden)  # the true token is recorded and fed next
+
+    def row_stats(self, b: int) -> dict:
+        return self.inner.row_stats(b)
 
 
 def heldout_accuracy(engine: SpecEEEngine, cfg: BenchConfig, threshold: float) -> dict:

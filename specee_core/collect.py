@@ -8,6 +8,7 @@ import torch
 
 from specee_core.sampling import SamplingParams
 from specee_core.speculators import Speculator
+from specee_core.stepper import StepOutput
 
 
 @dataclass
@@ -52,9 +53,11 @@ class CollectStepper:
         self.data.z.append(torch.stack(zs, 1).cpu())
         self.data.cand.append(cand.cpu())
         self.data.final.append(tok.cpu())
-        batch.next_tokens[idx] = tok
         self.features[idx] = hn
-        return [[t] for t in tok.tolist()], [[m.num_layers]] * len(alive)
+        return StepOutput([[t] for t in tok.tolist()], [[m.num_layers]] * len(alive))
+
+    def row_stats(self, b: int) -> dict:
+        return {}
 
 
 def collect_exit_data(engine, prompts: list[str], speculator: Speculator, max_new_tokens: int = 128) -> ExitData:

@@ -19,6 +19,7 @@ from specee_core.predictors import PredictorBank
 from specee_core.sampling import sample
 from specee_core.scheduler import OnlineWindow, Schedule
 from specee_core.speculators import DraftHead, DraftSpeculator, PromptLookupSpeculator, Speculator
+from specee_core.stepper import StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +224,7 @@ class Stepper:
             return [self.pred_layers] * len(alive)
         return [self.pred_layers & frozenset(self.windows[b].active_layers()) for b in alive]
 
-    def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> tuple[list[int], list[int]]:
+    def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
         t_start = time.perf_counter()
         ee, m, batch, cache = self.ee, self.model, self.batch, self.cache
         opts, L, dev = ee.options, m.num_layers, m.device
@@ -343,17 +344,15 @@ class Stepper:
                 out_feat[a_dev] = hn
         self.t_pred += t_pred
         if idx is None:
-            batch.next_tokens.copy_(out_tok)
             self.features.copy_(out_feat)
         else:
-            batch.next_tokens[idx] = out_tok
             self.features[idx] = out_feat
         for b, l in zip(alive, out_layer):
             self.windows[b].push(l)
             if explore:
                 self.rows[b].explore_histogram[l - 1] += 1
         self.t_total += time.perf_counter() - t_start
-        return [[t] for t in out_tok.tolist()], [[l] for l in out_layer]
+        return StepOutput([[t] for t in out_tok.tolist()], [[l] for l in out_layer])
 
     def _layer_with_pending(self, i: int, h: torch.Tensor, rope, rows_b: list[int], cache_rows):
         """Layer i for the current tokens h [n, 1, D] of batch rows rows_b, preceded in the same

@@ -16,6 +16,7 @@ from specee_core.config import ModelConfig
 from specee_core.loader import find_model_dir, load_model, load_tokenizer
 from specee_core.model import LlamaModel
 from specee_core.sampling import SamplingParams, sample
+from specee_core.stepper import StepOutput, StepperFactory
 
 log = logging.getLogger(__name__)
 
@@ -227,12 +228,12 @@ class SpecEEEngine:
 
         return factory, opts.depth + 1
 
-    def run(self, prompt_ids: list[list[int]], params: SamplingParams, new_stepper=None,
+    def run(self, prompt_ids: list[list[int]], params: SamplingParams, new_stepper: StepperFactory | None = None,
             on_token: Callable[[int, int], None] | None = None, mode: str | None = None,
             cache_headroom: int = 0) -> list[GenerationResult]:
         """Lower-level generate over token ids: new_stepper(engine, batch, cache, prefill_hidden, lens)
-        builds the object whose step(alive, rows, generator) replaces the dense decode step (None:
-        dense) and returns, per alive row, the tokens it decided and the layers each ran. mode names
+        builds the batch's Stepper (specee_core.stepper; None: dense), whose step returns what it
+        decided for the alive rows. mode names
         the results' stats["mode"] (default: "dense" without a stepper, else "specee"); cache_headroom:
         KV slots allocated past each batch's longest row."""
         mode = mode or ("dense" if new_stepper is None else "specee")
@@ -257,7 +258,7 @@ class SpecEEEngine:
         return self._cache
 
     @torch.inference_mode()
-    def _generate_batch(self, prompt_ids: list[list[int]], params: SamplingParams, new_stepper,
+    def _generate_batch(self, prompt_ids: list[list[int]], params: SamplingParams, new_stepper: StepperFactory | None,
                         generator: torch.Generator | None, on_token=None, mode: str = "dense",
                         cache_headroom: int = 0) -> list[GenerationResult]:
         t0 = time.perf_counter()
@@ -281,35 +282,29 @@ class SpecEEEngine:
                       exit_layers=[[] for _ in range(n)], finish=[None] * n, texts=[None] * n,
                       positions=lens.clone(), next_tokens=first, last_hidden=last, t_done=[0.0] * n,
                       on_token=on_token, mode=mode)
-        stepper = None if new_stepper is None else new_stepper(self, batch, cache, h, lens)
+        stepper = (new_stepper or DenseStepper)(self, batch, cache, h, lens)
         del h
         batch.t_first = time.perf_counter()
         self._record(batch, list(range(n)), [[t] for t in first.tolist()], [[model.num_layers]] * n)
 
         while alive := batch.alive():
             rows = torch.tensor(alive, device=dev) if (len(alive) < cache.batch) else None
-            if stepper is None:
-                toks, layers = self._dense_step(batch, alive, rows, cache, generator)
-            else:
-                toks, layers = stepper.step(alive, rows, generator)
-            self._record(batch, alive, toks, layers)
+            self._commit(batch, alive, rows, stepper.step(alive, rows, generator))
         return [self._result(batch, b, t0, stepper) for b in range(n)]
 
-    def _dense_step(self, batch: Batch, alive: list[int], rows, cache, generator) -> tuple[list[list[int]], list[list[int]]]:
-        if rows is None:  # every row of the cache is alive: no gathers or scatters
-            fed, positions = batch.next_tokens, batch.positions
+    def _commit(self, batch: Batch, alive: list[int], rows: torch.Tensor | None, out: StepOutput) -> None:
+        """Take a step's decisions into the batch: each row's last token is fed next (with its hidden
+        state), its tokens are recorded."""
+        last = torch.tensor([block[-1] for block in out.tokens], device=self.device)
+        if rows is None:  # every row of the cache is alive
+            batch.next_tokens.copy_(last)
+            if out.hidden is not None:
+                batch.last_hidden.copy_(out.hidden)
         else:
-            idx = torch.tensor(alive)
-            fed, positions = batch.next_tokens[idx], batch.positions[idx]
-        h = self.model.forward(fed.unsqueeze(1), positions.unsqueeze(1).to(self.device), cache, rows)[:, 0]
-        toks = sample(self.model.logits(h), batch.params, generator)
-        if rows is None:
-            batch.next_tokens.copy_(toks)
-            batch.last_hidden.copy_(h)
-        else:
-            batch.next_tokens[rows] = toks
-            batch.last_hidden[rows] = h
-        return [[t] for t in toks.tolist()], [[self.model.num_layers]] * len(alive)
+            batch.next_tokens[rows] = last
+            if out.hidden is not None:
+                batch.last_hidden[rows] = out.hidden
+        self._record(batch, alive, out.tokens, out.layers)
 
     def _record(self, batch: Batch, alive: list[int], toks: list[list[int]], layers: list[list[int]]) -> None:
         """Append each alive row's new tokens (one, or a verified block), advance positions, and settle
@@ -359,8 +354,7 @@ class SpecEEEngine:
         layers = batch.exit_layers[b]
         stats = exit_stats(layers, self.model.num_layers)
         stats["mode"] = batch.mode
-        if hasattr(stepper, "row_stats"):
-            stats.update(stepper.row_stats(b))
+        stats.update(stepper.row_stats(b))
         # what the scheduler's update rule should consume: unbiased exploration exits when taken
         stats["retune_histogram"] = stats.get("explore_histogram") or stats["exit_histogram"]
         return GenerationResult(text=text, token_ids=ids, finish_reason=batch.finish[b], exit_layers=layers,
@@ -382,3 +376,22 @@ def exit_stats(exit_layers: list[int], num_layers: int) -> dict:
     n = max(len(exit_layers), 1)
     avg = sum(exit_layers) / n
     return {"exit_histogram": hist[1:], "avg_layers": avg, "layer_fraction": avg / num_layers}
+
+class DenseStepper:
+    """mode="dense": one token per row per step through every layer."""
+
+    def __init__(self, engine: SpecEEEngine, batch: Batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor):
+        self.model, self.batch, self.cache = engine.model, batch, cache
+
+    def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
+        batch, m = self.batch, self.model
+        if rows is None:  # every row of the cache is alive: no gathers
+            fed, positions = batch.next_tokens, batch.positions
+        else:
+            fed, positions = batch.next_tokens[rows], batch.positions[torch.tensor(alive)]
+        h = m.forward(fed.unsqueeze(1), positions.unsqueeze(1).to(m.device), self.cache, rows)[:, 0]  # [N, D]
+        toks = sample(m.logits(h), batch.params, generator)
+        return StepOutput([[t] for t in toks.tolist()], [[m.num_layers]] * len(alive), h)
+
+    def row_stats(self, b: int) -> dict:
+        return {}

@@ -19,6 +19,7 @@ import torch
 
 from specee_core.sampling import SamplingParams, probabilities
 from specee_core.speculators import ngram_matches
+from specee_core.stepper import StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -301,10 +302,7 @@ class SpecStepper:
         self.cache.keep(rows, start, nodes, torch.tensor([len(k) for k in keep]))
         self.proposer.accepted(alive, [hn[r, torch.tensor(k, device=dev)] for r, k in enumerate(keep)], verdict.tokens)
         last = torch.tensor([k[-1] for k in keep], device=dev)
-        r_idx = torch.arange(len(alive), device=dev)
-        b_idx = torch.tensor(alive, device=dev)
-        batch.next_tokens[b_idx] = torch.tensor([t[-1] for t in verdict.tokens], device=dev)
-        batch.last_hidden[b_idx] = h[r_idx, last]
+        hidden = h[torch.arange(len(alive), device=dev), last]  # [N, D] the node whose logits chose the bonus
         t2 = time.perf_counter()
         s = self.stats
         s.steps += 1
@@ -314,7 +312,7 @@ class SpecStepper:
             s.per_row_steps[b] += 1
             s.per_row_accepted[b] += len(path)
         L = m.num_layers
-        return verdict.tokens, [[L] * len(t) for t in verdict.tokens]
+        return StepOutput(verdict.tokens, [[L] * len(t) for t in verdict.tokens], hidden)
 
     def row_stats(self, b: int) -> dict:
         s = self.stats
