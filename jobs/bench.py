@@ -211,6 +211,7 @@ class TeacherForced:
 
     def step(self, alive, rows, generator) -> StepOutput:
         out = self.inner.step(alive, rows, generator)
+        self.decided = out  # what the stepper chose, before the true tokens replace it
         truths = []
         for b, (tok,) in zip(alive, out.tokens):
             truth = self.targets[b][len(self.batch.generated[b])]  # the token this step should produce

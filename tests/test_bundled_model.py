@@ -132,9 +132,9 @@ def test_recompute_keeps_the_kv_cache_exact(engine, batch):
     class Check(TeacherForced):
         def step(self, alive, rows, generator):
             targets = [self.targets[b][len(self.batch.generated[b])] for b in alive]
-            toks, layers = super().step(alive, rows, generator)
-            full.extend((t, g) for (t,), g, (l,) in zip(toks, targets, layers) if l == L)
-            return toks, layers
+            out = super().step(alive, rows, generator)
+            full.extend((t, g) for (t,), g, (l,) in zip(self.decided.tokens, targets, self.decided.layers) if l == L)
+            return out
 
     def factory(e, b, cache, h, lens):
         return Check(e.early_exit.new_stepper(e, b, cache, h, lens), b,
