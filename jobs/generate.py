@@ -35,8 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", required=True, help="output directory (local or mounted; absolute under ray job submit)")
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--mode", choices=["dense", "specee", "spec"], default=None,
-                   help="dense | specee (early exit) | spec (speculative decoding, greedy, lossless); "
-                        "default: specee when the model has predictors beside it, else dense")
+                   help="dense | specee (early exit, re-tuned between waves) | spec (speculative decoding, "
+                        "lossless); default: specee when the model has predictors beside it, else dense")
     p.add_argument("--waves", type=int, default=4, help="re-tune the predictor schedule between waves")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="specee: every n-th decode step runs every predictor, so that re-tuning sees exits "
                         "the current schedule would miss (0: never; re-tuning then sees a biased histogram)")
     p.add_argument("--threshold", type=float, default=None, help="specee: exit probability threshold")
+    p.add_argument("--spec-proposer", choices=["auto", "draft", "lookup"], default=None,
+                   help="spec: draft head, prompt lookup, or auto (the draft head when the model has one)")
+    p.add_argument("--spec-depth", type=int, default=None, help="spec: tokens drafted per step (default 4)")
     p.add_argument("--rows-per-file", type=int, default=1000)
     p.add_argument("--address", default=None, help="Ray cluster address; 'local' starts a private instance "
                                                    "(default: RAY_ADDRESS, else a cluster started here with "
@@ -80,10 +83,11 @@ def build_config(args: argparse.Namespace):
     early_exit = {"explore_every": args.explore_every}
     if args.threshold is not None:
         early_exit["threshold"] = args.threshold
+    spec = {k: v for k, v in (("proposer", args.spec_proposer), ("depth", args.spec_depth)) if v is not None}
     stage = StageConfig(model=args.model, mode=mode, device=args.device, dtype=args.dtype,
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, stop=tuple(args.stop), seed=args.seed, batch_size=args.batch_size,
-                        torch_threads=args.torch_threads, chat=args.chat, engine_options=early_exit)
+                        torch_threads=args.torch_threads, chat=args.chat, engine_options=early_exit, spec=spec)
     return BatchConfig(input=args.input, output=args.output, stage=stage, waves=args.waves,
                        num_actors=args.num_actors, cpus_per_actor=args.cpus_per_actor,
                        input_format=args.input_format, prompt_column=args.prompt_column, id_column=args.id_column,

@@ -10,7 +10,8 @@ candidate tokens, should this token exit here? Per row:
 
 plus the candidate with the largest logit (as a token id). The kernel does all of it in one
 program per row, so the K LM-head rows are read once and nothing of size [B, 3K] or [B, H]
-touches global memory.
+touches global memory. The torch reference takes features and MLP from specee_core.predictors,
+their one definition (the engine's CPU scorer and the training data use it too).
 
 `rmsnorm_cand_logits` is the optional companion: RMSNorm folded into the candidate logits.
 
@@ -27,6 +28,8 @@ import contextlib
 from typing import Callable
 
 import torch
+
+from specee_core.predictors import LayerPredictor, exit_probability, predictor_features
 
 try:
     import triton
@@ -297,17 +300,16 @@ def fused_predictor_reference(
     b2: torch.Tensor,  # [1]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-torch `fused_predictor`: same arguments, same outputs, fp32 math; any device and
-    layout. This is what the engine runs on CPU."""
+    layout. Features and MLP are specee_core.predictors' (the one definition the engine's CPU
+    scorer and the training data use too)."""
     named = dict(h_normed=h_normed, cand_ids=cand_ids, lm_head_weight=lm_head_weight, prev_prob=prev_prob,
                  w1=w1, b1=b1, w2=w2, b2=b2)
     _check_predictor_args(named)
     z = _cand_logits_reference(h_normed.float(), cand_ids, lm_head_weight)  # [B, K]
-    p = torch.softmax(z, dim=-1)  # [B, K]
-    features = torch.cat([z, p, p - prev_prob.float()], dim=-1)  # [B, 3K]
-    hidden = torch.relu(torch.nn.functional.linear(features, w1.float(), b1.float()))  # [B, H]
-    logit = torch.nn.functional.linear(hidden, w2.float(), b2.float()).squeeze(-1)  # [B]
+    features, p = predictor_features(z, prev_prob)  # [B, 3K], [B, K]
+    p_exit = exit_probability(features, LayerPredictor(w1.float(), b1.float(), w2.float(), b2.float()))  # [B]
     local_argmax = cand_ids.gather(1, z.argmax(dim=-1, keepdim=True)).squeeze(1)  # [B]
-    return torch.sigmoid(logit), p, local_argmax
+    return p_exit, p, local_argmax
 
 
 def predictor_forward(

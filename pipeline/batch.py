@@ -132,7 +132,7 @@ def actor_resources(cfg: BatchConfig) -> dict:
 
 def starting_schedule(cfg: BatchConfig, out: OutputDir) -> Schedule | None:
     """specee: the latest schedule in the output (a rerun continues re-tuning), else cfg.schedule,
-    else the one the engine starts with. dense: None."""
+    else the one the engine starts with. dense and spec: None."""
     if cfg.stage.mode != "specee":
         return None
     latest = out.latest_schedule()

@@ -5,7 +5,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (when the tokenizer has a chat template),
 GET /v1/models, GET /healthz. Non-streaming requests that arrive together are batched
-(@serve.batch) and grouped by sampling parameters into engine calls; streaming requests bypass
+(@serve.batch) and grouped by mode and sampling parameters into engine calls; streaming requests bypass
 the batcher and run as one engine call each. All engine calls of a replica run on one worker
 thread (the engine is not thread-safe), so the event loop stays free to accept requests."""
 import asyncio
@@ -29,6 +29,8 @@ from ray.serve import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specee_core import PromptError, SpecEEEngine
+from specee_core.engine import MODES
+from specee_core.stops import cut_at_stop
 from pipeline.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk,
                                       chat_response, completion_chunk, completion_response, error_body, new_id,
                                       parse_body, specee_summary, sse, usage, usage_chunk)
@@ -48,7 +50,8 @@ class ServeArgs(BaseModel):
 
     model: str = Field(default_factory=lambda: os.environ.get("SPECEE_MODEL", "models/smollm2-135m-instruct"))
     model_name: str | None = None  # the name clients send; default: the model directory's name
-    mode: Literal["dense", "specee"] | None = Field(default_factory=lambda: os.environ.get("SPECEE_MODE") or None)
+    mode: Literal["dense", "specee", "spec"] | None = Field(  # None: the best the model can run (pick_mode)
+        default_factory=lambda: os.environ.get("SPECEE_MODE") or None)
     device: str = "cpu"
     dtype: str | None = "bfloat16"  # float32 | bfloat16 | float16 (bf16: the fast path on CPUs with avx512_bf16)
     engine_options: dict = Field(default_factory=dict)  # more SpecEEEngine.from_pretrained options
@@ -92,16 +95,21 @@ class Work:
         return (self.mode, *sorted(p.items()))
 
 
+def pick_mode(requested: str | None, *, has_draft: bool, has_predictors: bool) -> str:
+    """The decode mode to run: `requested` when given, else spec with a draft head beside the model,
+    specee with predictors, dense otherwise. ValueError for a requested mode the model cannot run
+    (spec runs on any model: without a draft head it proposes by prompt lookup)."""
+    if requested is None:
+        return "spec" if has_draft else "specee" if has_predictors else "dense"
+    if requested not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {requested!r}")
+    if requested == "specee" and not has_predictors:
+        raise ValueError("mode 'specee' is not available: this model has no predictors")
+    return requested
+
+
 def _prompt_count(works: list[Work]) -> int:
     return sum(len(w.prompts) for w in works)
-
-
-def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
-    """Text before the first stop string. The engine cuts already; this guards the API contract
-    (a stop string is never returned) against an engine that returns uncut text: at the time of
-    writing a stop string at offset 0 made it return the whole text."""
-    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return text[: min(cuts)] if cuts else text
 
 
 def run_grouped(engine, works: list[Work]) -> list:
@@ -121,7 +129,7 @@ def run_grouped(engine, works: list[Work]) -> list:
             for i in idx:
                 out[i] = e
             continue
-        for r in results:
+        for r in results:  # the engine cuts already: this guards the API contract (no stop string is returned)
             r.text = cut_at_stop(r.text, w0.params["stop"])
         s = 0
         for i in idx:
@@ -228,9 +236,10 @@ class SpecEEServer:
         self.engine = SpecEEEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                                    **args.engine_options)
         self.model_name = args.model_name or Path(args.model).name
-        self.mode = args.mode or ("specee" if self.engine.early_exit is not None else "dense")
-        if self.mode == "specee" and self.engine.early_exit is None:
-            raise ValueError(f"mode='specee' but {args.model} has no predictors beside it")
+        try:
+            self.mode = self._pick_mode(args.mode)
+        except ValueError as e:
+            raise ValueError(f"{args.model}: {e}") from None
         self.max_batch_size = args.max_batch_size
         self.max_tokens_limit = args.max_tokens_limit or self.engine.context_len - 1
         tok = self.engine.tokenizer
@@ -313,10 +322,10 @@ class SpecEEServer:
     def _prepare(self, req, prompts: list[str], default_max_tokens: int | None) -> tuple[str, dict, int]:
         """Checks that need the engine -> (mode, generate kwargs, prompt tokens in all)."""
         self._check_model(req.model)
-        mode = req.mode or self.mode
-        if mode == "specee" and self.engine.early_exit is None:
-            raise APIError("mode 'specee' is not available: this model has no predictors", param="mode",
-                           code="invalid_value")
+        try:
+            mode = self._pick_mode(req.mode or self.mode)
+        except ValueError as e:
+            raise APIError(str(e), param="mode", code="invalid_value") from None
         lengths = []
         for i, p in enumerate(prompts):
             try:
@@ -336,6 +345,10 @@ class SpecEEServer:
                            f"{max_tokens} for the completion): shorten the prompt or lower max_tokens",
                            param="max_tokens", code="context_length_exceeded")
         return mode, req.sampling(max_tokens), sum(lengths)
+
+    def _pick_mode(self, requested: str | None) -> str:
+        return pick_mode(requested, has_draft=self.engine.draft_head is not None,
+                         has_predictors=self.engine.early_exit is not None)
 
     def _render_chat(self, req: ChatCompletionRequest) -> str:
         try:

@@ -11,6 +11,7 @@ import pyarrow as pa
 from specee_core import PromptError, SpecEEEngine
 from specee_core.engine import MODES
 from specee_core.scheduler import Schedule
+from specee_core.spec_decode import SpecOptions
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ OUTPUT_SCHEMA = pa.schema([
     ("ttft_s", pa.float64()),
     ("tokens_per_s", pa.float64()),
     ("mode", pa.string()),
-    ("schedule_version", pa.int32()),  # null in dense mode
+    ("schedule_version", pa.int32()),  # null unless mode is specee
     ("num_layers", pa.int16()),
     ("retune_histogram", pa.list_(pa.int32())),  # [L] what the scheduler update rule consumes; null if none
     ("wave", pa.int32()),
@@ -58,10 +59,15 @@ class StageConfig:
     torch_threads: int | None = None  # None: the CPUs Ray gave the actor, at least 1
     chat: bool | None = None  # prompt = a user message through the chat template; None: when the model has one
     engine_options: dict = field(default_factory=dict)  # early-exit options (EarlyExitOptions), specee only
+    spec: dict = field(default_factory=dict)  # speculative decoding options (SpecOptions: proposer, depth), spec only
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.spec:
+            if self.mode != "spec":
+                raise ValueError(f"spec options {self.spec} apply to mode='spec' only, mode is {self.mode!r}")
+            SpecOptions(**self.spec)  # bad names and values fail here, not in every actor
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -88,7 +94,7 @@ class GenerateRows:
                                                    max_batch_size=cfg.batch_size, **early_exit)
         if cfg.mode == "specee" and schedule is not None:
             self.engine.set_schedule(schedule)
-        self.schedule_version = None if cfg.mode == "dense" or self.engine.schedule is None \
+        self.schedule_version = None if cfg.mode != "specee" or self.engine.schedule is None \
             else self.engine.schedule.version
         self.num_layers = self.engine.config.num_hidden_layers
         self.chat = self.engine.has_chat_template if cfg.chat is None else cfg.chat
@@ -149,7 +155,7 @@ class GenerateRows:
     def _sampling(self) -> dict:
         c = self.cfg
         return dict(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-                    stop=list(c.stop) or None, seed=c.seed, mode=c.mode)
+                    stop=list(c.stop) or None, seed=c.seed, mode=c.mode, spec=dict(c.spec) or None)
 
     def _row(self, row_id: str, prompt: str, wave: int, r) -> dict:
         return {

@@ -1,5 +1,6 @@
 """Token ids -> text deltas for streaming responses: incremental detokenization that never splits
 a multi-byte character, and a hold-back so a stop string is never sent before it is recognised."""
+from specee_core.stops import StopMatcher
 
 
 class IncrementalDecoder:
@@ -35,8 +36,7 @@ class StreamText:
 
     def __init__(self, tokenizer, stop: tuple[str, ...] | list[str] = ()):
         self.decoder = IncrementalDecoder(tokenizer)
-        self.stop = tuple(stop)
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.stops = StopMatcher(stop)
         self.text = ""  # decoded so far (cut at a stop string once one is seen)
         self.sent = 0  # characters of self.text already sent
         self.stopped = False
@@ -46,14 +46,10 @@ class StreamText:
         if self.stopped:
             return ""
         self.text += self.decoder.push(token_id)
-        safe = len(self.text) - self.hold
-        if self.stop:
-            # search only where a new match can start: just before what was already sent
-            start = max(self.sent - self.hold, 0)
-            cuts = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-            if cuts:
-                self.text, self.stopped = self.text[: min(cuts)], True
-                safe = len(self.text)
+        safe = len(self.text) - self.stops.overlap  # the last characters may begin a stop string
+        if (cut := self.stops.update(self.text)) >= 0:
+            self.text, self.stopped = self.text[:cut], True
+            safe = cut
         return self._take(safe)
 
     def finish(self, final_text: str) -> str:

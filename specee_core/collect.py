@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specee_core.predictors import candidate_probs, predictor_features
 from specee_core.sampling import SamplingParams
 from specee_core.speculators import Speculator
 from specee_core.stepper import StepOutput
@@ -98,8 +99,6 @@ def predictor_dataset(z: torch.Tensor, labels: torch.Tensor, layer: int, max_gap
     """Features [S, 3K] and labels [S] for the predictor after layer `layer` (1-based). The
     shift uses the probabilities of a layer 1..max_gap below (random per sample), since at run
     time the previous predictor may be several layers down; zeros when none is below."""
-    from specee_core.predictors import predictor_features
-
     g = torch.Generator().manual_seed(seed + layer)
     s = z.shape[0]
     zl = z[:, layer - 1]
@@ -108,6 +107,6 @@ def predictor_dataset(z: torch.Tensor, labels: torch.Tensor, layer: int, max_gap
     prev = torch.zeros_like(zl)
     has = below >= 1
     if has.any():
-        prev[has] = z[has.nonzero().squeeze(1), below[has] - 1].softmax(-1)
+        prev[has] = candidate_probs(z[has.nonzero().squeeze(1), below[has] - 1])
     x, _ = predictor_features(zl, prev)
     return x, labels[:, layer - 1].float()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from specee_core.predictors import PredictorBank
+from specee_core.predictors import LayerPredictor, PredictorBank, exit_probability, predictor_features
 from specee_core.sampling import sample
 from specee_core.scheduler import OnlineWindow, Schedule
 from specee_core.speculators import DraftHead, DraftSpeculator, PromptLookupSpeculator, Speculator
@@ -143,8 +143,8 @@ class CandidateScorer:
 
     On CUDA (or backend="triton") each call is one fused Triton launch (kernels.predictor).
     Otherwise the candidate LM-head rows are gathered once per step with the final RMSNorm's
-    weight folded in, so a layer's test is a norm scalar, one batched dot product and the MLP:
-    the same function as kernels.fused_predictor_reference, with fewer ops on the hot path."""
+    weight folded in, so a layer's candidate logits are a norm scalar and one batched dot
+    product; features and MLP are specee_core.predictors' (as in kernels.fused_predictor_reference)."""
 
     def __init__(self, model, cand: torch.Tensor, backend: str):
         self.model, self.cand = model, cand
@@ -153,7 +153,8 @@ class CandidateScorer:
         if not self.fused:
             self.w = (model.w.lm_head[cand] * model.w.norm).float()  # [N, K, D]
 
-    def __call__(self, h: torch.Tensor, sel: torch.Tensor | None, prev: torch.Tensor, pred) -> tuple[torch.Tensor, ...]:
+    def __call__(self, h: torch.Tensor, sel: torch.Tensor | None, prev: torch.Tensor,
+                 pred: LayerPredictor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [n, D] pre-norm hidden of the rows `sel` [n] (indices into N; None = all N rows),
         prev [n, K] -> (p_exit [n], prob [n, K], local_argmax [n] token ids)."""
         m = self.model
@@ -161,16 +162,15 @@ class CandidateScorer:
         if self.fused:
             from kernels import predictor_forward
 
-            return predictor_forward(m.final_norm(h), cand, m.w.lm_head, prev, pred.w1, pred.b1, pred.w2,
-                                     pred.b2, backend="triton")
+            # the kernel reads rows at stride D; the fp32 CPU norm returns a strided view
+            return predictor_forward(m.final_norm(h).contiguous(), cand, m.w.lm_head, prev, pred.w1, pred.b1,
+                                     pred.w2, pred.b2, backend="triton")
         hf = h.float()
         r = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + m.config.rms_norm_eps)  # [n, 1]
         w = self.w if sel is None else self.w[sel]
         z = torch.bmm(w, hf.unsqueeze(-1)).squeeze(-1) * r  # [n, K]
-        p = z.softmax(-1)
-        hidden = torch.relu(torch.addmm(pred.b1, torch.cat((z, p, p - prev), dim=-1), pred.w1.t()))
-        p_exit = torch.sigmoid(torch.addmm(pred.b2, hidden, pred.w2.t()).squeeze(-1))
-        return p_exit, p, cand.gather(1, z.argmax(-1, keepdim=True)).squeeze(1)
+        x, p = predictor_features(z, prev)
+        return exit_probability(x, pred), p, cand.gather(1, z.argmax(-1, keepdim=True)).squeeze(1)
 
 
 @dataclass
@@ -188,6 +188,41 @@ class RowStats:
     explore_histogram: list[int] = field(default_factory=list)
 
 
+# One decode step has N "step rows": step row j is batch row alive[j] (and cache row alive[j]).
+# While layers run, the rows still running are the rows of Walk.h, r -> step row Walk.running[r].
+
+
+@dataclass
+class Proposal:
+    """What a step starts from: the alive rows, the tokens they feed, the speculator's candidates."""
+    alive: list[int]  # the batch rows of the step's N rows
+    idx: torch.Tensor | None  # [N] alive on the device; None when every batch row is alive
+    tokens: torch.Tensor  # [N] the tokens fed this step
+    cand: torch.Tensor  # [N, K] candidate token ids
+    explore: bool  # every predictor runs this step (unbiased exit statistics for re-tuning)
+
+
+@dataclass
+class Walk:
+    """The layer walk of one step: the rows still running layers and what the predictors have seen."""
+    h: torch.Tensor  # [n, 1, D] hidden states of the n running rows
+    rope: tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [n, 1, 1, D/H], of the running rows
+    running: list[int]  # row r of h is step row running[r] (ascending)
+    cache_rows: torch.Tensor | None  # [n] cache rows of the running rows; None: every cache row
+    pred_layers: list[frozenset[int]]  # per step row: the layers after which its predictor runs
+    scorer: CandidateScorer  # the exit test over the proposal's candidates
+    prev: torch.Tensor  # [N, K] candidate probabilities at each row's last evaluated layer (zeros before)
+    done: list[bool]  # [N] exited, but still running layers (skip "batch")
+
+
+@dataclass
+class Decisions:
+    """What a step decided per step row."""
+    tokens: torch.Tensor  # [N]
+    layers: list[int]  # [N] the exit layer; L when every layer ran
+    hidden: torch.Tensor  # [N, D] the final-normed hidden state whose logits chose the token
+
+
 def _index(indices: list[int], count: int, device) -> torch.Tensor | None:
     """An index tensor for the sorted `indices` into `count` rows; None when they are all of them."""
     return None if len(indices) == count else torch.tensor(indices, device=device)
@@ -195,21 +230,28 @@ def _index(indices: list[int], count: int, device) -> torch.Tensor | None:
 
 class Stepper:
     """Decode steps of one batch in SpecEE mode. Rows exit independently; with skip "row" the
-    remaining layers run only over the rows still active (compacted).
+    remaining layers run only over the rows still running (compacted).
 
-    Per-row bookkeeping (which rows are active, exited, evaluated at a layer) is kept in Python
+    A step reads as: propose (the speculator's K candidates), walk the layers, decide exits at
+    the layers a row's predictor is scheduled for (exited rows leave the walk, their skipped
+    layers' KV handled per kv_mode), the normal LM head for the rows that ran every layer, and
+    commit (the stepper's own features and online windows; the engine commits the StepOutput).
+
+    Per-row bookkeeping (which rows are running, exited, evaluated at a layer) is kept in Python
     lists: at decode batch sizes that is cheaper than the dozens of tiny tensor ops per layer it
     replaces; tensors index only the hidden states, candidates and outputs."""
 
     def __init__(self, ee: EarlyExit, engine, batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor):
         self.ee, self.engine, self.batch, self.cache = ee, engine, batch, cache
         self.model = m = engine.model
+        opts = ee.options
         n = len(batch.prompt_ids)
         self.histories = [list(p) for p in batch.prompt_ids]
         self.windows = [OnlineWindow(ee.schedule) for _ in range(n)]
         self.rows = [RowStats(explore_histogram=[0] * m.num_layers) for _ in range(n)]
         self.features = m.final_norm(batch.last_hidden)  # [B, D] feature of the last fed position
         self.pred_layers = frozenset(ee.predictors.layers)
+        self.compact = opts.skip == "row" or (opts.skip == "auto" and m.device.type == "cuda")
         self.pending: list[list[Pending]] = [[] for _ in range(n)]  # kv_mode="recompute"
         self._chunk_rope: tuple = ((), None)  # (positions, rope) of the last recompute chunk
         self.t_draft = self.t_pred = self.t_total = 0.0
@@ -226,133 +268,186 @@ class Stepper:
 
     def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
         t_start = time.perf_counter()
-        ee, m, batch, cache = self.ee, self.model, self.batch, self.cache
-        opts, L, dev = ee.options, m.num_layers, m.device
+        prop = self._propose(alive, rows)
+        self.t_draft += time.perf_counter() - t_start
+        walk, out = self._start(prop, rows)
+        L = self.model.num_layers
+        for i in range(L):
+            walk.h = self._run_layer(i, prop, walk)
+            if i + 1 < L:
+                exits = self._decide_exits(i + 1, prop, walk, out, generator)
+                if exits:
+                    self._leave(i + 1, exits, prop, walk)
+                    if not walk.running:
+                        break
+        self._full_depth(walk, out, generator)
+        self._commit(prop, out)
+        self.t_total += time.perf_counter() - t_start
+        return StepOutput([[t] for t in out.tokens.tolist()], [[l] for l in out.layers])
+
+    def _propose(self, alive: list[int], rows: torch.Tensor | None) -> Proposal:
+        """The speculator's candidates for the alive rows."""
+        batch, opts = self.batch, self.ee.options
         for b in alive:  # bring histories up to date with the tokens recorded since the last step
             self.histories[b].extend(batch.generated[b][len(self.histories[b]) - len(batch.prompt_ids[b]):])
-        n = len(alive)
-
-        idx = None if rows is None else torch.tensor(alive, device=dev)  # rows None: every batch row is alive
+        idx = None if rows is None else torch.tensor(alive, device=self.model.device)  # rows None: all alive
         toks = batch.next_tokens if idx is None else batch.next_tokens[idx]
-        cand = ee.speculator.propose(alive, self.histories, toks, self.features if idx is None else self.features[idx])
-        t_spec = time.perf_counter()
-        self.t_draft += t_spec - t_start
-
+        cand = self.ee.speculator.propose(alive, self.histories, toks,
+                                          self.features if idx is None else self.features[idx])
         explore = opts.explore_every > 0 and self.step_no % opts.explore_every == 0
         self.step_no += 1
-        pred_layers = self._predictor_layers(alive, explore)
-        h = m.embed(toks[:, None])  # [N, 1, D]
-        positions = batch.positions if rows is None else batch.positions[torch.tensor(alive)]
-        cos, sin = m.rope_for(positions.to(dev)[:, None])
-        active = list(range(n))  # h's rows, as indices into alive
-        cache_rows = rows
-        prev = torch.zeros(n, ee.predictors.k, device=dev)  # last evaluated layer's candidate probabilities
-        out_tok = torch.empty(n, dtype=torch.int64, device=dev)
-        out_layer = [L] * n
-        out_feat = torch.empty(n, m.config.hidden_size, dtype=m.dtype, device=dev)
-        scorer = CandidateScorer(m, cand, opts.predictor_backend)
-        compact = opts.skip == "row" or (opts.skip == "auto" and dev.type == "cuda")
-        done = [False] * n  # "batch" policy: rows that exited but keep flowing
+        return Proposal(alive, idx, toks, cand, explore)
 
-        t_pred = 0.0
-        recompute = opts.kv_mode == "recompute"
-        for i in range(L):
-            if recompute:
-                h = self._layer_with_pending(i, h, (cos, sin), [alive[j] for j in active], cache_rows)
-            else:
-                h = m.layer(i, h, (cos, sin), cache, cache_rows)
-            layer = i + 1
-            if layer == L:
-                break
-            sel = [r for r, j in enumerate(active) if layer in pred_layers[j] and not done[j]]  # rows of h
-            if not sel:
-                continue
-            tp = time.perf_counter()
-            js = [active[r] for r in sel]  # the same rows, as indices into alive
-            sel_dev, js_dev = _index(sel, len(active), dev), _index(js, n, dev)
-            hs = h[:, 0] if sel_dev is None else h[sel_dev, 0]
-            p_exit, prob, local_arg = scorer(hs, js_dev, prev if js_dev is None else prev[js_dev],
-                                             ee.predictors.layers[layer])
-            if js_dev is None:
-                prev = prob
-            else:
-                prev[js_dev] = prob
-            for j in js:
-                self.rows[alive[j]].predictor_calls += 1
-            fired = [q for q, f in enumerate((p_exit > opts.threshold).tolist()) if f]  # positions in sel
-            exit_rows = []  # rows of h that exit at this layer
-            if fired:
-                f_dev = _index(fired, len(sel), dev)
-                hf = m.final_norm(hs if f_dev is None else hs[f_dev])
-                if opts.verify == "local" and batch.params.greedy:
-                    tok = local_arg if f_dev is None else local_arg[f_dev]
-                    ok = [True] * len(fired)
-                else:  # one full LM-head product, only for the rows whose predictor fired
-                    tok = sample(m.lm_head(hf), batch.params, generator)
-                    fired_cand = cand[torch.tensor([js[q] for q in fired], device=dev)]
-                    ok = (tok[:, None] == fired_cand).any(1).tolist() if batch.params.greedy else [True] * len(fired)
-                accepted = [a for a, good in enumerate(ok) if good]  # positions in fired
-                if accepted:
-                    exit_rows = [sel[fired[a]] for a in accepted]
-                    exiting = torch.tensor([active[r] for r in exit_rows], device=dev)
-                    a_dev = _index(accepted, len(fired), dev)
-                    out_tok[exiting] = tok if a_dev is None else tok[a_dev]
-                    out_feat[exiting] = hf if a_dev is None else hf[a_dev]
-                    for r in exit_rows:
-                        out_layer[active[r]] = layer
-            t_pred += time.perf_counter() - tp
-            if not exit_rows:
-                continue
-            if not compact:
-                for r in exit_rows:
-                    done[active[r]] = True
-                if not all(done[j] for j in active):
-                    continue
-                exit_rows = list(range(len(active)))  # every row has exited: the batch skips the rest
-            if recompute:
-                for r in exit_rows:
-                    b = alive[active[r]]
-                    self.pending[b].append(Pending(int(batch.positions[b]), layer, h[r, 0].clone()))
-            if opts.kv_mode == "propagate":
-                e_dev = torch.tensor(exit_rows, device=dev)
-                crows = torch.tensor([alive[active[r]] for r in exit_rows], device=dev)  # cache row = batch row
-                rope_e = (cos[e_dev], sin[e_dev])
-                for j in range(layer, L):
-                    m.write_kv(j, h[e_dev], rope_e, cache, crows)
-            leaving = set(exit_rows)
-            keep = [r for r in range(len(active)) if r not in leaving]
-            if not keep:
-                active = []
-                break
-            k_dev = torch.tensor(keep, device=dev)
-            h, cos, sin = h[k_dev], cos[k_dev], sin[k_dev]
-            active = [active[r] for r in keep]
-            cache_rows = torch.tensor([alive[j] for j in active], device=dev)
-        if not compact and active:  # rows that exited but kept flowing are settled
-            still = [r for r, j in enumerate(active) if not done[j]]
-            if len(still) < len(active):
-                h = h[torch.tensor(still, device=dev)]
-                active = [active[r] for r in still]
-        if active:  # rows that ran every layer: the normal LM head
-            hn = m.final_norm(h[:, 0])
-            a_dev = _index(active, n, dev)
-            if a_dev is None:
-                out_tok = sample(m.lm_head(hn), batch.params, generator)
-                out_feat = hn
-            else:
-                out_tok[a_dev] = sample(m.lm_head(hn), batch.params, generator)
-                out_feat[a_dev] = hn
-        self.t_pred += t_pred
-        if idx is None:
-            self.features.copy_(out_feat)
+    def _start(self, prop: Proposal, rows: torch.Tensor | None) -> tuple[Walk, Decisions]:
+        """Every step row runs from the embedding; nothing is decided yet."""
+        m, dev, n = self.model, self.model.device, len(prop.alive)
+        positions = self.batch.positions if rows is None else self.batch.positions[torch.tensor(prop.alive)]
+        walk = Walk(h=m.embed(prop.tokens[:, None]), rope=m.rope_for(positions.to(dev)[:, None]),
+                    running=list(range(n)), cache_rows=rows,
+                    pred_layers=self._predictor_layers(prop.alive, prop.explore),
+                    scorer=CandidateScorer(m, prop.cand, self.ee.options.predictor_backend),
+                    prev=torch.zeros(n, self.ee.predictors.k, device=dev), done=[False] * n)
+        out = Decisions(tokens=torch.empty(n, dtype=torch.int64, device=dev), layers=[m.num_layers] * n,
+                        hidden=torch.empty(n, m.config.hidden_size, dtype=m.dtype, device=dev))
+        return walk, out
+
+    def _run_layer(self, i: int, prop: Proposal, walk: Walk) -> torch.Tensor:
+        """Layer i for the running rows (with "recompute", preceded by their pending positions)."""
+        if self.ee.options.kv_mode == "recompute":
+            return self._layer_with_pending(i, walk.h, walk.rope, [prop.alive[j] for j in walk.running],
+                                            walk.cache_rows)
+        return self.model.layer(i, walk.h, walk.rope, self.cache, walk.cache_rows)
+
+    def _decide_exits(self, layer: int, prop: Proposal, walk: Walk, out: Decisions, generator) -> list[int]:
+        """The predictors scheduled after `layer` for the running rows; a row exits when its
+        predictor fires and its token is verified. Writes the exits' decisions into out; returns
+        them as rows of walk.h."""
+        sel = [r for r, j in enumerate(walk.running) if layer in walk.pred_layers[j] and not walk.done[j]]
+        if not sel:
+            return []
+        t0 = time.perf_counter()
+        fired, h_fired, local = self._score(layer, sel, prop, walk)
+        exits = self._verify(layer, fired, h_fired, local, prop, walk, out, generator) if fired else []
+        self.t_pred += time.perf_counter() - t0
+        return exits
+
+    def _score(self, layer: int, sel: list[int], prop: Proposal, walk: Walk
+               ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """Runs the predictor of `layer` for the rows sel of h. Returns the rows (of h) whose
+        predictor fired, their hidden states [F, D] and candidate-local argmax tokens [F]."""
+        dev = self.model.device
+        js = [walk.running[r] for r in sel]  # the same rows, as step rows
+        sel_dev, js_dev = _index(sel, len(walk.running), dev), _index(js, len(prop.alive), dev)
+        hs = walk.h[:, 0] if sel_dev is None else walk.h[sel_dev, 0]  # [S, D]
+        prev = walk.prev if js_dev is None else walk.prev[js_dev]
+        p_exit, prob, local = walk.scorer(hs, js_dev, prev, self.ee.predictors.layers[layer])
+        if js_dev is None:
+            walk.prev = prob
         else:
-            self.features[idx] = out_feat
-        for b, l in zip(alive, out_layer):
+            walk.prev[js_dev] = prob
+        for j in js:
+            self.rows[prop.alive[j]].predictor_calls += 1
+        fired = [q for q, f in enumerate((p_exit > self.ee.options.threshold).tolist()) if f]  # positions in sel
+        if len(fired) == len(sel):
+            return sel, hs, local
+        if not fired:
+            return [], hs[:0], local[:0]
+        f_dev = torch.tensor(fired, device=dev)
+        return [sel[q] for q in fired], hs[f_dev], local[f_dev]
+
+    def _verify(self, layer: int, fired: list[int], h_fired: torch.Tensor, local: torch.Tensor, prop: Proposal,
+                walk: Walk, out: Decisions, generator) -> list[int]:
+        """Of the rows `fired` (of h, hidden h_fired [F, D], local argmax [F]), those whose token is
+        verified exit at `layer`: "local" takes the argmax among the candidates (greedy); "full" (and
+        sampling) samples the full LM head and, greedy, accepts it only among the candidates."""
+        m, params, dev = self.model, self.batch.params, self.model.device
+        hn = m.final_norm(h_fired)  # [F, D]
+        if self.ee.options.verify == "local" and params.greedy:
+            tok, ok = local, [True] * len(fired)
+        else:  # one full LM-head product, only for the rows whose predictor fired
+            tok = sample(m.lm_head(hn), params, generator)
+            fired_cand = prop.cand[torch.tensor([walk.running[r] for r in fired], device=dev)]
+            ok = (tok[:, None] == fired_cand).any(1).tolist() if params.greedy else [True] * len(fired)
+        accepted = [a for a, good in enumerate(ok) if good]  # positions in fired
+        if not accepted:
+            return []
+        exits = [fired[a] for a in accepted]  # rows of h
+        exiting = torch.tensor([walk.running[r] for r in exits], device=dev)  # as step rows
+        a_dev = _index(accepted, len(fired), dev)
+        out.tokens[exiting] = tok if a_dev is None else tok[a_dev]
+        out.hidden[exiting] = hn if a_dev is None else hn[a_dev]
+        for r in exits:
+            out.layers[walk.running[r]] = layer
+        return exits
+
+    def _leave(self, layer: int, exits: list[int], prop: Proposal, walk: Walk) -> None:
+        """The rows `exits` of h exited at `layer`. Skip "row": they leave the walk now; "batch":
+        they keep running until every running row has exited, then all leave. Rows that leave
+        get their skipped layers' KV per kv_mode, and h is compacted to the rest."""
+        if not self.compact:
+            for r in exits:
+                walk.done[walk.running[r]] = True
+            if not all(walk.done[j] for j in walk.running):
+                return
+            exits = list(range(len(walk.running)))  # every row has exited: the batch skips the rest
+        self._skipped_kv(layer, exits, prop, walk)
+        leaving = set(exits)
+        keep = [r for r in range(len(walk.running)) if r not in leaving]
+        if not keep:
+            walk.running = []
+            return
+        k_dev = torch.tensor(keep, device=self.model.device)
+        walk.h, walk.rope = walk.h[k_dev], (walk.rope[0][k_dev], walk.rope[1][k_dev])
+        walk.running = [walk.running[r] for r in keep]
+        walk.cache_rows = torch.tensor([prop.alive[j] for j in walk.running], device=self.model.device)
+
+    def _skipped_kv(self, layer: int, exits: list[int], prop: Proposal, walk: Walk) -> None:
+        """KV of layers `layer`.. for the leaving rows `exits` of h: "recompute" keeps the hidden
+        state to run them with the row's next full-depth token, "propagate" writes K/V computed
+        from it now, "gap" leaves them empty."""
+        m, dev, kv_mode = self.model, self.model.device, self.ee.options.kv_mode
+        if kv_mode == "recompute":
+            for r in exits:
+                b = prop.alive[walk.running[r]]
+                self.pending[b].append(Pending(int(self.batch.positions[b]), layer, walk.h[r, 0].clone()))
+        elif kv_mode == "propagate":
+            e_dev = torch.tensor(exits, device=dev)
+            crows = torch.tensor([prop.alive[walk.running[r]] for r in exits], device=dev)  # cache row = batch row
+            h, rope = walk.h[e_dev], (walk.rope[0][e_dev], walk.rope[1][e_dev])
+            for j in range(layer, m.num_layers):
+                m.write_kv(j, h, rope, self.cache, crows)
+
+    def _full_depth(self, walk: Walk, out: Decisions, generator) -> None:
+        """The rows that ran every layer get the normal LM head (rows that exited but kept running
+        under skip "batch" keep their exit's decision)."""
+        m, dev = self.model, self.model.device
+        if not self.compact and walk.running:
+            still = [r for r, j in enumerate(walk.running) if not walk.done[j]]
+            if len(still) < len(walk.running):
+                walk.h = walk.h[torch.tensor(still, device=dev)]
+                walk.running = [walk.running[r] for r in still]
+        if not walk.running:
+            return
+        hn = m.final_norm(walk.h[:, 0])
+        tok = sample(m.lm_head(hn), self.batch.params, generator)
+        r_dev = _index(walk.running, len(out.layers), dev)
+        if r_dev is None:
+            out.tokens, out.hidden = tok, hn
+        else:
+            out.tokens[r_dev] = tok
+            out.hidden[r_dev] = hn
+
+    def _commit(self, prop: Proposal, out: Decisions) -> None:
+        """The stepper's own state after a step: each row's feature for the speculator and its
+        online window of exit layers (the engine commits tokens and positions)."""
+        if prop.idx is None:
+            self.features.copy_(out.hidden)
+        else:
+            self.features[prop.idx] = out.hidden
+        for b, l in zip(prop.alive, out.layers):
             self.windows[b].push(l)
-            if explore:
+            if prop.explore:
                 self.rows[b].explore_histogram[l - 1] += 1
-        self.t_total += time.perf_counter() - t_start
-        return StepOutput([[t] for t in out_tok.tolist()], [[l] for l in out_layer])
 
     def _layer_with_pending(self, i: int, h: torch.Tensor, rope, rows_b: list[int], cache_rows):
         """Layer i for the current tokens h [n, 1, D] of batch rows rows_b, preceded in the same

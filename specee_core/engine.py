@@ -17,6 +17,7 @@ from specee_core.loader import find_model_dir, load_model, load_tokenizer
 from specee_core.model import LlamaModel
 from specee_core.sampling import SamplingParams, sample
 from specee_core.stepper import StepOutput, StepperFactory
+from specee_core.stops import StopMatcher
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,10 @@ class Batch:
     t_done: list[float] = field(default_factory=list)
     on_token: Callable[[int, int], None] | None = None
     mode: str = "dense"
+    stop_matchers: list[StopMatcher] = field(init=False)  # per row: the stop-string search of its text
+
+    def __post_init__(self) -> None:
+        self.stop_matchers = [StopMatcher(self.params.stop) for _ in self.prompt_ids]
 
     def alive(self) -> list[int]:
         return [b for b, f in enumerate(self.finish) if f is None]
@@ -327,8 +332,10 @@ class SpecEEEngine:
         if tok in self.eos_ids and not batch.params.ignore_eos:
             batch.finish[b] = "stop"
         elif batch.params.stop:
+            # the whole id list is decoded (a character split across tokens comes out right); only
+            # the new tail is searched
             text = self.tokenizer.decode(batch.generated[b], skip_special_tokens=True)
-            cut = min((i for i in (text.find(s) for s in batch.params.stop) if i >= 0), default=-1)
+            cut = batch.stop_matchers[b].update(text)
             if cut >= 0:
                 batch.texts[b] = text[:cut]
                 batch.finish[b] = "stop"

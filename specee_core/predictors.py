@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -15,30 +16,57 @@ log = logging.getLogger(__name__)
 HIDDEN = 512
 
 
+@dataclass
+class LayerPredictor:
+    """One layer's exit MLP: Linear(3K, H) -> ReLU -> Linear(H, 1) (H = 512)."""
+    w1: torch.Tensor  # [H, 3K]
+    b1: torch.Tensor  # [H]
+    w2: torch.Tensor  # [1, H]
+    b2: torch.Tensor  # [1]
+
+
+# The predictor's math (SpecEE T1), defined once: the engine's CPU scorer, the kernel's torch
+# reference (kernels.predictor, which the fused Triton kernel is tested against) and the
+# training data all call these.
+
+
+def candidate_probs(z: torch.Tensor) -> torch.Tensor:
+    """p [N, K] fp32 = softmax over the K candidate logits z [N, K]."""
+    return z.float().softmax(-1)
+
+
 def predictor_features(z: torch.Tensor, prev_prob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """z [N, K] candidate logits, prev_prob [N, K] -> (features [N, 3K], prob [N, K])."""
-    p = z.float().softmax(-1)
-    return torch.cat((z.float(), p, p - prev_prob), dim=-1), p
+    """Candidate logits z [N, K] and the probabilities prev_prob [N, K] at the row's previous
+    evaluated layer (zeros at the first) -> (features [N, 3K] = [z, p, p - prev_prob], p [N, K]), fp32."""
+    z = z.float()
+    p = candidate_probs(z)
+    return torch.cat((z, p, p - prev_prob.float()), dim=-1), p
+
+
+def exit_logit(x: torch.Tensor, pred: LayerPredictor) -> torch.Tensor:
+    """The exit MLP on features x [N, 3K] -> logits [N] (training takes these, BCE with logits)."""
+    return F.linear(torch.relu(F.linear(x, pred.w1, pred.b1)), pred.w2, pred.b2).squeeze(-1)
+
+
+def exit_probability(x: torch.Tensor, pred: LayerPredictor) -> torch.Tensor:
+    """p_exit [N] = sigmoid(exit_logit(x, pred)) for features x [N, 3K]."""
+    return torch.sigmoid(exit_logit(x, pred))
 
 
 class ExitMLP(nn.Module):
-    """Linear(3K, 512) -> ReLU -> Linear(512, 1); sigmoid applied by the caller (BCE with logits)."""
+    """A trainable LayerPredictor; forward gives logits (exit_logit), the sigmoid is the caller's."""
 
     def __init__(self, k: int, hidden: int = HIDDEN):
         super().__init__()
         self.fc1 = nn.Linear(3 * k, hidden)
         self.fc2 = nn.Linear(hidden, 1)
 
+    def weights(self) -> LayerPredictor:
+        """The parameters themselves (gradients flow through them)."""
+        return LayerPredictor(self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x))).squeeze(-1)
-
-
-@dataclass
-class LayerPredictor:
-    w1: torch.Tensor  # [512, 3K]
-    b1: torch.Tensor  # [512]
-    w2: torch.Tensor  # [1, 512]
-    b2: torch.Tensor  # [1]
+        return exit_logit(x, self.weights())
 
 
 class PredictorBank:
@@ -112,7 +140,7 @@ def train_layer(x: torch.Tensor, y: torch.Tensor, k: int, epochs: int = 100, bat
 
 def classification_report(mlp: ExitMLP, x: torch.Tensor, y: torch.Tensor, threshold: float = 0.5) -> dict:
     with torch.no_grad():
-        pred = torch.sigmoid(mlp(x)) > threshold
+        pred = exit_probability(x, mlp.weights()) > threshold
     pos = y > 0.5
     tp = (pred & pos).sum().item()
     return {"samples": len(y), "positive_rate": pos.float().mean().item(),

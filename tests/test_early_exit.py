@@ -143,3 +143,42 @@ def test_draft_vocab_subset_limits_candidates(tmp_path, ee_model_dir):
     cands = torch.cat(seen)
     assert ((cands >= 100) & (cands < 400)).all() and cands.shape[1] == 4
 
+
+TRITON_ENGINE_CASE = """
+import json, sys
+from specee_core import SpecEEEngine
+prompts = json.loads(sys.argv[2])
+out = {}
+for backend in ("triton", "torch"):
+    for skip in ("row", "batch"):
+        e = SpecEEEngine.from_pretrained(sys.argv[1], device=sys.argv[3], predictor_backend=backend, threshold=0.0,
+                                         skip=skip)
+        res = e.generate(prompts, max_new_tokens=6, mode="specee", ignore_eos=True)
+        out[backend + "-" + skip] = [[r.token_ids, r.exit_layers] for r in res]
+print(json.dumps(out))
+"""
+
+
+def test_triton_backend_decides_like_the_torch_path(ee_model_dir):
+    """predictor_backend="triton" (the fused kernel inside the decode step; without CUDA in Triton's
+    interpreter, in a fresh process since triton fixes its mode at import) exits where the torch path does."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    env = dict(os.environ)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    args = [str(ee_model_dir), json.dumps(PROMPTS[:3]), device]
+    proc = subprocess.run([sys.executable, "-c", TRITON_ENGINE_CASE, *args], cwd=Path(__file__).resolve().parents[1],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    L = json.loads((ee_model_dir / "config.json").read_text())["num_hidden_layers"]
+    for skip in ("row", "batch"):
+        assert out[f"triton-{skip}"] == out[f"torch-{skip}"]
+        assert max(l for _, layers in out[f"triton-{skip}"] for l in layers[1:]) < L  # exits happened

@@ -142,18 +142,25 @@ def test_killed_actor_loses_and_duplicates_nothing(tmp_path, model_dir):
     assert summary["rows"] == len(GOOD) and summary["errors"] == 0
 
 
-def test_generate_cli(tmp_path, model_dir, capsys):
+@pytest.mark.parametrize("mode_args, mode", [([], "dense"), (["--mode", "spec", "--spec-depth", "3"], "spec")])
+def test_generate_cli(tmp_path, model_dir, capsys, mode_args, mode):
     from jobs import generate
+    from specee_core import SpecEEEngine
 
     csv = tmp_path / "in.csv"
     csv.write_text("prompt\n" + "".join(f'"{p}"\n' for p in GOOD) + '""\n')
     summary = generate.main(["--input", str(csv), "--output", str(tmp_path / "out"), "--model", str(model_dir),
-                             "--waves", "1", "--max-new-tokens", "3", "--limit", "6", "--num-actors", "1",
-                             "--batch-size", "3", "--no-progress"])
+                             "--waves", "1", "--max-new-tokens", "6", "--limit", "6", "--num-actors", "1",
+                             "--batch-size", "3", "--dtype", "float32", "--no-progress", *mode_args])
     printed = capsys.readouterr().out
     assert json.loads(printed[printed.index("{"):]) == summary
-    assert summary["mode"] == "dense" and summary["rows"] == 6  # --limit: the first 6 rows in file order
-    assert sorted(read_output(tmp_path / "out")["id"]) == [f"in.csv:{i}" for i in range(6)]
+    assert summary["mode"] == mode and summary["rows"] == 6  # --limit: the first 6 rows in file order
+    df = read_output(tmp_path / "out").sort_values("id")
+    assert list(df["id"]) == [f"in.csv:{i}" for i in range(6)]
+    assert (df["mode"] == mode).all() and df["schedule_version"].isna().all()
+    # greedy in fp32: spec answers exactly what dense decoding does
+    dense = SpecEEEngine.from_pretrained(model_dir).generate(list(df["prompt"]), max_new_tokens=6)
+    assert list(df["completion"]) == [r.text for r in dense]
 
 
 def test_analyze_stats_and_png(jsonl_run, tmp_path):

@@ -126,6 +126,11 @@ def test_part_files_are_atomic_and_tmp_files_ignored(tmp_path):
 def test_config_validation(tmp_path):
     with pytest.raises(ValueError, match="mode"):
         StageConfig(model="m", mode="fast")
+    assert StageConfig(model="m", mode="spec", spec={"proposer": "lookup", "depth": 2}).spec["depth"] == 2
+    with pytest.raises(ValueError, match="apply to mode='spec' only"):
+        StageConfig(model="m", mode="dense", spec={"depth": 2})
+    with pytest.raises(ValueError, match="depth"):
+        StageConfig(model="m", mode="spec", spec={"depth": 0})
     stage = StageConfig(model="m")
     with pytest.raises(ValueError, match="waves"):
         BatchConfig(input=["x"], output=str(tmp_path), stage=stage, waves=0)

@@ -1,5 +1,6 @@
-"""The Serve app for real on loopback: two applications (a model without a chat template at /, one
-with a template at /chat) driven by the official openai client and raw httpx for malformed input."""
+"""The Serve app for real on loopback: three applications (a model without a chat template at /, one
+with a template at /chat, the bundled model with its draft head at /spec) driven by the official
+openai client and raw httpx for malformed input."""
 import asyncio
 import json
 import socket
@@ -9,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import add_early_exit_files, make_hf_model
+from tests.conftest import BUNDLED, add_early_exit_files, make_hf_model
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +33,7 @@ def dirs(tmp_path_factory):
     make_hf_model(plain, layers=2, hidden=64, heads=4, kv_heads=2)
     chat = tmp_path_factory.mktemp("serve-chat")
     make_hf_model(chat, layers=2, hidden=64, heads=4, kv_heads=2, seed=1, max_pos=4096)  # room for long streams
-    add_early_exit_files(chat, offline=(1,))  # random predictors: this app serves mode="specee" by default
+    add_early_exit_files(chat, offline=(1,))  # random draft head and predictors; this app serves mode="specee"
     cfg = json.loads((chat / "tokenizer_config.json").read_text())
     (chat / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHAT_TEMPLATE}))
     return plain, chat
@@ -56,8 +57,11 @@ def server(dirs):
     serve.run_many([
         serve.RunTarget(app({"model": str(plain), "model_name": "tiny", "num_cpus": 0.5, "dtype": "float32",
                              "max_tokens_limit": MAX_TOKENS_LIMIT}), name="specee", route_prefix="/"),
-        serve.RunTarget(app({"model": str(chat), "model_name": "tiny-chat", "num_cpus": 0.5, "dtype": "float32"}), name="chat",
-                        route_prefix="/chat"),
+        serve.RunTarget(app({"model": str(chat), "model_name": "tiny-chat", "num_cpus": 0.5, "dtype": "float32",
+                             "mode": "specee"}), name="chat", route_prefix="/chat"),
+        # fp32: greedy speculative decoding is exactly dense; no mode given: spec, since a draft head is there
+        serve.RunTarget(app({"model": str(BUNDLED), "model_name": "specee-tiny", "num_cpus": 0.5, "dtype": "float32",
+                             "max_tokens_limit": MAX_TOKENS_LIMIT}), name="spec", route_prefix="/spec"),
     ])
     try:
         yield f"http://127.0.0.1:{port}"
@@ -105,6 +109,26 @@ def test_builder_args(dirs, monkeypatch):
         ServeArgs.model_validate({"model": "models/no-such-model"})
     with pytest.raises(ValueError):
         ServeArgs.model_validate({"model": str(dirs[0]), "max_batch_sise": 4})  # typos are errors
+
+
+@pytest.mark.parametrize("requested, has_draft, has_predictors, mode", [
+    (None, True, True, "spec"), (None, True, False, "spec"), (None, False, True, "specee"),
+    (None, False, False, "dense"), ("dense", True, True, "dense"), ("specee", True, True, "specee"),
+    ("spec", False, False, "spec"),  # without a draft head spec proposes by prompt lookup
+])
+def test_pick_mode(requested, has_draft, has_predictors, mode):
+    from pipeline.serve import pick_mode
+
+    assert pick_mode(requested, has_draft=has_draft, has_predictors=has_predictors) == mode
+
+
+def test_pick_mode_refuses_what_the_model_cannot_run():
+    from pipeline.serve import pick_mode
+
+    with pytest.raises(ValueError, match="no predictors"):
+        pick_mode("specee", has_draft=True, has_predictors=False)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        pick_mode("fast", has_draft=True, has_predictors=True)
 
 
 def test_run_grouped_splits_by_params_and_isolates_failures():
@@ -275,6 +299,53 @@ def test_specee_mode(server, chat_client):
     assert dense.model_extra["specee"]["mode"] == "dense" and dense.model_extra["specee"]["avg_layers"] == 2
 
 
+CODE = ["import os\nimport sys\n\n\ndef main(argv=None):\n", "class Point:\n    def __init__(self, x, y):\n",
+        "for key, value in sorted(items.items()):\n"]
+
+
+def test_spec_mode_equals_dense(server):
+    """The bundled model serves mode="spec" by default; at temperature 0 in fp32 it answers exactly
+    what dense decoding does, plain, streamed and in a ragged batch."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server}/spec/v1", api_key="unused", max_retries=0, timeout=60)
+    assert httpx.get(f"{server}/spec/healthz", timeout=10).json()["mode"] == "spec"
+    kw = dict(model="specee-tiny", prompt=CODE, max_tokens=24, temperature=0)
+    dense = client.completions.create(**kw, extra_body={"mode": "dense"})
+    spec = client.completions.create(**kw)  # the default
+    explicit = client.completions.create(**kw, extra_body={"mode": "spec"})
+    assert dense.model_extra["specee"]["mode"] == "dense"
+    assert spec.model_extra["specee"]["mode"] == explicit.model_extra["specee"]["mode"] == "spec"
+    texts = [c.text for c in dense.choices]
+    assert all(len(t) > 20 for t in texts), texts
+    assert [c.text for c in spec.choices] == [c.text for c in explicit.choices] == texts
+    assert spec.usage == dense.usage
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="specee-tiny", prompt=CODE[1], max_tokens=24, temperature=0, stream=True, extra_body={"mode": "spec"}))
+    assert streamed == texts[1]
+
+
+def test_requests_of_different_modes_arriving_together_run_in_their_own_mode(server):
+    bodies = [{"prompt": p, "max_tokens": 12, "temperature": 0, "mode": m} for p in CODE
+              for m in ("dense", "spec", "specee")]
+    out = asyncio.run(_burst(server, bodies, concurrency=len(bodies), path="/spec/v1/completions"))
+    assert all(r.status_code == 200 for r, _ in out), [r.text for r, _ in out if r.status_code != 200]
+    got = {(b["prompt"], b["mode"]): r.json() for b, (r, _) in zip(bodies, out)}
+    assert all(got[k]["specee"]["mode"] == k[1] for k in got)
+    for p in CODE:
+        assert got[p, "spec"]["choices"][0]["text"] == got[p, "dense"]["choices"][0]["text"]
+        assert got[p, "dense"]["specee"]["avg_layers"] == 16  # a dense row ran no early-exit step
+    # the bundled predictors do exit: a specee row grouped with dense or spec rows would not
+    assert sum(got[p, "specee"]["specee"]["avg_layers"] for p in CODE) < 16 * len(CODE)
+    assert max(x["specee"]["batch_size"] for x in got.values()) > 1  # some did share an engine call
+
+
+def test_bad_mode_is_a_400_naming_the_field(server):
+    r = post(server, "/spec/v1/completions", {"prompt": "a", "mode": "fast"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mode", r.text
+    assert "mode" in r.json()["error"]["message"] and "spec" in r.json()["error"]["message"]
+
+
 def test_chat_without_template_is_404(server, client):
     from openai import NotFoundError
 
@@ -299,6 +370,7 @@ BAD = [
     ({"prompt": "a", "n": 3}, 400, "n"),
     ({"prompt": "a", "stream": "yes"}, 400, "stream"),
     ({"prompt": "a", "mode": "specee"}, 400, "mode"),  # the test model has no predictors
+    ({"prompt": "a", "mode": "fast"}, 400, "mode"),
     ({"prompt": "word " * 400}, 400, "prompt"),  # over the 256-token context
     ({"prompt": "word " * 230, "max_tokens": 40}, 400, "max_tokens"),  # fits, but not with 40 more
     ({"prompt": "a", "model": "gpt-4"}, 404, "model"),
@@ -333,13 +405,14 @@ def test_other_bad_requests(server, client):
 
 
 # ---- batching and load ---------------------------------------------------------------------------
-async def _burst(server: str, bodies: list[dict], concurrency: int) -> list[tuple[httpx.Response, float]]:
+async def _burst(server: str, bodies: list[dict], concurrency: int,
+                 path: str = "/v1/completions") -> list[tuple[httpx.Response, float]]:
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=server, timeout=120) as http:
         async def one(b):
             async with sem:
                 t = time.perf_counter()
-                r = await http.post("/v1/completions", json=b)
+                r = await http.post(path, json=b)
                 return r, time.perf_counter() - t
 
         return await asyncio.gather(*(one(b) for b in bodies))
