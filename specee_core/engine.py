@@ -227,11 +227,14 @@ class SpecEEEngine:
         if use_draft and self._draft_runner is None:  # the draft layer's weights, prepared once
             self._draft_runner = DraftSpeculator(head, self.model, k=1)
 
+        if not use_draft:
+            opts.nodes = opts.depth  # prompt lookup drafts chains
+
         def factory(engine, batch, cache, prefill_hidden, lens):
-            proposer = DraftHeadProposer(self._draft_runner) if use_draft else LookupProposer()
+            proposer = DraftHeadProposer(self._draft_runner, opts.tree) if use_draft else LookupProposer()
             return SpecStepper(proposer, engine, batch, cache, prefill_hidden, lens, depth=opts.depth)
 
-        return factory, opts.depth + 1
+        return factory, opts.nodes + 1
 
     def run(self, prompt_ids: list[list[int]], params: SamplingParams, new_stepper: StepperFactory | None = None,
             on_token: Callable[[int, int], None] | None = None, mode: str | None = None,

@@ -25,6 +25,7 @@ class KVCache:
         # per-layer views, so the per-token hot path indexes a Python list, not a tensor
         self._k, self._v, self._lens = list(k.unbind(0)), list(v.unbind(0)), list(self.lengths.unbind(0))
         self._last_mask: tuple = (None, None)  # ((T, start), mask) of the last chunk mask
+        self._last_tree: tuple | None = None  # ((tree, start, S), mask) of the last tree chunk
 
     def first_rows(self, n: int) -> KVCache:
         """An empty cache of n rows on this one's memory (a smaller batch reuses a larger allocation,
@@ -48,9 +49,10 @@ class KVCache:
         scaled_dot_product_attention: query t of a row may see the valid slots <= start + t, given
         either as a bool mask [N, 1, T, S] or, where that is all it says, mask None and causal
         True (a chunk from slot 0) or False (one token, every slot valid).
-        tree [N, T, T] bool (a draft tree under verification): query j sees the row's valid slots
-        before the chunk and the chunk's nodes i with tree[r, j, i] (its ancestors and itself)
-        instead of the causal rule.
+        tree [N, T, W] bool, W >= T (a draft tree): query j sees the row's valid slots before the last
+        W and, of those W (the chunk is their end), the ones with tree[r, j, :] (its ancestors and
+        itself) instead of the causal rule. W = T: the tree is the chunk itself (verification); the
+        draft head grows its tree level by level, a chunk per level, so W spans earlier levels too.
         """
         n, _, t, _ = k.shape
         k, v = k.to(self.k.dtype), v.to(self.k.dtype)  # the cache may hold a wider dtype (fp32 for CPU bf16)
@@ -124,14 +126,35 @@ class KVCache:
         return keys, values, self._mask(start, t, s, new_len), False
 
     def _append_tree(self, layer: int, rows, k, v, tree: torch.Tensor):
-        start = self.lengths[layer].clone() if rows is None else self.lengths[layer, rows.cpu()]  # [N] host
-        keys, values, _, _ = self._append_rows(layer, rows, k, v, None)
-        s, t = keys.shape[2], k.shape[2]
-        dev_start = start.to(self.device)[:, None, None]  # [N, 1, 1]
+        """tree [N, T, W] (W >= T) covers the last W slots up to the chunk's end: query j sees the row's
+        slots before them and those x with tree[r, j, x - (end - W)]."""
+        t, start_u = k.shape[2], self.uniform[layer]
+        if rows is None and start_u is not None:  # every row at one length: a slice write
+            keys, values, _, _ = self._append_uniform(layer, start_u, k, v, None)
+            start = (start_u,)
+        else:
+            start = self.lengths[layer].clone() if rows is None else self.lengths[layer, rows.cpu()]  # [N] host
+            keys, values, _, _ = self._append_rows(layer, rows, k, v, None)
+            start = tuple(start.tolist())
+        return keys, values, self._tree_mask(tree, start, t, keys.shape[2]), False
+
+    def _tree_mask(self, tree: torch.Tensor, start: tuple[int, ...], t: int, s: int) -> torch.Tensor:
+        """[N, 1, T, S] additive mask of a tree chunk written at slots start (one per row, or one for all).
+        Every layer of a verify forward asks for the same mask: the last one is kept."""
+        key = (tree, start, s)
+        last = self._last_tree
+        if last is not None and last[0][0] is tree and last[0][1:] == key[1:]:
+            return last[1]
+        n, _, w = tree.shape
+        lo = torch.tensor(start, device=self.device).view(-1, 1, 1) + (t - w)  # [N or 1, 1, 1] first covered slot
         key_slot = torch.arange(s, device=self.device)
-        node = (key_slot - dev_start).clamp(0, t - 1).expand(-1, t, -1)  # [N, T, S] chunk node of each slot
-        in_tree = tree.to(self.device).gather(2, node) & (key_slot >= dev_start) & (key_slot < dev_start + t)
-        return keys, values, ((key_slot < dev_start) | in_tree).unsqueeze(1), False
+        rel = key_slot - lo  # [N, 1, S]
+        covered = (rel >= 0) & (rel < w)
+        seen = tree.to(self.device).gather(2, rel.clamp(0, w - 1).expand(n, t, s)) & covered
+        visible = (rel < 0) | seen  # [N, T, S]
+        mask = torch.zeros(visible.shape, dtype=self.k.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+        self._last_tree = (key, mask.unsqueeze(1))
+        return self._last_tree[1]
 
     def keep(self, rows: torch.Tensor | None, start: torch.Tensor, nodes: torch.Tensor, count: torch.Tensor) -> None:
         """After verifying a chunk written at slots start [N] (host) of `rows` (None = all): keep, in every

@@ -175,11 +175,12 @@ class DraftSpeculator(Speculator):
                                                            lm_head=model.w.lm_head), dev, dtype)
         self.cache: KVCache | None = None
 
-    def _step(self, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, rows, n_valid=None):
-        """tokens [N, T], feats [N, T, D] -> draft output features [N, T, D]."""
+    def _step(self, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, rows, n_valid=None,
+              tree: torch.Tensor | None = None):
+        """tokens [N, T], feats [N, T, D] -> draft output features [N, T, D]; tree: see LlamaModel.layer."""
         m = self.draft
         h = self.fc(torch.cat((m.embed(tokens), feats), dim=-1))
-        return m.layer(0, h, m.rope_for(positions), self.cache, rows, n_valid)
+        return m.layer(0, h, m.rope_for(positions), self.cache, rows, n_valid, tree)
 
     def start(self, prompt_ids, features, lens, max_len) -> None:
         n, t, _ = features.shape
@@ -200,6 +201,21 @@ class DraftSpeculator(Speculator):
         sub = idx if len(rows) < self.cache.batch else None
         out = self._step(tokens[:, None], features[:, None], positions, sub)[:, 0]
         return self.top(out, self.k)
+
+    def top_log_probs(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft output features [..., D] -> (log-probabilities [..., k] fp32, token ids [..., k]) of the
+        k most likely next tokens, best first (normalised over the frequent-token subset, when ranked)."""
+        logits = self.model_base.lm_head(out) if self.subset is None else self.subset_head(out)
+        logp, idx = logits.float().log_softmax(-1).topk(k, dim=-1)
+        return logp, (idx if self.subset is None else self.subset[idx])
+
+    def full_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft output features [N, D] -> logits [N, V] fp32 over the whole vocabulary (-inf outside the
+        frequent-token subset, when the head ranks one)."""
+        if self.subset is None:
+            return self.model_base.lm_head(out).float()
+        logits = torch.full((out.shape[0], self.model_base.config.vocab_size), float("-inf"), device=out.device)
+        return logits.index_copy_(1, self.subset, self.subset_head(out).float())
 
     def top(self, out: torch.Tensor, k: int) -> torch.Tensor:
         """Draft output features [N, D] -> the k most likely next tokens [N, k], best first (through

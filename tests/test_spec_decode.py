@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from specee_core import SpecEEEngine, load_model
-from specee_core.spec_decode import Draft, accept_greedy
+from specee_core.acceptance import accept_greedy, accept_sampled
+from specee_core.proposers import Draft
 from tests.conftest import BUNDLED, make_hf_model
 
 CODE = ["import os\nimport sys\n\n\ndef main(argv=None):\n", "class Point:\n    def __init__(self, x, y):\n",
@@ -29,14 +30,14 @@ def sharp_model_dir(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("proposer", ["draft", "lookup"])
-@pytest.mark.parametrize("depth", [1, 4])
-def test_greedy_spec_equals_dense_on_the_bundled_model(tiny, proposer, depth):
+@pytest.mark.parametrize("proposer,shape", [
+    ("draft", {"depth": 1}), ("draft", {"depth": 4}), ("draft", {"depth": 4, "width": 3, "nodes": 10}),
+    ("lookup", {"depth": 1}), ("lookup", {"depth": 4})])
+def test_greedy_spec_equals_dense_on_the_bundled_model(tiny, proposer, shape):
     dense = tiny.generate(CODE, max_new_tokens=40, ignore_eos=True)
-    spec = tiny.generate(CODE, max_new_tokens=40, ignore_eos=True, mode="spec",
-                         spec={"proposer": proposer, "depth": depth})
+    spec = tiny.generate(CODE, max_new_tokens=40, ignore_eos=True, mode="spec", spec={"proposer": proposer, **shape})
     single = [tiny.generate([p], max_new_tokens=40, ignore_eos=True, mode="spec",
-                            spec={"proposer": proposer, "depth": depth})[0] for p in CODE[:2]]
+                            spec={"proposer": proposer, **shape})[0] for p in CODE[:2]]
     assert [r.token_ids for r in spec] == [r.token_ids for r in dense]
     assert [r.token_ids for r in single] == [r.token_ids for r in dense[:2]]
     accepted = sum(r.stats["mean_accepted"] * r.stats["spec_steps"] for r in spec)
@@ -136,8 +137,6 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 def test_rejection_sampling_keeps_the_target_distribution(with_q):
     """A chain root -> a -> b over a 5-token vocabulary, drafted from q (or deterministically): the
     committed first and second tokens follow the target p exactly, and always accepting would not."""
-    from specee_core.spec_decode import accept_sampled
-
     g = torch.Generator().manual_seed(0)
     p = torch.tensor([[0.1, 0.4, 0.3, 0.2, 0.0], [0.5, 0.1, 0.1, 0.1, 0.2], [0.2, 0.2, 0.2, 0.2, 0.2]])
     q_rows = torch.tensor([[0.6, 0.1, 0.1, 0.1, 0.1], [0.05, 0.05, 0.1, 0.1, 0.7]])
@@ -163,9 +162,31 @@ def test_rejection_sampling_keeps_the_target_distribution(with_q):
         assert chi_square(naive, p[0]) < critical
 
 
-def test_sampled_spec_keeps_the_base_distribution_end_to_end(tiny):
-    """top_k=3 sampling, 3 tokens: the empirical joint of spec mode (draft head, depth 2, rejection
-    sampling) against the exact joint from the base model, by chi-square over the 27 cells."""
+def test_tree_rejection_sampling_keeps_the_target_distribution():
+    """A deterministic tree root -> {a, b}, a -> {c} (the draft head's top children): siblings are
+    tried in turn against the residual. The first committed token follows p after the root and the
+    second (given a first) p after a; both children and the residual were taken."""
+    g = torch.Generator().manual_seed(1)
+    p = torch.tensor([[0.1, 0.4, 0.3, 0.2, 0.0], [0.5, 0.1, 0.1, 0.1, 0.2], [0.2, 0.2, 0.2, 0.2, 0.2],
+                      [0.2, 0.2, 0.2, 0.2, 0.2]])
+    draft = Draft(tokens=torch.tensor([[7, 1, 2, 0]]), parent=torch.tensor([[-1, 0, 0, 1]]),
+                  valid=torch.ones(1, 4, dtype=torch.bool))
+    first, second = torch.zeros(5), torch.zeros(5)
+    for _ in range(6000):
+        v = accept_sampled(draft, p.unsqueeze(0), g)
+        first[v.tokens[0][0]] += 1
+        if v.tokens[0][0] == 1:
+            second[v.tokens[0][1]] += 1
+    critical = 18.5  # chi-square, 4 degrees of freedom, p = 0.001
+    assert chi_square(first, p[0]) < critical
+    assert chi_square(second, p[1]) < critical
+    assert first[1] > 0 and first[2] > 0 and first[[0, 3]].sum() > 0  # both children and the residual were taken
+
+
+@pytest.mark.parametrize("shape", [{"depth": 2}, {"depth": 2, "width": 3, "nodes": 5}], ids=["chain", "tree"])
+def test_sampled_spec_keeps_the_base_distribution_end_to_end(tiny, shape):
+    """top_k=3 sampling, 3 tokens: the empirical joint of spec mode (draft head, depth 2, a sampled chain
+    or a deterministic tree; rejection sampling) against the exact joint from the base model, by chi-square over the 27 cells."""
     import itertools
 
     prompt = CODE[1]
@@ -187,7 +208,7 @@ def test_sampled_spec_keeps_the_base_distribution_end_to_end(tiny):
             t3s, p3 = dist(ids + [a, b])
             for c, pc in zip(t3s, p3):
                 exact[(a, b, c)] = pa * pb * pc
-    runs = tiny.generate([prompt] * 2400, mode="spec", spec={"proposer": "draft", "depth": 2}, **kw)
+    runs = tiny.generate([prompt] * 2400, mode="spec", spec={"proposer": "draft", **shape}, **kw)
     assert sum(r.stats["mean_accepted"] * r.stats["spec_steps"] for r in runs) > 200  # drafts were accepted
     cells = sorted(exact)
     counts = torch.zeros(len(cells))
