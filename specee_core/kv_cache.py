@@ -100,8 +100,9 @@ class KVCache:
         n, _, t, _ = k.shape
         rows_host = None if rows is None else rows.cpu()
         start = self.lengths[layer].clone() if rows is None else self.lengths[layer, rows_host]  # [N] host
-        end_write = int(start.max()) + t
-        self._check_room(layer, end_write)
+        new_len = start + (t if n_valid is None else n_valid.cpu())
+        self._check_room(layer, int(new_len.max()))
+        end_write = min(int(start.max()) + t, self.max_len)
         kc, vc = self._k[layer], self._v[layer]
         row_idx = torch.arange(n, device=self.device) if rows is None else rows
         if t == 1:
@@ -109,10 +110,15 @@ class KVCache:
             kc[row_idx, :, dev_start] = k[:, :, 0]
             vc[row_idx, :, dev_start] = v[:, :, 0]
         else:  # advanced indices around a slice: the indexed view is [N, T, Hkv, hd]
-            slots = start.to(self.device, non_blocking=True)[:, None] + torch.arange(t, device=self.device)
-            kc[row_idx[:, None], :, slots] = k.transpose(1, 2)
-            vc[row_idx[:, None], :, slots] = v.transpose(1, 2)
-        new_len = start + (t if n_valid is None else n_valid.cpu())
+            slots = start[:, None] + torch.arange(t)  # [N, T] host
+            if int(slots.max()) < self.max_len:
+                r, s, kt, vt = row_idx[:, None], slots.to(self.device), k.transpose(1, 2), v.transpose(1, 2)
+            else:  # padding of a ragged chunk would run past the end: write the valid entries only
+                keep = slots < new_len[:, None]  # [N, T]
+                r = row_idx[:, None].expand(n, t)[keep.to(self.device)]
+                s, kt, vt = slots[keep].to(self.device), k.transpose(1, 2)[keep], v.transpose(1, 2)[keep]
+            kc[r, :, s] = kt
+            vc[r, :, s] = vt
         if rows is None:
             self.lengths[layer] = new_len
         else:

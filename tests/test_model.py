@@ -182,3 +182,19 @@ def test_packed_bf16_linear_is_bit_identical_to_f_linear(tiny_model_dir):
         assert torch.equal(a, b)
         start += t
     assert packed.head._packed is not None and plain.head._packed is None
+
+
+def test_ragged_chunk_near_the_end_of_the_cache_writes_only_its_valid_entries():
+    """Row 0 nearly full, row 1 short, a chunk of 3 with valid counts [1, 3]: row 0's padding would
+    run past the last slot. The valid entries land where they belong; nothing overflows."""
+    from specee_core.kv_cache import KVCache
+
+    cache = KVCache(num_layers=1, batch=2, num_kv_heads=1, max_len=10, head_dim=2, dtype=torch.float32, device="cpu")
+    cache.append(0, None, torch.zeros(2, 1, 8, 2), torch.zeros(2, 1, 8, 2), n_valid=torch.tensor([8, 2]))
+    k = torch.arange(12, dtype=torch.float32).view(2, 1, 3, 2) + 1
+    keys, values, mask, _ = cache.append(0, None, k, -k, n_valid=torch.tensor([1, 3]))
+    assert cache.lengths[0].tolist() == [9, 5]
+    assert torch.equal(cache.k[0, 0, 0, 8], k[0, 0, 0]) and torch.equal(cache.v[0, 1, 0, 2:5], -k[1, 0])
+    assert keys.shape[2] == mask.shape[-1] == 10
+    with pytest.raises(ValueError, match="overflow"):
+        cache.append(0, None, k, k, n_valid=torch.tensor([2, 1]))  # row 0 would need 11 slots
