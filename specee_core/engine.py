@@ -231,10 +231,13 @@ class SpecEEEngine:
             opts.nodes = opts.depth  # prompt lookup drafts chains
 
         def factory(engine, batch, cache, prefill_hidden, lens):
-            proposer = DraftHeadProposer(self._draft_runner, opts.tree) if use_draft else LookupProposer()
+            if use_draft:
+                proposer = DraftHeadProposer(self._draft_runner, opts.tree, LookupProposer() if opts.lookup else None)
+            else:
+                proposer = LookupProposer()
             return SpecStepper(proposer, engine, batch, cache, prefill_hidden, lens, depth=opts.depth)
 
-        return factory, opts.nodes + 1
+        return factory, opts.nodes + (opts.depth if use_draft and opts.lookup else 0) + 1
 
     def run(self, prompt_ids: list[list[int]], params: SamplingParams, new_stepper: StepperFactory | None = None,
             on_token: Callable[[int, int], None] | None = None, mode: str | None = None,

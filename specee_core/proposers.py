@@ -70,6 +70,26 @@ class Draft:
         return cls(tokens, parent, valid)
 
 
+    def with_chains(self, continuations: list[list[int]]) -> Draft:
+        """This draft with each row's chain root -> continuation[r][0] -> ... added: the chain follows
+        existing nodes while their tokens agree and branches off with new nodes where they part."""
+        toks, parent, valid = self.tokens.tolist(), self.parent.tolist(), self.valid.tolist()
+        for r, cont in enumerate(continuations):
+            node = 0
+            for tok in cont:
+                child = next((j for j in range(1, len(toks[r])) if valid[r][j] and parent[r][j] == node
+                              and toks[r][j] == tok), None)
+                if child is None:
+                    toks[r].append(tok)
+                    parent[r].append(node)
+                    valid[r].append(True)
+                    child = len(toks[r]) - 1
+                node = child
+        t = max(len(x) for x in toks)
+        pad = lambda rows, v: [x + [v] * (t - len(x)) for x in rows]  # noqa: E731
+        return Draft(torch.tensor(pad(toks, 0)), torch.tensor(pad(parent, -1)), torch.tensor(pad(valid, False)))
+
+
 class Proposer(Protocol):
     def start(self, engine, batch: Batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
         """After the prefill; prefill_hidden [B, T, D] right-padded, lens [B]."""
@@ -123,8 +143,8 @@ class DraftHeadProposer:
     dropped after each step, and the next step first feeds the newly committed tokens with their
     verified features. Inside a step the drafted levels attend to their own ancestors (tree mask)."""
 
-    def __init__(self, speculator: DraftSpeculator, shape: TreeShape):
-        self.spec, self.shape = speculator, shape
+    def __init__(self, speculator: DraftSpeculator, shape: TreeShape, lookup: LookupProposer | None = None):
+        self.spec, self.shape, self.lookup = speculator, shape, lookup  # lookup: its chain joins the tree
 
     def start(self, engine, batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
         m = engine.model
@@ -150,7 +170,11 @@ class DraftHeadProposer:
         try:
             if params is not None and not params.greedy and self.shape.width == 1:
                 return self._sampled_chain(rows, roots, depths, f, base, params, generator)
-            return self._tree(rows, roots, depths, f, base)
+            tree = self._tree(rows, roots, depths, f, base)
+            if self.lookup is None:
+                return tree
+            return tree.with_chains([self.lookup.continuation(batch.prompt_ids[b] + batch.generated[b], d)
+                                     if d > 0 else [] for b, d in zip(rows, depths)])
         finally:
             self.spec.cache.truncate(torch.tensor(rows), base)  # drop the drafted pairs: their features were guesses
 

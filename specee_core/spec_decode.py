@@ -32,6 +32,7 @@ class SpecOptions:
     depth: int = 4  # levels drafted below the root (a chain's length)
     width: int = 1  # draft head: nodes expanded per level and children per expanded node; 1 = a chain
     nodes: int | None = None  # draft head: drafted nodes verified per step; None = depth * width
+    lookup: bool = False  # draft head: add the prompt-lookup chain (up to depth more nodes) to its tree
 
     def __post_init__(self) -> None:
         if self.proposer not in ("auto", "draft", "lookup"):

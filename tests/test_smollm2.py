@@ -106,7 +106,8 @@ def fp32_engine():
     return SpecEEEngine.from_pretrained(need_model(), dtype="float32")
 
 
-@pytest.mark.parametrize("shape", [{"depth": 4}, {"depth": 5, "width": 4, "nodes": 16}], ids=["chain", "tree"])
+@pytest.mark.parametrize("shape", [{"depth": 4}, {"depth": 5, "width": 4, "nodes": 12, "lookup": True}],
+                         ids=["chain", "tree+lookup"])
 def test_fp32_spec_equals_dense_at_batch_1_and_8(fp32_engine, prompts, shape):
     """Speculative decoding with the trained draft head is lossless: the same tokens as dense, for a
     ragged batch of 8 and one prompt at a time; the draft was right often enough that multi-token

@@ -32,6 +32,7 @@ def sharp_model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("proposer,shape", [
     ("draft", {"depth": 1}), ("draft", {"depth": 4}), ("draft", {"depth": 4, "width": 3, "nodes": 10}),
+    ("draft", {"depth": 4, "width": 2, "nodes": 6, "lookup": True}),
     ("lookup", {"depth": 1}), ("lookup", {"depth": 4})])
 def test_greedy_spec_equals_dense_on_the_bundled_model(tiny, proposer, shape):
     dense = tiny.generate(CODE, max_new_tokens=40, ignore_eos=True)
@@ -110,6 +111,17 @@ def test_greedy_acceptance_takes_the_longest_agreeing_path():
     assert v.accepted == [[2, 4]] and v.tokens == [[8, 4, 6]]
     v = accept_greedy(draft, torch.tensor([[3, 9, 4, 0, 6]]))  # nothing agrees: the bonus token alone
     assert v.accepted == [[]] and v.tokens == [[3]]
+
+
+def test_a_lookup_chain_joins_the_tree_where_it_agrees_and_branches_where_it_parts():
+    tree = Draft(tokens=torch.tensor([[5, 7, 8, 9], [5, 7, 8, 9]]), parent=torch.tensor([[-1, 0, 0, 1], [-1, 0, 0, 1]]),
+                 valid=torch.tensor([[True] * 4, [True, True, True, False]]))
+    merged = tree.with_chains([[7, 9, 3], [7, 9]])  # row 1's node 3 is padding: its 9 is new
+    assert merged.tokens.tolist() == [[5, 7, 8, 9, 3], [5, 7, 8, 9, 9]]
+    assert merged.parent.tolist() == [[-1, 0, 0, 1, 3], [-1, 0, 0, 1, 1]]
+    assert merged.valid.tolist() == [[True] * 5, [True, True, True, False, True]]
+    depth, _ = merged.depth_and_ancestors()
+    assert depth.tolist() == [[0, 1, 1, 2, 3], [0, 1, 1, 0, 2]]
 
 
 def test_spec_rejects_what_it_cannot_do(tiny, tmp_path):
