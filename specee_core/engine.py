@@ -229,13 +229,20 @@ class SpecEEEngine:
 
         if not use_draft:
             opts.nodes = opts.depth  # prompt lookup drafts chains
+        t3 = None
+        if opts.t3:
+            if not use_draft or self.early_exit is None:
+                raise ValueError("spec option t3 needs a draft head and exit predictors beside the model")
+            from specee_core.t3 import T3
+
+            t3 = T3.of(self.early_exit, opts.width)
 
         def factory(engine, batch, cache, prefill_hidden, lens):
             if use_draft:
                 proposer = DraftHeadProposer(self._draft_runner, opts.tree, LookupProposer() if opts.lookup else None)
             else:
                 proposer = LookupProposer()
-            return SpecStepper(proposer, engine, batch, cache, prefill_hidden, lens, depth=opts.depth)
+            return SpecStepper(proposer, engine, batch, cache, prefill_hidden, lens, depth=opts.depth, t3=t3)
 
         return factory, opts.nodes + (opts.depth if use_draft and opts.lookup else 0) + 1
 

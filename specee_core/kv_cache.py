@@ -177,9 +177,10 @@ class KVCache:
                 buf[:, r, :, dst] = buf[:, r, :, src].clone()
         self.truncate(row_idx, start + count)
 
-    def truncate(self, rows: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Set the length of rows [N] (host) to lengths [N] in every layer (entries past it are dropped)."""
-        self.lengths[:, rows] = lengths.expand(self.lengths.shape[0], -1)
+    def truncate(self, rows: torch.Tensor, lengths: torch.Tensor, first_layer: int = 0) -> None:
+        """Set the length of rows [N] (host) to lengths [N] in every layer from first_layer on (entries past
+        it are dropped)."""
+        self.lengths[first_layer:, rows] = lengths.expand(self.lengths.shape[0] - first_layer, -1)
         same = (self.lengths == self.lengths[:, :1]).all(1).tolist()  # [L] every row at one length
         self.uniform = [int(n) if u else None for n, u in zip(self.lengths[:, 0].tolist(), same)]
 

@@ -162,15 +162,15 @@ class LlamaModel:
         return h + lin.down(F.silu(gate).mul_(up))
 
     def write_kv(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
-                 rows: torch.Tensor | None = None) -> None:
+                 rows: torch.Tensor | None = None, n_valid: torch.Tensor | None = None) -> None:
         """Store layer i's K/V computed from hidden h [N, T, D] without running the layer
-        (the "propagate" mode for layers an early exit skipped)."""
+        (the "propagate" mode for layers an early exit skipped); n_valid [N]: see KVCache.append."""
         c, lw = self.config, self.w.layers[i]
         n, t, _ = h.shape
         x = self.input_norms[i](h)
         kv = F.linear(x, lw.wqkv[self.q_size:], None if lw.bqkv is None else lw.bqkv[self.q_size:])
         k, v = kv.view(n, t, 2 * c.num_key_value_heads, c.head_dim).transpose(1, 2).chunk(2, dim=1)
-        cache.append(i, rows, apply_rope(k, *rope), v)
+        cache.append(i, rows, apply_rope(k, *rope), v, n_valid)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(h)

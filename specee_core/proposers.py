@@ -32,6 +32,9 @@ class Draft:
     # [N, T, V] the distribution node j's token was drawn from (row 0 unused); None: deterministic
     # drafts (the draft head's top tokens, prompt lookup)
     q: torch.Tensor | None = None
+    # [N, T, K] the draft's K most likely tokens after each node (-1: none drafted there); the exit
+    # predictors of spec+T3 score them. None: the proposer ranks no candidates (prompt lookup)
+    cand: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -87,7 +90,11 @@ class Draft:
                 node = child
         t = max(len(x) for x in toks)
         pad = lambda rows, v: [x + [v] * (t - len(x)) for x in rows]  # noqa: E731
-        return Draft(torch.tensor(pad(toks, 0)), torch.tensor(pad(parent, -1)), torch.tensor(pad(valid, False)))
+        cand = self.cand
+        if cand is not None and t > cand.shape[1]:  # the chain's new nodes have no ranked candidates
+            cand = torch.cat((cand, cand.new_full((cand.shape[0], t - cand.shape[1], cand.shape[2]), -1)), 1)
+        return Draft(torch.tensor(pad(toks, 0)), torch.tensor(pad(parent, -1)), torch.tensor(pad(valid, False)),
+                     cand=cand)
 
 
 class Proposer(Protocol):
@@ -219,6 +226,7 @@ class DraftHeadProposer:
         anc = torch.zeros(n, w, 0, dtype=torch.bool)  # [N, W, S] which drafted cache slots each one sees
         eye = torch.eye(w, dtype=torch.bool).expand(n, w, w)
         size = w  # nodes in the pool
+        expanded = []  # (pool indices [N, W], their children's tokens [N, W, W]) per level
         for level in range(1, depth):
             all_tok, all_score = torch.cat(pool_tok, 1), torch.cat(pool_score, 1)
             ftok = all_tok.gather(1, frontier)  # [N, W]
@@ -231,6 +239,7 @@ class DraftHeadProposer:
             pool_score.append(child_score.reshape(n, w * w))
             pool_parent.append(frontier[:, :, None].expand(n, w, w).reshape(n, w * w))
             pool_depth.append(level + 1)
+            expanded.append((frontier, child_tok))
             # the next frontier: the level's best children; they see their parent's ancestors and the parent
             best = child_score.reshape(n, w * w).topk(w, dim=-1).indices  # [N, W] into this level
             parent_slot = best // w  # the frontier node (slot in this chunk) each one descends from
@@ -239,14 +248,19 @@ class DraftHeadProposer:
             frontier = size + best
             size += w * w
         depth_of = torch.cat([torch.full((t.shape[1],), d) for t, d in zip(pool_tok, pool_depth)])
-        return self._select(roots, depths, torch.cat(pool_tok, 1), torch.cat(pool_score, 1),
-                            torch.cat(pool_parent, 1), depth_of.expand(n, -1))
+        cand = torch.full((n, size, w), -1, dtype=torch.int64, device=dev)  # [N, M, W] children of expanded nodes
+        for fr, ct in expanded:
+            cand.scatter_(1, fr[:, :, None].expand(n, w, w), ct)
+        draft = self._select(roots, depths, torch.cat(pool_tok, 1), torch.cat(pool_score, 1),
+                             torch.cat(pool_parent, 1), depth_of.expand(n, -1), cand)
+        draft.cand[:, 0] = tok.cpu()  # the root's: level 1
+        return draft
 
-    def _select(self, roots, depths, tok, score, parent, depth) -> Draft:
-        """The `nodes` best pool nodes [N, M] (depth [N, M] below the root) as a Draft, ordered by depth
-        (parents first). A child's cumulative score never exceeds its parent's; a depth penalty breaks
-        ties, so the kept set holds every kept node's ancestors."""
-        tok, score, parent = tok.cpu(), score.cpu(), parent.cpu()
+    def _select(self, roots, depths, tok, score, parent, depth, cand) -> Draft:
+        """The `nodes` best pool nodes [N, M] (depth [N, M] below the root; cand [N, M, W]) as a Draft,
+        ordered by depth (parents first). A child's cumulative score never exceeds its parent's; a depth
+        penalty breaks ties, so the kept set holds every kept node's ancestors."""
+        tok, score, parent, cand = tok.cpu(), score.cpu(), parent.cpu(), cand.cpu()
         n, m = tok.shape
         k = min(self.shape.nodes, m)
         keep = (score - 1e-4 * depth).topk(k, dim=-1).indices  # [N, k] pool indices
@@ -261,7 +275,8 @@ class DraftHeadProposer:
         parents = torch.cat((torch.full((n, 1), -1), node_parent), 1)
         valid = torch.cat((torch.ones(n, 1, dtype=torch.bool), depth.gather(1, keep) <= allowed), 1)
         parents[~valid] = -1
-        return Draft(tokens, parents, valid)
+        node_cand = cand.gather(1, keep[:, :, None].expand(n, k, cand.shape[2]))
+        return Draft(tokens, parents, valid, cand=torch.cat((node_cand[:, :1], node_cand), 1))  # row 0: the caller's
 
     def _sampled_chain(self, rows, roots, depths, f, base, params, generator) -> Draft:
         spec, dev = self.spec, self.spec.model_base.device

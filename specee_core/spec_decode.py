@@ -19,6 +19,7 @@ from specee_core.acceptance import Verdict, accept_greedy, accept_sampled
 from specee_core.proposers import Draft, DraftHeadProposer, LookupProposer, Proposer, TreeShape
 from specee_core.sampling import probabilities
 from specee_core.stepper import StepOutput
+from specee_core.t3 import T3, Verified, verify_with_exits
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class SpecOptions:
     width: int = 1  # draft head: nodes expanded per level and children per expanded node; 1 = a chain
     nodes: int | None = None  # draft head: drafted nodes verified per step; None = depth * width
     lookup: bool = False  # draft head: add the prompt-lookup chain (up to depth more nodes) to its tree
+    t3: bool = False  # SpecEE T3: exit predictors may end the verify forward early (lossy; greedy only)
 
     def __post_init__(self) -> None:
         if self.proposer not in ("auto", "draft", "lookup"):
@@ -65,10 +67,10 @@ class SpecStepper:
     sampling otherwise."""
 
     def __init__(self, proposer: Proposer, engine, batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor,
-                 depth: int):
+                 depth: int, t3: T3 | None = None):
         self.proposer, self.batch, self.cache = proposer, batch, cache
         self.model = engine.model
-        self.depth = depth
+        self.depth, self.t3 = depth, t3
         n = len(batch.prompt_ids)
         self.stats = SpecStats(per_row_steps=[0] * n, per_row_accepted=[0] * n)
         t0 = time.perf_counter()
@@ -80,9 +82,9 @@ class SpecStepper:
         draft = self.propose(alive, generator)
         t1 = time.perf_counter()
         start = self.batch.positions[torch.tensor(alive)].clone()  # [N] host: the root's position = cache length
-        h, hn, verdict = self.verify(draft, start, rows, generator)
+        v = self.verify(draft, start, rows, generator)
         t2 = time.perf_counter()
-        out = self.commit(alive, rows, start, h, hn, verdict)
+        out = self.commit(alive, rows, start, v)
         s = self.stats
         s.t_draft += t1 - t0
         s.t_verify += t2 - t1
@@ -95,38 +97,58 @@ class SpecStepper:
         depths = [max(0, min(self.depth, batch.max_new[b] - len(batch.generated[b]) - 1)) for b in alive]
         return self.proposer.propose(alive, batch, depths, batch.params, generator)
 
-    def verify(self, draft: Draft, start: torch.Tensor, rows: torch.Tensor | None,
-               generator) -> tuple[torch.Tensor, torch.Tensor, Verdict]:
+    def verify(self, draft: Draft, start: torch.Tensor, rows: torch.Tensor | None, generator) -> Verified:
         """One forward of the base model over every node (node j at position start + depth(j), seeing
-        its ancestors); returns hidden [N, T, D], its final norm, and what each row accepts."""
+        its ancestors) and what each row accepts; with T3 the forward may stop at a scheduled layer."""
         m, params = self.model, self.batch.params
         depth, anc = draft.depth_and_ancestors()
         positions = (start[:, None] + depth).to(m.device)
+        if self.t3 is not None and params.greedy and draft.cand is not None:
+            return verify_with_exits(m, self.cache, draft, positions, anc, rows, self.t3)
         h = m.forward(draft.tokens.to(m.device), positions, self.cache, rows, tree=anc)  # [N, T, D]
         hn = m.final_norm(h)
         logits = m.lm_head(hn)  # [N, T, V]
         if params.greedy:
-            return h, hn, accept_greedy(draft, logits.max(-1).indices.cpu())
-        return h, hn, accept_sampled(draft, probabilities(logits, params).cpu(), generator)
+            verdict = accept_greedy(draft, logits.max(-1).indices.cpu())
+        else:
+            verdict = accept_sampled(draft, probabilities(logits, params).cpu(), generator)
+        return Verified(h, hn, verdict, m.num_layers)
 
-    def commit(self, alive: list[int], rows: torch.Tensor | None, start: torch.Tensor, h: torch.Tensor,
-               hn: torch.Tensor, verdict: Verdict) -> StepOutput:
-        """Keep the accepted nodes' KV at consecutive slots after each row's prefix, hand the proposer
-        their verified features, and return the tokens (the engine stops a row inside its block)."""
-        dev = self.model.device
-        keep = [[0] + path for path in verdict.accepted]  # the root and the accepted nodes
+    def commit(self, alive: list[int], rows: torch.Tensor | None, start: torch.Tensor, v: Verified) -> StepOutput:
+        """Keep the accepted nodes' KV at consecutive slots after each row's prefix (after a T3 exit, the
+        skipped layers' KV from the exit hidden state), hand the proposer their verified features, and
+        return the tokens (the engine stops a row inside its block)."""
+        m, dev = self.model, self.model.device
+        keep = [[0] + path for path in v.verdict.accepted]  # the root and the accepted nodes
         width = max(len(k) for k in keep)
         nodes = torch.tensor([k + [-1] * (width - len(k)) for k in keep])  # [N, A]
-        self.cache.keep(rows, start, nodes, torch.tensor([len(k) for k in keep]))
-        self.proposer.accepted(alive, [hn[r, torch.tensor(k, device=dev)] for r, k in enumerate(keep)], verdict.tokens)
+        counts = torch.tensor([len(k) for k in keep])
+        self.cache.keep(rows, start, nodes, counts)
+        if v.layers < m.num_layers:
+            self._fill_skipped_layers(rows, start, nodes, counts, v)
+        self.proposer.accepted(alive, [v.hn[r, torch.tensor(k, device=dev)] for r, k in enumerate(keep)],
+                               v.verdict.tokens)
         last = torch.tensor([k[-1] for k in keep], device=dev)
-        hidden = h[torch.arange(len(alive), device=dev), last]  # [N, D] the node whose logits chose the bonus
+        hidden = v.h[torch.arange(len(alive), device=dev), last]  # [N, D] the node whose logits chose the bonus
         s = self.stats
-        for b, path in zip(alive, verdict.accepted):
+        for b, path in zip(alive, v.verdict.accepted):
             s.per_row_steps[b] += 1
             s.per_row_accepted[b] += len(path)
-        layers = self.model.num_layers
-        return StepOutput(verdict.tokens, [[layers] * len(t) for t in verdict.tokens], hidden)
+        return StepOutput(v.verdict.tokens, [[v.layers] * len(t) for t in v.verdict.tokens], hidden)
+
+    def _fill_skipped_layers(self, rows, start: torch.Tensor, nodes: torch.Tensor, counts: torch.Tensor,
+                             v: Verified) -> None:
+        """The layers a T3 exit skipped hold nothing for the block: write the kept nodes' K/V there from
+        their exit hidden states, at their positions start + 0, 1, ..."""
+        m, dev = self.model, self.model.device
+        n, a = nodes.shape
+        row_idx = torch.arange(n) if rows is None else rows.cpu()
+        self.cache.truncate(row_idx, start, first_layer=v.layers)
+        h = v.h.gather(1, nodes.clamp(min=0).to(dev)[:, :, None].expand(n, a, v.h.shape[-1]))  # [N, A, D]
+        rope = m.rope_for((start[:, None] + torch.arange(a)).to(dev))
+        n_valid = None if bool((counts == a).all()) else counts
+        for layer in range(v.layers, m.num_layers):
+            m.write_kv(layer, h, rope, self.cache, rows, n_valid)
 
     def row_stats(self, b: int) -> dict:
         s = self.stats

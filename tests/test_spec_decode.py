@@ -231,3 +231,27 @@ def test_sampled_spec_keeps_the_base_distribution_end_to_end(tiny, shape):
     probs = torch.tensor([exact[c] for c in cells])
     assert chi_square(counts, probs / probs.sum()) < 60.0  # 26 degrees of freedom, p ~ 2e-4
     assert len(list(itertools.islice(cells, 27))) == 27
+
+
+def test_t3_switched_off_equals_dense_and_switched_on_exits_inside_verification(tiny):
+    """spec + T3 with a threshold no predictor reaches runs every layer and equals dense; with threshold
+    0 every scored block exits at a scheduled layer, the skipped layers get the kept nodes' KV, and
+    decoding carries on to max_new_tokens with fewer layers per token."""
+    ee = tiny.early_exit
+    L = tiny.model.num_layers
+    shape = {"proposer": "draft", "depth": 3, "width": ee.predictors.k, "nodes": 8, "t3": True}
+    dense = tiny.generate(CODE, max_new_tokens=24, ignore_eos=True)
+    try:
+        tiny.early_exit = ee.with_options(threshold=2.0)
+        off = tiny.generate(CODE, max_new_tokens=24, ignore_eos=True, mode="spec", spec=shape)
+        tiny.early_exit = ee.with_options(threshold=0.0)
+        on = tiny.generate(CODE, max_new_tokens=24, ignore_eos=True, mode="spec", spec=shape)
+    finally:
+        tiny.early_exit = ee
+    assert [r.token_ids for r in off] == [r.token_ids for r in dense]
+    assert all(l == L for r in off for l in r.exit_layers)
+    first = min(set(ee.schedule.offline_layers) & set(ee.predictors.layers))
+    assert all(len(r.token_ids) == 24 for r in on)
+    assert sum(l == first for r in on for l in r.exit_layers) > 24, "blocks should exit at the first scored layer"
+    with pytest.raises(ValueError, match="width"):
+        tiny.generate(CODE[:1], max_new_tokens=4, mode="spec", spec={**shape, "width": ee.predictors.k + 1})
