@@ -2,15 +2,17 @@
 side in one run (interleaved A-B-C-C-B-A so drift hits every variant alike), plus SpecEE's
 quality against dense greedy decoding. Prints one JSON document.
 
-    python -m jobs.bench                                             # SmolLM2 bf16: hf, hf_lookup, dense, specee
+    python -m jobs.bench                                             # SmolLM2 bf16: every variant
     python -m jobs.bench --modes hf,dense --batch-sizes 1,8          # the engine-core comparison
     python -m jobs.bench --dtype float32 --modes hf,dense            # fp32, where dense equals transformers
     python -m jobs.bench --model models/specee-tiny --prompts-file "" --chat false
 
 Variants: hf (transformers generate in the same dtype), hf_lookup (transformers prompt lookup
-decoding, prompt_lookup_num_tokens=10), dense, specee (early exit), spec (speculative decoding with the
-draft head), spec_lookup (speculative decoding with prompt lookup) of this engine; the spec variants
-also report tokens per verify step and agreement with dense. The JSON also holds the
+decoding, prompt_lookup_num_tokens=10), and this engine's dense, specee (early exit, T1+T2) and
+speculative decoding: spec_chain (draft head, a chain), spec_tree (draft head, EAGLE-2 tree),
+spec_tree_lookup (the tree plus the prompt-lookup chain), spec_t3 (that, with T3 exits inside
+verification), spec_lookup (prompt lookup alone); the spec variants also report tokens per verify
+step, layers run and agreement with dense. The JSON also holds the
 memory-bandwidth limit (weight bytes per token / measured copy bandwidth) and each variant's share.
 
 Decode tokens/s = B x (N - 1) / (time(generate N tokens) - time(generate 1 token)), the same
@@ -38,7 +40,9 @@ from specee_core.stepper import StepOutput
 log = logging.getLogger(__name__)
 
 
-VARIANTS = ("hf", "hf_lookup", "dense", "specee", "spec", "spec_lookup")
+VARIANTS = ("hf", "hf_lookup", "dense", "specee", "spec_chain", "spec_tree", "spec_tree_lookup", "spec_t3",
+            "spec_lookup")
+SPEC_VARIANTS = tuple(v for v in VARIANTS if v.startswith("spec_"))
 
 
 @dataclass
@@ -48,8 +52,11 @@ class BenchConfig:
     prompts_file: str = "prompts/instructions_heldout.jsonl"  # JSONL with a "prompt" field; "": corpus snippets
     chat: str = "auto"  # prompts through the chat template: "auto" (when the model has one) | "true" | "false"
     dtype: str = "bfloat16"  # of the engine and of transformers
-    modes: str = "hf,hf_lookup,dense,specee,spec,spec_lookup"
-    spec_depth: int = 4  # drafted tokens per speculative step
+    modes: str = "hf,hf_lookup,dense,specee,spec_chain,spec_tree,spec_tree_lookup,spec_t3,spec_lookup"
+    spec_depth: int = 4  # chain length of spec_chain and spec_lookup
+    tree_depth: int = 5  # the draft tree of spec_tree, spec_tree_lookup and spec_t3: levels,
+    tree_width: int = 4  # nodes expanded per level (children per node)
+    tree_nodes: int = 12  # and drafted nodes kept
     batch_sizes: str = "1,8"
     num_prompts: int = 16
     max_new_tokens: int = 128
@@ -65,6 +72,7 @@ class BenchConfig:
     threshold: float = 0.9
     out: Path | None = None  # also write the JSON here
     plot: Path | None = None  # PNG of the speed / agreement curve over thresholds
+    speed_plot: Path | None = None  # PNG of decode tokens/s per variant and batch size
 
     def __post_init__(self) -> None:
         self.model, self.corpus = Path(self.model), Path(self.corpus)
@@ -101,13 +109,18 @@ def load_prompts(cfg: BenchConfig, n: int, engine: SpecEEEngine, offset: int = 0
 class Runner:
     """One callable per variant: run(prompts, max_new_tokens) -> token lists."""
 
-    def __init__(self, engine: SpecEEEngine, hf_model=None, spec_depth: int = 4):
-        self.engine, self.hf, self.spec_depth = engine, hf_model, spec_depth
+    def __init__(self, engine: SpecEEEngine, hf_model=None, cfg: BenchConfig | None = None):
+        self.engine, self.hf = engine, hf_model
+        c = cfg or BenchConfig()
+        tree = {"proposer": "draft", "depth": c.tree_depth, "width": c.tree_width, "nodes": c.tree_nodes}
+        self.spec = {"spec_chain": {"proposer": "draft", "depth": c.spec_depth, "width": 1},
+                     "spec_tree": tree, "spec_tree_lookup": {**tree, "lookup": True},
+                     "spec_t3": {**tree, "lookup": True, "t3": True},
+                     "spec_lookup": {"proposer": "lookup", "depth": c.spec_depth}}
 
     def ours(self, variant: str, prompts: list[str], n: int, **kw):
-        if variant.startswith("spec_") or variant == "spec":
-            proposer = "lookup" if variant == "spec_lookup" else "draft"
-            kw["spec"] = {"proposer": proposer, "depth": self.spec_depth}
+        if variant in self.spec:
+            kw["spec"] = self.spec[variant]
             variant = "spec"
         return self.engine.generate(prompts, max_new_tokens=n, mode=variant, ignore_eos=True, **kw)
 
@@ -159,8 +172,10 @@ def spec_quality(runner: Runner, variant: str, prompts: list[str], batch: int, n
         res += runner.ours(variant, prompts[i : i + batch], n)
         dense += runner.ours("dense", prompts[i : i + batch], n)
     steps = sum(r.stats["spec_steps"] for r in res)
+    layers = [l for r in res for l in r.exit_layers[1:]]
     return {"tokens_per_step": sum(len(r.token_ids) - 1 for r in res) / max(steps, 1),
             "draft_time_share": statistics.mean(r.stats["draft_time_share"] for r in res),
+            "layer_fraction": sum(layers) / max(len(layers), 1) / runner.engine.config.num_hidden_layers,
             **agreement([r.token_ids for r in dense], [r.token_ids for r in res])}
 
 
@@ -293,6 +308,41 @@ def plot_curve(quality: dict, num_layers: int, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_speed(result: dict, path: Path) -> None:
+    """Decode tokens/s per variant, one group of bars per batch size; spec variants are labelled with
+    their tokens per verify step and agreement with dense."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = list(result["speed"])
+    variants = [v for v in VARIANTS if any(v in result["speed"][b] for b in batches)]
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    width = 0.8 / len(batches)
+    for i, b in enumerate(batches):
+        speed = result["speed"][b]
+        xs = [j + i * width for j, v in enumerate(variants) if v in speed]
+        ys = [speed[v]["decode_tokens_per_s"] for v in variants if v in speed]
+        bars = ax.bar(xs, ys, width, label=b.replace("_", " "))
+        for bar, v in zip(bars, [v for v in variants if v in speed]):
+            s = speed[v]
+            note = f"{s['tokens_per_step']:.1f}/step" if "tokens_per_step" in s else ""
+            ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                        fontsize=6)
+    if "dense" in result["speed"][batches[0]]:
+        ax.axhline(result["speed"][batches[0]]["dense"]["decode_tokens_per_s"], color="grey", lw=0.6, ls=":")
+    ax.set_xticks([j + width * (len(batches) - 1) / 2 for j in range(len(variants))])
+    ax.set_xticklabels(variants, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"{Path(result['config']['model']).name} {result['dtype']}, {result['threads']} threads, "
+                 f"commit {result['git_commit']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def run(cfg: BenchConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -308,9 +358,12 @@ def run(cfg: BenchConfig) -> dict:
 
         hf = AutoModelForCausalLM.from_pretrained(str(cfg.model), dtype=engine.model.dtype,
                                                   local_files_only=True).eval()
-    if "spec" in modes and engine.draft_head is None:
-        raise ValueError(f"{cfg.model} has no draft head: drop 'spec' from --modes (spec_lookup needs none)")
-    runner = Runner(engine, hf, cfg.spec_depth)
+    needs_head = [m for m in modes if m.startswith("spec_") and m != "spec_lookup"]
+    if needs_head and engine.draft_head is None:
+        raise ValueError(f"{cfg.model} has no draft head: drop {needs_head} from --modes (spec_lookup needs none)")
+    if "spec_t3" in modes and engine.early_exit is None:
+        raise ValueError(f"{cfg.model} has no predictors: drop 'spec_t3' from --modes")
+    runner = Runner(engine, hf, cfg)
     prompts = load_prompts(cfg, cfg.num_prompts, engine)
     bandwidth = copy_bandwidth_gb_s()
     per_token = weight_bytes_per_token(engine)
@@ -334,11 +387,12 @@ def run(cfg: BenchConfig) -> dict:
             if bs == 1:
                 speed[v]["share_of_bandwidth_limit"] = (speed[v]["decode_tokens_per_s"]
                                                         / result["bandwidth"]["batch_1_limit_tokens_per_s"])
-        for v in ("specee", "spec", "spec_lookup"):
+        for v in ("specee",) + SPEC_VARIANTS:
             if v in speed and "dense" in speed:
                 speed[v].update(speedup(speed, v, "dense"))
-                if v in ("spec", "spec_lookup"):
+                if v in SPEC_VARIANTS:
                     speed[v].update(spec_quality(runner, v, prompts, bs, cfg.max_new_tokens))
+                    speed[v]["options"] = runner.spec[v]
         result["speed"][f"batch_{bs}"] = speed
         log.info("batch %d: %s", bs, json.dumps(speed))
     if "specee" in modes:
@@ -350,6 +404,8 @@ def run(cfg: BenchConfig) -> dict:
                                  "specee": heldout_accuracy(engine, cfg, engine.early_exit.options.threshold)}
     if cfg.plot and "quality" in result:
         plot_curve(result["quality"], engine.config.num_hidden_layers, Path(cfg.plot))
+    if cfg.speed_plot:
+        plot_speed(result, Path(cfg.speed_plot))
     text = json.dumps(result, indent=2)
     print(text, flush=True)
     if cfg.out:
