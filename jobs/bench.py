@@ -9,7 +9,9 @@ quality against dense greedy decoding. Prints one JSON document.
 
 Variants: hf (transformers generate in the same dtype), hf_lookup (transformers prompt lookup
 decoding, prompt_lookup_num_tokens=10), and this engine's dense, specee (early exit, T1+T2) and
-speculative decoding: spec_chain (draft head, a chain), spec_tree (draft head, EAGLE-2 tree),
+speculative decoding: spec_chain (draft head, a chain), spec_chain_lookup (the chain plus the
+prompt-lookup chain), spec_lookup_first (the lookup chain where lookup finds one, else the draft
+head's chain), spec_tree (draft head, EAGLE-2 tree),
 spec_tree_lookup (the tree plus the prompt-lookup chain), spec_t3 (that, with T3 exits inside
 verification), spec_lookup (prompt lookup alone); the spec variants also report tokens per verify
 step, layers run and agreement with dense. The JSON also holds the
@@ -40,8 +42,8 @@ from specee_core.stepper import StepOutput
 log = logging.getLogger(__name__)
 
 
-VARIANTS = ("hf", "hf_lookup", "dense", "specee", "spec_chain", "spec_tree", "spec_tree_lookup", "spec_t3",
-            "spec_lookup")
+VARIANTS = ("hf", "hf_lookup", "dense", "specee", "spec_chain", "spec_chain_lookup", "spec_lookup_first", "spec_tree",
+            "spec_tree_lookup", "spec_t3", "spec_lookup")
 SPEC_VARIANTS = tuple(v for v in VARIANTS if v.startswith("spec_"))
 
 
@@ -113,9 +115,11 @@ class Runner:
         self.engine, self.hf = engine, hf_model
         c = cfg or BenchConfig()
         tree = {"proposer": "draft", "depth": c.tree_depth, "width": c.tree_width, "nodes": c.tree_nodes}
-        self.spec = {"spec_chain": {"proposer": "draft", "depth": c.spec_depth, "width": 1},
-                     "spec_tree": tree, "spec_tree_lookup": {**tree, "lookup": True},
-                     "spec_t3": {**tree, "lookup": True, "t3": True},
+        chain = {"proposer": "draft", "depth": c.spec_depth, "width": 1}
+        self.spec = {"spec_chain": chain, "spec_chain_lookup": {**chain, "lookup": "merge"},
+                     "spec_lookup_first": {**chain, "lookup": "first"},
+                     "spec_tree": tree, "spec_tree_lookup": {**tree, "lookup": "merge"},
+                     "spec_t3": {**tree, "lookup": "merge", "t3": True},
                      "spec_lookup": {"proposer": "lookup", "depth": c.spec_depth}}
 
     def ours(self, variant: str, prompts: list[str], n: int, **kw):

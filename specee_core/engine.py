@@ -239,12 +239,14 @@ class SpecEEEngine:
 
         def factory(engine, batch, cache, prefill_hidden, lens):
             if use_draft:
-                proposer = DraftHeadProposer(self._draft_runner, opts.tree, LookupProposer() if opts.lookup else None)
+                lookup = None if opts.lookup == "off" else LookupProposer()
+                proposer = DraftHeadProposer(self._draft_runner, opts.tree, lookup, lookup_first=opts.lookup == "first")
             else:
                 proposer = LookupProposer()
-            return SpecStepper(proposer, engine, batch, cache, prefill_hidden, lens, depth=opts.depth, t3=t3)
+            return SpecStepper(proposer, engine, batch, cache, prefill_hidden, lens, depth=opts.depth, t3=t3,
+                               step_budget=opts.budget_on(self.device))
 
-        return factory, opts.nodes + (opts.depth if use_draft and opts.lookup else 0) + 1
+        return factory, opts.nodes + (opts.depth if use_draft and opts.lookup == "merge" else 0) + 1
 
     def run(self, prompt_ids: list[list[int]], params: SamplingParams, new_stepper: StepperFactory | None = None,
             on_token: Callable[[int, int], None] | None = None, mode: str | None = None,

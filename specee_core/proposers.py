@@ -97,18 +97,37 @@ class Draft:
                      cand=cand)
 
 
+    @classmethod
+    def by_rows(cls, n: int, parts: list[tuple[list[int], Draft]]) -> Draft:
+        """One draft of n rows from drafts of some of them: parts [(row indices, draft of those rows)]."""
+        t = max(d.size for _, d in parts)
+        k = max((d.cand.shape[2] for _, d in parts if d.cand is not None), default=0)
+        tokens = torch.zeros(n, t, dtype=torch.int64)
+        parent = torch.full((n, t), -1, dtype=torch.int64)
+        valid = torch.zeros(n, t, dtype=torch.bool)
+        cand = torch.full((n, t, k), -1, dtype=torch.int64) if k else None
+        for rows, d in parts:
+            idx = torch.tensor(rows)
+            tokens[idx, : d.size], parent[idx, : d.size], valid[idx, : d.size] = d.tokens, d.parent, d.valid
+            if d.cand is not None:
+                cand[idx, : d.size] = d.cand
+        return cls(tokens, parent, valid, cand=cand)
+
+
 class Proposer(Protocol):
     def start(self, engine, batch: Batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
         """After the prefill; prefill_hidden [B, T, D] right-padded, lens [B]."""
 
     def propose(self, rows: list[int], batch: Batch, depths: list[int], params: SamplingParams | None = None,
-                generator: torch.Generator | None = None) -> Draft:
-        """Drafts after each row's root (its last generated token), no deeper than depths[r]."""
+                generator: torch.Generator | None = None, max_nodes: int | None = None) -> Draft:
+        """Drafts after each row's root (its last generated token), no deeper than depths[r] (>= 1 for
+        some row) and with at most max_nodes drafted nodes of a tree per row (None: the proposer's own)."""
         ...
 
     def accepted(self, rows: list[int], features: list[torch.Tensor], tokens: list[list[int]]) -> None:
         """features[r] [a + 1, D]: the verified (final-normed) features of row r's root and accepted
-        nodes; tokens[r]: the tokens that followed them (the accepted nodes' and the bonus token)."""
+        nodes; tokens[r]: the tokens that followed them (the accepted nodes' and the bonus token).
+        Called after every step, also those for which nothing was proposed."""
 
 
 class LookupProposer:
@@ -125,8 +144,8 @@ class LookupProposer:
         start = next(ngram_matches(hist, self.max_ngram), None)
         return [] if start is None else hist[start : start + depth]
 
-    def propose(self, rows: list[int], batch, depths: list[int],
-                params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Draft:
+    def propose(self, rows: list[int], batch, depths: list[int], params: SamplingParams | None = None,
+                generator: torch.Generator | None = None, max_nodes: int | None = None) -> Draft:
         conts = [self.continuation(batch.prompt_ids[b] + batch.generated[b], d) if d > 0 else []
                  for b, d in zip(rows, depths)]
         return Draft.chains([batch.generated[b][-1] for b in rows], conts)
@@ -150,8 +169,11 @@ class DraftHeadProposer:
     dropped after each step, and the next step first feeds the newly committed tokens with their
     verified features. Inside a step the drafted levels attend to their own ancestors (tree mask)."""
 
-    def __init__(self, speculator: DraftSpeculator, shape: TreeShape, lookup: LookupProposer | None = None):
-        self.spec, self.shape, self.lookup = speculator, shape, lookup  # lookup: its chain joins the tree
+    def __init__(self, speculator: DraftSpeculator, shape: TreeShape, lookup: LookupProposer | None = None,
+                 lookup_first: bool = False):
+        # lookup: its chain joins the tree; lookup_first: a row whose lookup finds a continuation takes that
+        # chain alone (no draft forward: the row's pairs stay pending), the others the draft head's
+        self.spec, self.shape, self.lookup, self.lookup_first = speculator, shape, lookup, lookup_first
 
     def start(self, engine, batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
         m = engine.model
@@ -162,13 +184,30 @@ class DraftHeadProposer:
         self.pend_feats = [m.final_norm(batch.last_hidden[b : b + 1]) for b in range(n)]  # [1, D] each
 
     def accepted(self, rows: list[int], features: list[torch.Tensor], tokens: list[list[int]]) -> None:
-        for b, f, toks in zip(rows, features, tokens):
-            self.pend_tokens[b], self.pend_feats[b] = list(toks), f
+        for b, f, toks in zip(rows, features, tokens):  # steps without a draft leave their pairs pending
+            self.pend_tokens[b] += toks
+            self.pend_feats[b] = f if self.pend_feats[b] is None else torch.cat((self.pend_feats[b], f))
 
-    def propose(self, rows: list[int], batch, depths: list[int],
-                params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Draft:
+    def propose(self, rows: list[int], batch, depths: list[int], params: SamplingParams | None = None,
+                generator: torch.Generator | None = None, max_nodes: int | None = None) -> Draft:
         """A tree of the draft's most likely tokens (deterministic, q None). Sampling with width 1
         draws a chain from the draft's distribution instead, recorded in q for rejection sampling."""
+        greedy = params is None or params.greedy
+        if self.lookup is not None and self.lookup_first and greedy:
+            conts = [self.lookup.continuation(batch.prompt_ids[b] + batch.generated[b], d) if d > 0 else []
+                     for b, d in zip(rows, depths)]
+            found = [r for r, c in enumerate(conts) if c]
+            if found:
+                chains = Draft.chains([batch.generated[rows[r]][-1] for r in found], [conts[r] for r in found])
+                rest = [r for r, c in enumerate(conts) if not c]
+                if not rest:
+                    return chains
+                tree = self._propose([rows[r] for r in rest], batch, [depths[r] for r in rest], params, generator,
+                                     max_nodes)
+                return Draft.by_rows(len(rows), [(found, chains), (rest, tree)])
+        return self._propose(rows, batch, depths, params, generator, max_nodes)
+
+    def _propose(self, rows, batch, depths, params, generator, max_nodes) -> Draft:
         roots = [batch.generated[b][-1] for b in rows]
         synced, counts, f = self._feed_pending(rows)
         if max(depths) == 0:  # every row is one token from its end: the base's token alone
@@ -177,8 +216,8 @@ class DraftHeadProposer:
         try:
             if params is not None and not params.greedy and self.shape.width == 1:
                 return self._sampled_chain(rows, roots, depths, f, base, params, generator)
-            tree = self._tree(rows, roots, depths, f, base)
-            if self.lookup is None:
+            tree = self._tree(rows, roots, depths, f, base, max_nodes or self.shape.nodes)
+            if self.lookup is None or self.lookup_first:
                 return tree
             return tree.with_chains([self.lookup.continuation(batch.prompt_ids[b] + batch.generated[b], d)
                                      if d > 0 else [] for b, d in zip(rows, depths)])
@@ -210,7 +249,7 @@ class DraftHeadProposer:
         dev = self.spec.model_base.device
         return torch.tensor(rows, device=dev) if len(rows) < self.spec.cache.batch else None
 
-    def _tree(self, rows, roots, depths, f, base) -> Draft:
+    def _tree(self, rows, roots, depths, f, base, max_nodes: int) -> Draft:
         """EAGLE-2 expansion. Level 1 = the root's `width` best children; each further level feeds the
         previous level's `width` best nodes (by cumulative log-probability) through the draft head as
         one chunk that attends to its ancestors, and drafts their `width` best children each."""
@@ -252,17 +291,17 @@ class DraftHeadProposer:
         for fr, ct in expanded:
             cand.scatter_(1, fr[:, :, None].expand(n, w, w), ct)
         draft = self._select(roots, depths, torch.cat(pool_tok, 1), torch.cat(pool_score, 1),
-                             torch.cat(pool_parent, 1), depth_of.expand(n, -1), cand)
+                             torch.cat(pool_parent, 1), depth_of.expand(n, -1), cand, max_nodes)
         draft.cand[:, 0] = tok.cpu()  # the root's: level 1
         return draft
 
-    def _select(self, roots, depths, tok, score, parent, depth, cand) -> Draft:
-        """The `nodes` best pool nodes [N, M] (depth [N, M] below the root; cand [N, M, W]) as a Draft,
+    def _select(self, roots, depths, tok, score, parent, depth, cand, max_nodes: int) -> Draft:
+        """The max_nodes best pool nodes [N, M] (depth [N, M] below the root; cand [N, M, W]) as a Draft,
         ordered by depth (parents first). A child's cumulative score never exceeds its parent's; a depth
         penalty breaks ties, so the kept set holds every kept node's ancestors."""
         tok, score, parent, cand = tok.cpu(), score.cpu(), parent.cpu(), cand.cpu()
         n, m = tok.shape
-        k = min(self.shape.nodes, m)
+        k = min(self.shape.nodes, max_nodes, m)
         keep = (score - 1e-4 * depth).topk(k, dim=-1).indices  # [N, k] pool indices
         order = (depth.gather(1, keep) * m + keep).argsort(-1)
         keep = keep.gather(1, order)  # by depth, then pool order

@@ -106,13 +106,15 @@ def fp32_engine():
     return SpecEEEngine.from_pretrained(need_model(), dtype="float32")
 
 
-@pytest.mark.parametrize("shape", [{"depth": 4}, {"depth": 5, "width": 4, "nodes": 12, "lookup": True}],
-                         ids=["chain", "tree+lookup"])
+@pytest.mark.parametrize("shape", [{"depth": 4}, {"depth": 5, "width": 4, "nodes": 12, "lookup": "merge"},
+                                   {"depth": 4, "lookup": "first"}],
+                         ids=["chain", "tree+lookup", "lookup-first"])
 def test_fp32_spec_equals_dense_at_batch_1_and_8(fp32_engine, prompts, shape):
     """Speculative decoding with the trained draft head is lossless: the same tokens as dense, for a
     ragged batch of 8 and one prompt at a time; the draft was right often enough that multi-token
     blocks were committed (a verifier that accepted nothing would pass the equality trivially)."""
     dense = fp32_engine.generate(prompts, max_new_tokens=48)
+    shape = {**shape, "step_budget": None}  # all 8 rows draft in full
     spec = fp32_engine.generate(prompts, max_new_tokens=48, mode="spec", spec={"proposer": "draft", **shape})
     assert [r.token_ids for r in spec] == [r.token_ids for r in dense]
     single = [fp32_engine.generate([p], max_new_tokens=48, mode="spec", spec={"proposer": "draft", **shape})[0]
@@ -129,7 +131,7 @@ def test_bf16_spec_agreement_with_dense_is_bounded(prompts):
     engine = SpecEEEngine.from_pretrained(need_model(), dtype="bfloat16")
     dense = engine.generate(prompts, max_new_tokens=N_TOKENS)
     spec = engine.generate(prompts, max_new_tokens=N_TOKENS, mode="spec",
-                           spec={"proposer": "draft", "depth": 5, "width": 4, "nodes": 16})
+                           spec={"proposer": "draft", "depth": 5, "width": 4, "nodes": 16, "step_budget": None})
     first = []
     for d, s in zip(dense, spec):
         n = min(len(d.token_ids), len(s.token_ids))

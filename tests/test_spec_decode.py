@@ -32,10 +32,11 @@ def sharp_model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("proposer,shape", [
     ("draft", {"depth": 1}), ("draft", {"depth": 4}), ("draft", {"depth": 4, "width": 3, "nodes": 10}),
-    ("draft", {"depth": 4, "width": 2, "nodes": 6, "lookup": True}),
+    ("draft", {"depth": 4, "width": 2, "nodes": 6, "lookup": "merge"}), ("draft", {"depth": 4, "lookup": "first"}),
     ("lookup", {"depth": 1}), ("lookup", {"depth": 4})])
 def test_greedy_spec_equals_dense_on_the_bundled_model(tiny, proposer, shape):
     dense = tiny.generate(CODE, max_new_tokens=40, ignore_eos=True)
+    shape = {**shape, "step_budget": None}  # every row drafts in full, however many rows
     spec = tiny.generate(CODE, max_new_tokens=40, ignore_eos=True, mode="spec", spec={"proposer": proposer, **shape})
     single = [tiny.generate([p], max_new_tokens=40, ignore_eos=True, mode="spec",
                             spec={"proposer": proposer, **shape})[0] for p in CODE[:2]]
@@ -220,7 +221,7 @@ def test_sampled_spec_keeps_the_base_distribution_end_to_end(tiny, shape):
             t3s, p3 = dist(ids + [a, b])
             for c, pc in zip(t3s, p3):
                 exact[(a, b, c)] = pa * pb * pc
-    runs = tiny.generate([prompt] * 2400, mode="spec", spec={"proposer": "draft", **shape}, **kw)
+    runs = tiny.generate([prompt] * 2400, mode="spec", spec={"proposer": "draft", "step_budget": None, **shape}, **kw)
     assert sum(r.stats["mean_accepted"] * r.stats["spec_steps"] for r in runs) > 200  # drafts were accepted
     cells = sorted(exact)
     counts = torch.zeros(len(cells))
@@ -239,7 +240,7 @@ def test_t3_switched_off_equals_dense_and_switched_on_exits_inside_verification(
     decoding carries on to max_new_tokens with fewer layers per token."""
     ee = tiny.early_exit
     L = tiny.model.num_layers
-    shape = {"proposer": "draft", "depth": 3, "width": ee.predictors.k, "nodes": 8, "t3": True}
+    shape = {"proposer": "draft", "depth": 3, "width": ee.predictors.k, "nodes": 8, "t3": True, "step_budget": None}
     dense = tiny.generate(CODE, max_new_tokens=24, ignore_eos=True)
     try:
         tiny.early_exit = ee.with_options(threshold=2.0)
@@ -255,3 +256,24 @@ def test_t3_switched_off_equals_dense_and_switched_on_exits_inside_verification(
     assert sum(l == first for r in on for l in r.exit_layers) > 24, "blocks should exit at the first scored layer"
     with pytest.raises(ValueError, match="width"):
         tiny.generate(CODE[:1], max_new_tokens=4, mode="spec", spec={**shape, "width": ee.predictors.k + 1})
+
+
+def test_the_step_budget_trims_drafts_for_large_batches_and_drafting_resumes_as_rows_finish(tiny):
+    """step_budget 6 over 5 rows leaves no draft (dense steps, pairs pending in the draft head); when
+    EOS has ended three rows, the two left may draft 2 nodes each again, from the pending pairs. The
+    output stays dense's; a budget of 1 never drafts."""
+    dense = tiny.generate(CODE, max_new_tokens=40, ignore_eos=True)
+    running = set(dense[3].token_ids) | set(dense[4].token_ids)
+    eos = {next(t for t in r.token_ids[4:] if t not in running) for r in dense[:3]}  # rows 0-2 end early
+    saved = tiny.eos_ids
+    tiny.eos_ids = saved | eos
+    try:
+        d = tiny.generate(CODE, max_new_tokens=40)
+        s = tiny.generate(CODE, max_new_tokens=40, mode="spec", spec={"proposer": "draft", "depth": 4, "step_budget": 6})
+        none = tiny.generate(CODE, max_new_tokens=40, mode="spec", spec={"proposer": "draft", "depth": 4, "step_budget": 1})
+    finally:
+        tiny.eos_ids = saved
+    assert [r.token_ids for r in s] == [r.token_ids for r in d] == [r.token_ids for r in none]
+    assert [len(r.token_ids) == 40 for r in s] == [False, False, False, True, True]
+    assert all(r.stats["mean_accepted"] > 0.2 for r in s[3:])  # they drafted once the others were gone
+    assert all(r.stats["mean_accepted"] == 0 for r in none)
