@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spec-proposer", choices=["auto", "draft", "lookup"], default=None,
                    help="spec: draft head, prompt lookup, or auto (the draft head when the model has one)")
     p.add_argument("--spec-depth", type=int, default=None, help="spec: tokens drafted per step (default 4)")
+    p.add_argument("--spec-lookup", choices=["off", "merge", "first"], default=None,
+                   help="spec with the draft head: prompt lookup's chain joins its tree (merge) or replaces it "
+                        "where lookup finds a continuation (first)")
     p.add_argument("--rows-per-file", type=int, default=1000)
     p.add_argument("--address", default=None, help="Ray cluster address; 'local' starts a private instance "
                                                    "(default: RAY_ADDRESS, else a cluster started here with "
@@ -83,7 +86,8 @@ def build_config(args: argparse.Namespace):
     early_exit = {"explore_every": args.explore_every}
     if args.threshold is not None:
         early_exit["threshold"] = args.threshold
-    spec = {k: v for k, v in (("proposer", args.spec_proposer), ("depth", args.spec_depth)) if v is not None}
+    spec = {k: v for k, v in (("proposer", args.spec_proposer), ("depth", args.spec_depth),
+                              ("lookup", args.spec_lookup)) if v is not None}
     stage = StageConfig(model=args.model, mode=mode, device=args.device, dtype=args.dtype,
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, stop=tuple(args.stop), seed=args.seed, batch_size=args.batch_size,

@@ -106,7 +106,7 @@ def fp32_engine():
     return SpecEEEngine.from_pretrained(need_model(), dtype="float32")
 
 
-@pytest.mark.parametrize("shape", [{"depth": 4}, {"depth": 5, "width": 4, "nodes": 12, "lookup": "merge"},
+@pytest.mark.parametrize("shape", [{"depth": 4, "lookup": "off"}, {"depth": 5, "width": 4, "nodes": 12, "lookup": "merge"},
                                    {"depth": 4, "lookup": "first"}],
                          ids=["chain", "tree+lookup", "lookup-first"])
 def test_fp32_spec_equals_dense_at_batch_1_and_8(fp32_engine, prompts, shape):

@@ -31,7 +31,8 @@ def sharp_model_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("proposer,shape", [
-    ("draft", {"depth": 1}), ("draft", {"depth": 4}), ("draft", {"depth": 4, "width": 3, "nodes": 10}),
+    ("draft", {"depth": 1, "lookup": "off"}), ("draft", {"depth": 4, "lookup": "off"}),
+    ("draft", {"depth": 4, "width": 3, "nodes": 10, "lookup": "off"}),
     ("draft", {"depth": 4, "width": 2, "nodes": 6, "lookup": "merge"}), ("draft", {"depth": 4, "lookup": "first"}),
     ("lookup", {"depth": 1}), ("lookup", {"depth": 4})])
 def test_greedy_spec_equals_dense_on_the_bundled_model(tiny, proposer, shape):
@@ -240,7 +241,8 @@ def test_t3_switched_off_equals_dense_and_switched_on_exits_inside_verification(
     decoding carries on to max_new_tokens with fewer layers per token."""
     ee = tiny.early_exit
     L = tiny.model.num_layers
-    shape = {"proposer": "draft", "depth": 3, "width": ee.predictors.k, "nodes": 8, "t3": True, "step_budget": None}
+    shape = {"proposer": "draft", "depth": 3, "width": ee.predictors.k, "nodes": 8, "t3": True, "step_budget": None,
+             "lookup": "off"}
     dense = tiny.generate(CODE, max_new_tokens=24, ignore_eos=True)
     try:
         tiny.early_exit = ee.with_options(threshold=2.0)
@@ -269,7 +271,7 @@ def test_the_step_budget_trims_drafts_for_large_batches_and_drafting_resumes_as_
     tiny.eos_ids = saved | eos
     try:
         d = tiny.generate(CODE, max_new_tokens=40)
-        s = tiny.generate(CODE, max_new_tokens=40, mode="spec", spec={"proposer": "draft", "depth": 4, "step_budget": 6})
+        s = tiny.generate(CODE, max_new_tokens=40, mode="spec", spec={"proposer": "draft", "depth": 4, "step_budget": 6, "lookup": "off"})
         none = tiny.generate(CODE, max_new_tokens=40, mode="spec", spec={"proposer": "draft", "depth": 4, "step_budget": 1})
     finally:
         tiny.eos_ids = saved
