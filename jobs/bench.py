@@ -114,8 +114,8 @@ class Runner:
     def __init__(self, engine: SpecEEEngine, hf_model=None, cfg: BenchConfig | None = None):
         self.engine, self.hf = engine, hf_model
         c = cfg or BenchConfig()
-        tree = {"proposer": "draft", "depth": c.tree_depth, "width": c.tree_width, "nodes": c.tree_nodes}
-        chain = {"proposer": "draft", "depth": c.spec_depth, "width": 1}
+        tree = {"proposer": "draft", "depth": c.tree_depth, "width": c.tree_width, "nodes": c.tree_nodes, "lookup": "off"}
+        chain = {"proposer": "draft", "depth": c.spec_depth, "width": 1, "lookup": "off"}
         self.spec = {"spec_chain": chain, "spec_chain_lookup": {**chain, "lookup": "merge"},
                      "spec_lookup_first": {**chain, "lookup": "first"},
                      "spec_tree": tree, "spec_tree_lookup": {**tree, "lookup": "merge"},
