@@ -181,12 +181,14 @@ class DraftHeadProposer:
         n = len(batch.prompt_ids)
         # pending true pairs per row: (token x_{i+1}, feature f_i) from the draft cache's length on
         self.pend_tokens = [[int(t)] for t in batch.next_tokens.tolist()]
-        self.pend_feats = [m.final_norm(batch.last_hidden[b : b + 1]) for b in range(n)]  # [1, D] each
+        # per row: the features of its pending pairs, one [k, D] tensor per step (joined when fed, so steps
+        # without a draft append without copying)
+        self.pend_feats = [[m.final_norm(batch.last_hidden[b : b + 1])] for b in range(n)]
 
     def accepted(self, rows: list[int], features: list[torch.Tensor], tokens: list[list[int]]) -> None:
         for b, f, toks in zip(rows, features, tokens):  # steps without a draft leave their pairs pending
             self.pend_tokens[b] += toks
-            self.pend_feats[b] = f if self.pend_feats[b] is None else torch.cat((self.pend_feats[b], f))
+            self.pend_feats[b].append(f)
 
     def propose(self, rows: list[int], batch, depths: list[int], params: SamplingParams | None = None,
                 generator: torch.Generator | None = None, max_nodes: int | None = None) -> Draft:
@@ -230,15 +232,15 @@ class DraftHeadProposer:
         spec, dev = self.spec, self.spec.model_base.device
         n = len(rows)
         t = max(len(self.pend_tokens[b]) for b in rows)
-        d = self.pend_feats[rows[0]].shape[-1]
+        d = self.pend_feats[rows[0]][0].shape[-1]
         toks = torch.zeros(n, t, dtype=torch.int64)
-        feats = torch.zeros(n, t, d, dtype=self.pend_feats[rows[0]].dtype)
+        feats = torch.zeros(n, t, d, dtype=self.pend_feats[rows[0]][0].dtype)
         counts = torch.tensor([len(self.pend_tokens[b]) for b in rows])
         for r, b in enumerate(rows):
             c = len(self.pend_tokens[b])
             toks[r, :c] = torch.tensor(self.pend_tokens[b])
-            feats[r, :c] = self.pend_feats[b]
-            self.pend_tokens[b], self.pend_feats[b] = [], None
+            feats[r, :c] = torch.cat(self.pend_feats[b])
+            self.pend_tokens[b], self.pend_feats[b] = [], []
         synced = spec.cache.lengths[0, torch.tensor(rows)].clone()  # [N] host: true pairs already in the cache
         positions = (synced[:, None] + torch.arange(t)).to(dev)
         n_valid = None if bool((counts == t).all()) else counts
