@@ -37,7 +37,7 @@ from jobs.cli import parse_config
 from jobs.build_corpus import sample_snippets
 from specee_core import SpecEEEngine
 from specee_core.sampling import SamplingParams
-from specee_core.stepper import StepOutput
+from specee_eval.forced import Forcing
 
 log = logging.getLogger(__name__)
 
@@ -221,28 +221,6 @@ def agreement(dense: list[list[int]], other: list[list[int]]) -> dict:
     return {"token_agreement": same / max(pos, 1), "sequence_agreement": seq / max(len(dense), 1)}
 
 
-class TeacherForced:
-    """Wraps a stepper: records whether each emitted token equals the held-out text's next
-    token, then feeds the true token instead (next-token accuracy through the exit path)."""
-
-    def __init__(self, inner, batch, targets: list[list[int]], hits: list[int]):
-        self.inner, self.batch, self.targets, self.hits = inner, batch, targets, hits
-
-    def step(self, alive, rows, generator) -> StepOutput:
-        out = self.inner.step(alive, rows, generator)
-        self.decided = out  # what the stepper chose, before the true tokens replace it
-        truths = []
-        for b, (tok,) in zip(alive, out.tokens):
-            truth = self.targets[b][len(self.batch.generated[b])]  # the token this step should produce
-            self.hits[0] += tok == truth
-            self.hits[1] += 1
-            truths.append([truth])
-        return StepOutput(truths, out.layers, out.hidden)  # the true token is recorded and fed next
-
-    def row_stats(self, b: int) -> dict:
-        return self.inner.row_stats(b)
-
-
 def heldout_accuracy(engine: SpecEEEngine, cfg: BenchConfig, threshold: float) -> dict:
     """Teacher-forced greedy next-token accuracy over held-out windows through the SpecEE step
     (threshold > 1: exits off, i.e. dense)."""
@@ -255,16 +233,11 @@ def heldout_accuracy(engine: SpecEEEngine, cfg: BenchConfig, threshold: float) -
     prompts = [w[:half] for w in windows]
     targets = [w[half : half + cfg.window_len] for w in windows]
     ee = engine.early_exit.with_options(threshold=threshold)
-    hits = [0, 0]
-
-    def factory(eng, batch, cache, h, lens):
-        targets_of_batch = [targets[prompts.index(p)] for p in batch.prompt_ids]
-        return TeacherForced(ee.new_stepper(eng, batch, cache, h, lens), batch, targets_of_batch, hits)
-
-    res = engine.run(prompts, SamplingParams(max_new_tokens=cfg.window_len - 1, ignore_eos=True), factory)
-    layers = [l for r in res for l in r.exit_layers[1:]]
-    return {"next_token_accuracy": hits[0] / max(hits[1], 1), "tokens": hits[1],
-            "layer_fraction": sum(layers) / max(len(layers), 1) / engine.config.num_hidden_layers}
+    probe = Forcing(targets)
+    probe.register(prompts)
+    engine.run(prompts, SamplingParams(max_new_tokens=cfg.window_len, ignore_eos=True), probe.factory(ee.new_stepper))
+    return {"next_token_accuracy": probe.accuracy, "tokens": probe.tokens,
+            "layer_fraction": probe.layers / max(probe.tokens, 1) / engine.config.num_hidden_layers}
 
 
 def quality(engine: SpecEEEngine, cfg: BenchConfig, thresholds: list[float]) -> dict:

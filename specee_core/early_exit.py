@@ -283,7 +283,7 @@ class Stepper:
         self._full_depth(walk, out, generator)
         self._commit(prop, out)
         self.t_total += time.perf_counter() - t_start
-        return StepOutput([[t] for t in out.tokens.tolist()], [[l] for l in out.layers])
+        return StepOutput([[t] for t in out.tokens.tolist()], [[l] for l in out.layers], normed=out.hidden)
 
     def _propose(self, alive: list[int], rows: torch.Tensor | None) -> Proposal:
         """The speculator's candidates for the alive rows."""

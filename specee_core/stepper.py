@@ -24,6 +24,9 @@ class StepOutput:
     # [N, D] per row: the hidden state (before the final norm) whose logits chose the row's last token;
     # None when the stepper keeps its own features (the engine's copy is then left as it was)
     hidden: torch.Tensor | None = None
+    # [N, D] the final-normed hidden state the last token was chosen from, where the stepper's differs from
+    # final_norm(hidden) or it keeps no hidden (early exit: the exit layer's); measurement reads it, the engine not
+    normed: torch.Tensor | None = None
 
 
 class Stepper(Protocol):

@@ -95,21 +95,17 @@ def test_specee_with_exits_off_equals_dense(engine):
 def test_specee_skips_layers_and_agrees_with_dense(engine):
     """Teacher-forced: every step is fed dense's token, so one early difference cannot cascade;
     measured 0.69 of layers and 0.86 agreement on these prompts (threshold 0.9, batch 4)."""
-    from jobs.bench import TeacherForced
     from specee_core.sampling import SamplingParams
+    from specee_eval.forced import Forcing
 
     dense = engine.generate(PROMPTS, max_new_tokens=48, ignore_eos=True)
     ids = [engine.encode_prompt(p) for p in PROMPTS]
-    hits = [0, 0]
-
-    def factory(eng, batch, cache, h, lens):
-        targets = [dense[ids.index(p)].token_ids for p in batch.prompt_ids]
-        return TeacherForced(eng.early_exit.new_stepper(eng, batch, cache, h, lens), batch, targets, hits)
-
-    spec = engine.run(ids, SamplingParams(max_new_tokens=48, ignore_eos=True), factory)
+    probe = Forcing([r.token_ids for r in dense])
+    probe.register(ids)
+    spec = engine.run(ids, SamplingParams(max_new_tokens=48, ignore_eos=True), probe.factory(engine.early_exit.new_stepper))
     layers = [l for r in spec for l in r.exit_layers[1:]]
     frac = sum(layers) / len(layers) / engine.config.num_hidden_layers
-    agree = hits[0] / hits[1]
+    agree = probe.accuracy
     print(f"layer fraction {frac:.3f}, teacher-forced token agreement {agree:.3f}")
     assert frac < 0.8 and agree > 0.8
 
@@ -118,8 +114,8 @@ def test_specee_skips_layers_and_agrees_with_dense(engine):
 def test_recompute_keeps_the_kv_cache_exact(engine, batch):
     """kv_mode='recompute': fed dense's tokens (teacher forcing), every token that ran all layers
     equals dense's, because exited positions get their missing layers before anyone reads them."""
-    from jobs.bench import TeacherForced
     from specee_core.sampling import SamplingParams
+    from specee_eval.forced import Forcing
 
     eng = SpecEEEngine(engine.model, engine.tokenizer, engine.options,
                        engine.early_exit.with_options(kv_mode="recompute", skip="row"))
@@ -129,17 +125,11 @@ def test_recompute_keeps_the_kv_cache_exact(engine, batch):
     L = eng.config.num_hidden_layers
     full = []
 
-    class Check(TeacherForced):
-        def step(self, alive, rows, generator):
-            targets = [self.targets[b][len(self.batch.generated[b])] for b in alive]
-            out = super().step(alive, rows, generator)
-            full.extend((t, g) for (t,), g, (l,) in zip(self.decided.tokens, targets, self.decided.layers) if l == L)
-            return out
+    def check(decided, truths):  # every token that ran all layers must be dense's
+        full.extend((t, g) for (t,), g, (l,) in zip(decided.tokens, truths, decided.layers) if l == L)
 
-    def factory(e, b, cache, h, lens):
-        return Check(e.early_exit.new_stepper(e, b, cache, h, lens), b,
-                     [dense[ids.index(p)].token_ids for p in b.prompt_ids], [0, 0])
-
-    res = eng.run(ids, SamplingParams(max_new_tokens=32, ignore_eos=True), factory)
+    probe = Forcing([r.token_ids for r in dense], on_step=check)
+    probe.register(ids)
+    res = eng.run(ids, SamplingParams(max_new_tokens=32, ignore_eos=True), probe.factory(eng.early_exit.new_stepper))
     assert sum(l < L for r in res for l in r.exit_layers) > 10  # tokens did exit early
     assert len(full) > 10 and all(t == g for t, g in full)

@@ -1,0 +1,147 @@
+"""Runs untrusted Python (a model's completion with its tests) in a separate, locked-down process.
+
+Never in the caller's process: each program gets a fresh temporary directory and a new process
+session running specee_eval/_jail.py under `python -I -S` (no site-packages, no environment
+variables, no user site). The jail sets resource limits, drops the network (a new network
+namespace), confines writes and execution to the directory (Landlock) and installs an audit hook,
+then runs the program. Here the caller kills the whole process group at the wall-clock limit.
+Whatever the program does (hang, crash, eat memory, flood stdout, exit early, fork, write
+outside), the outcome is a status, never an exception in the caller.
+
+    outcome = run_python("assert 1 + 1 == 2")
+    outcome.status   # "passed" | "failed" | "timeout" | "killed"
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+JAIL = Path(__file__).with_name("_jail.py")
+TAIL_BYTES = 2000  # of stdout/stderr kept in the outcome
+
+
+@dataclass(frozen=True)
+class Limits:
+    timeout_s: float = 10.0  # wall clock, the process group is killed after it
+    memory_mb: int = 1024  # address space (RLIMIT_AS)
+    output_kb: int = 256  # largest file the program may write, stdout and stderr included (RLIMIT_FSIZE)
+    open_files: int = 64
+    audit_hook: bool = True  # the jail's Python layer; off only to test the kernel layers on their own
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.memory_mb < 64 or self.output_kb < 1 or self.open_files < 16:
+            raise ValueError(f"sandbox limits out of range: {self}")
+
+    def for_jail(self) -> str:
+        return json.dumps({"memory_mb": self.memory_mb, "cpu_s": math.ceil(self.timeout_s) + 1,
+                           "file_bytes": self.output_kb << 10, "open_files": self.open_files,
+                           "audit_hook": self.audit_hook})
+
+
+@dataclass
+class Outcome:
+    status: str  # "passed" | "failed" (raised, exited early, or the jail refused something) | "timeout" | "killed"
+    detail: str  # why, in a line: the exception's last line, the signal, or "timeout after 10s"
+    seconds: float
+    returncode: int | None
+    guards: dict  # the layers the jail applied (rlimits, netns, landlock ABI, audit_hook)
+    stderr: str = ""  # its tail
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _tail(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(path.stat().st_size - TAIL_BYTES, 0))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _last_line(text: str) -> str:
+    lines = [l for l in text.strip().splitlines() if l.strip()]
+    return lines[-1].strip()[:300] if lines else ""
+
+
+def run_python(code: str, limits: Limits = Limits()) -> Outcome:
+    """Run `code` as a program in the sandbox; passed when it ran to its end."""
+    with tempfile.TemporaryDirectory(prefix="specee-sandbox-", ignore_cleanup_errors=True) as tmp:
+        work = Path(tmp) / "work"  # the program's directory; stdout/stderr live beside it, out of its reach
+        work.mkdir()
+        (work / "program.py").write_text(code)
+        nonce = secrets.token_hex(16)
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
+               "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "SPECEE_SANDBOX_NONCE": nonce}
+        out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        t0 = time.perf_counter()
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", str(JAIL), str(work), limits.for_jail()],
+                                    cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    start_new_session=True, close_fds=True)
+            try:
+                rc = proc.wait(timeout=limits.timeout_s)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                rc, timed_out = None, True
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # and anything it left behind in its group
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        seconds = time.perf_counter() - t0
+        stderr = _tail(err_path)
+        try:
+            guards = json.loads((work / "_guards.json").read_text())
+        except (OSError, ValueError):
+            guards = {}
+        finished = (work / "_result").is_file() and (work / "_result").read_text() == nonce
+    if timed_out:
+        return Outcome("timeout", f"timeout after {limits.timeout_s:g}s", seconds, None, guards, stderr)
+    if rc is not None and rc < 0:
+        sig = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
+        status = "timeout" if sig == "SIGXCPU" else "killed"
+        return Outcome(status, f"killed by {sig}", seconds, rc, guards, stderr)
+    if rc == 0 and finished:
+        return Outcome("passed", "", seconds, rc, guards, stderr)
+    detail = _last_line(stderr) or (f"exited with {rc} before the end of the program" if rc == 0 or not finished
+                                    else f"exit status {rc}")
+    return Outcome("failed", detail, seconds, rc, guards, stderr)
+
+
+def run_many(codes: list[str], limits: Limits = Limits(), workers: int = 2, progress: bool = False) -> list[Outcome]:
+    """run_python over many programs, `workers` at a time; identical programs run once."""
+    unique = list(dict.fromkeys(codes))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(unique), desc="sandbox", unit="program")
+
+    def one(code: str) -> Outcome:
+        o = run_python(code, limits)
+        if bar is not None:
+            bar.update(1)
+        return o
+
+    with ThreadPoolExecutor(max_workers=max(workers, 1)) as pool:
+        done = dict(zip(unique, pool.map(one, unique)))
+    if bar is not None:
+        bar.close()
+    return [done[c] for c in codes]
