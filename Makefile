@@ -27,6 +27,13 @@ test: $(VENV)/.installed model
 bench: $(VENV)/.installed model
 	$(PY) -m jobs.bench
 
+# HumanEval for every mode: the README's "Results" tables and Pareto plots (about 40 min on 2 cores)
+eval: $(VENV)/.installed model
+	$(PY) -m jobs.evaluate --batch-size 8 --out docs/eval_smollm2_b8.json --plot docs/eval_smollm2_b8.png
+	$(PY) -m jobs.evaluate --batch-size 1 --limit 30 --out docs/eval_smollm2_b1.json --plot docs/eval_smollm2_b1.png
+	$(PY) -m jobs.evaluate --model models/specee-tiny --modes dense,spec,specee,specee_full --batch-size 8 \
+		--out docs/eval_tiny.json --plot docs/eval_tiny.png
+
 # Rebuild the bundled model from scratch (about 2 h on 2 CPU cores; minutes on a GPU).
 MODEL := models/specee-tiny
 corpus: $(VENV)/.installed
@@ -61,4 +68,4 @@ smollm2-artifacts: model
 	$(PY) -m jobs.profile_schedule --model $(SMOLLM2) --dtype bfloat16 --prompts prompts/instructions_train.jsonl
 	$(PY) -m jobs.model_card --model $(SMOLLM2)
 
-.PHONY: install demo test bench corpus tokenizer base draft predictors schedule model smollm2-artifacts
+.PHONY: install demo test bench eval corpus tokenizer base draft predictors schedule model smollm2-artifacts

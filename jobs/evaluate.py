@@ -52,7 +52,7 @@ PER_THRESHOLD = ("specee", "specee_full", "spec_t3")
 class EvalConfig:
     model: Path = Path("models/smollm2-135m-instruct")
     modes: str = "hf,dense,spec,specee,specee_full"
-    thresholds: str = "0.5,0.7,0.9"  # of specee, specee_full and spec_t3
+    thresholds: str = "0.5,0.7,0.9"  # of specee, specee_full and spec_t3 (0.5: the paper's)
     limit: int = 0  # the first N problems; 0: all 164
     batch_size: int = 1  # problems per generate call
     max_new_tokens: int = 384
