@@ -55,7 +55,7 @@ class EvalConfig:
     thresholds: str = "0.5,0.7,0.9"  # of specee, specee_full and spec_t3 (0.5: the paper's)
     limit: int = 0  # the first N problems; 0: all 164
     batch_size: int = 1  # problems per generate call
-    max_new_tokens: int = 384
+    max_new_tokens: int = 256  # a row that never closes its code block stops here
     dtype: str = "bfloat16"
     chat: str = "auto"  # "auto" (the chat template when the model has one) | "true" | "false"
     tree_depth: int = 5  # spec_tree and spec_t3's draft tree
@@ -68,6 +68,7 @@ class EvalConfig:
     threads: int = 0
     out: Path | None = None  # the JSON (also printed)
     plot: Path | None = None  # the Pareto plot (PNG)
+    replot: Path | None = None  # only draw --plot (and print the table) from this earlier --out JSON
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -243,7 +244,7 @@ def plot_pareto(result: dict, path: Path) -> None:
     style = {"hf": ("k", "s"), "dense": ("tab:blue", "D"), "spec": ("tab:green", "o"), "spec_tree": ("tab:olive", "o"),
              "specee": ("tab:orange", "^"), "specee_full": ("tab:red", "v"), "spec_t3": ("tab:purple", "P")}
     for ax, key, label in ((axes[0], "pass_at_1", "HumanEval pass@1 (greedy)"),
-                           (axes[1], "identical", "completions identical to dense")):
+                           (axes[1], "prefix_agreement", "dense's tokens reproduced before the first divergence")):
         for kind in style:
             pts = [r for r in rows if r["mode"] == kind and "speedup_vs_dense" in r]
             if not pts:
@@ -345,7 +346,14 @@ def run(cfg: EvalConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(parse_config(EvalConfig, __doc__, argv))
+    cfg = parse_config(EvalConfig, __doc__, argv)
+    if cfg.replot:
+        result = json.loads(Path(cfg.replot).read_text())
+        if cfg.plot:
+            plot_pareto(result, Path(cfg.plot))
+        print(markdown(result))
+        return
+    run(cfg)
 
 
 if __name__ == "__main__":

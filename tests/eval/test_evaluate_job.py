@@ -1,0 +1,59 @@
+"""jobs.evaluate end to end on the bundled model (fp32, a few problems): the JSON, the Pareto plot,
+the table; lossless modes agree with dense completely, exits switched off equal dense."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobs import evaluate
+from tests.conftest import BUNDLED
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    d = tmp_path_factory.mktemp("eval")
+    cfg = evaluate.EvalConfig(model=BUNDLED, modes="dense,spec,specee", thresholds="2.0,0.0", limit=3, batch_size=2,
+                              max_new_tokens=24, dtype="float32", timeout_s=5, out=d / "eval.json",
+                              plot=d / "eval.png")
+    res = evaluate.run(cfg)
+    return res, d
+
+
+def test_lossless_modes_and_switched_off_exits_equal_dense(result):
+    res, _ = result
+    rows = {(r["mode"], r["threshold"]): r for r in res["modes"]}
+    assert set(rows) == {("dense", None), ("spec", None), ("specee", 2.0), ("specee", 0.0)}
+    for key in (("spec", None), ("specee", 2.0)):
+        a = rows[key]["agreement"]
+        assert a["identical"] == 1.0 and a["token_agreement"] == 1.0 and a["same_outcome"] == 1.0
+        assert rows[key]["pass_at_1"] == rows[("dense", None)]["pass_at_1"]
+    assert rows[("specee", 2.0)]["layer_fraction"] == 1.0
+    assert rows[("specee", 0.0)]["layer_fraction"] < 1.0  # the first scheduled predictor always fires
+    assert rows[("spec", None)]["tokens_per_step"] >= 1.0
+    ppl = res["perplexity"]["modes"]
+    assert ppl["specee@2"]["perplexity"] == pytest.approx(ppl["dense"]["perplexity"], rel=1e-4)
+    assert ppl["specee@0"]["perplexity"] > ppl["dense"]["perplexity"]
+
+
+def test_outputs_name_the_commit_and_hold_every_problem(result):
+    res, d = result
+    saved = json.loads((d / "eval.json").read_text())
+    assert saved["git_commit"] and saved["problems"] == 3 and saved["chat"] is False
+    assert saved["sandbox"]["guards"]["audit_hook"] is True
+    assert all(len(v) == 3 and all(p["status"] in ("passed", "failed", "timeout", "killed") for p in v)
+               for v in saved["per_problem"].values())
+    assert (d / "eval.png").stat().st_size > 10_000
+    table = evaluate.markdown(saved)
+    assert len(table.splitlines()) == 2 + 4 and "specee @ 0" in table
+
+
+def test_replot_from_the_json(result, tmp_path, capsys):
+    _, d = result
+    evaluate.main(["--replot", str(d / "eval.json"), "--plot", str(tmp_path / "again.png")])
+    assert (tmp_path / "again.png").is_file() and "| dense |" in capsys.readouterr().out
+
+
+def test_bad_modes_are_named():
+    with pytest.raises(ValueError, match="unknown modes"):
+        evaluate.EvalConfig(modes="dense,fast")
