@@ -244,7 +244,7 @@ def plot_pareto(result: dict, path: Path) -> None:
     style = {"hf": ("k", "s"), "dense": ("tab:blue", "D"), "spec": ("tab:green", "o"), "spec_tree": ("tab:olive", "o"),
              "specee": ("tab:orange", "^"), "specee_full": ("tab:red", "v"), "spec_t3": ("tab:purple", "P")}
     for ax, key, label in ((axes[0], "pass_at_1", "HumanEval pass@1 (greedy)"),
-                           (axes[1], "prefix_agreement", "dense's tokens reproduced before the first divergence")):
+                           (axes[1], "prefix_agreement", "share of dense's tokens before the first divergence")):
         for kind in style:
             pts = [r for r in rows if r["mode"] == kind and "speedup_vs_dense" in r]
             if not pts:
@@ -258,6 +258,7 @@ def plot_pareto(result: dict, path: Path) -> None:
                     ax.annotate(f"{r['threshold']:g}", (r["speedup_vs_dense"], yy), fontsize=7,
                                 textcoords="offset points", xytext=(3, 3))
         ax.axvline(1.0, color="tab:blue", lw=0.6, ls=":")
+        ax.set_ylim(0, 1.02 if key == "prefix_agreement" else max(r["pass_at_1"] for r in rows) * 1.3 + 0.01)
         ax.set_xlabel("speed-up over dense (tokens/s, same run)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
