@@ -333,7 +333,7 @@ def run(cfg: EvalConfig) -> dict:
     if cfg.perplexity and (dense is not None or any(m.kind in ("specee", "specee_full") for m in modes)):
         result["perplexity"] = reference_nll(cfg, engine, modes, problems)
     result["per_problem"] = {m.name: [{"task_id": p.task_id, "status": o.status, "detail": o.detail[:120],
-                                       "tokens": len(r["token_ids"])}
+                                       "tokens": len(r["token_ids"]), "code": humaneval.extract_code(r["text"], chat)}
                                       for p, o, r in zip(problems, by_mode[m.name], m.results)] for m in modes}
     text = json.dumps(result, indent=1)
     if cfg.out:
