@@ -1,12 +1,21 @@
 """Runs untrusted Python (a model's completion with its tests) in a separate, locked-down process.
 
 Never in the caller's process: each program gets a fresh temporary directory and a new process
-session running specee_eval/_jail.py under `python -I -S` (no site-packages, no environment
-variables, no user site). The jail sets resource limits, drops the network (a new network
-namespace), confines writes and execution to the directory (Landlock) and installs an audit hook,
-then runs the program. Here the caller kills the whole process group at the wall-clock limit.
-Whatever the program does (hang, crash, eat memory, flood stdout, exit early, fork, write
-outside), the outcome is a status, never an exception in the caller.
+session running specee_eval/_jail.py under `python -s -S -B -P` (no site-packages, no user site,
+an environment of our own). The jail drops root to nobody, sets resource limits, enters new user,
+network, mount and PID namespaces (no network; a size-capped tmpfs for the program's files; every
+process the program starts dies with it), confines writes and execution to the directory (Landlock)
+and installs an audit hook, then runs the program. The caller kills the whole process group at the
+wall-clock limit. Whatever the program does (hang, crash, eat memory, flood stdout, exit early,
+fork, write outside), the outcome is a status, never an exception in the caller.
+
+The verdict comes over a pipe, never from a file the program can write: the jail's first line
+reports the layers that hold (before the program starts), and "passed <nonce>" after the program
+returned; the nonce arrives on stdin (not in the environment) and lives only in the jail's locals.
+An early exit(0) or os._exit(0) is a failure. Threat model: containment rests on the kernel layers
+(the hook is a second line); the verdict guards against programs that stop early or crash, not
+against one written to forge it (the jail's frames are reachable through sys._getframe, which the
+standard library needs), the same as HumanEval's own harness.
 
     outcome = run_python("assert 1 + 1 == 2")
     outcome.status   # "passed" | "failed" | "timeout" | "killed"
@@ -36,6 +45,9 @@ class Limits:
     memory_mb: int = 1024  # address space (RLIMIT_AS)
     output_kb: int = 256  # largest file the program may write, stdout and stderr included (RLIMIT_FSIZE)
     open_files: int = 64
+    disk_kb: int = 65536  # the program's tmpfs
+    files: int = 1000  # inodes in it
+    processes: int = 32  # RLIMIT_NPROC, when the sandbox runs as nobody
     audit_hook: bool = True  # the jail's Python layer; off only to test the kernel layers on their own
 
     def __post_init__(self) -> None:
@@ -45,6 +57,7 @@ class Limits:
     def for_jail(self) -> str:
         return json.dumps({"memory_mb": self.memory_mb, "cpu_s": math.ceil(self.timeout_s) + 1,
                            "file_bytes": self.output_kb << 10, "open_files": self.open_files,
+                           "disk_kb": self.disk_kb, "files": self.files, "processes": self.processes,
                            "audit_hook": self.audit_hook})
 
 
@@ -79,39 +92,71 @@ def _last_line(text: str) -> str:
     return lines[-1].strip()[:300] if lines else ""
 
 
+PYTHON_FLAGS = ["-s", "-S", "-B"] + (["-P"] if sys.version_info >= (3, 11) else [])
+STATUS_CAP = 1 << 16
+
+
+def _read_status(fd: int) -> list[str]:
+    """What the jail wrote on the status pipe (at most STATUS_CAP bytes), as lines."""
+    os.set_blocking(fd, False)
+    data = b""
+    try:
+        while len(data) < STATUS_CAP and (chunk := os.read(fd, STATUS_CAP)):
+            data += chunk
+    except BlockingIOError:
+        pass
+    return data.decode("utf-8", "replace").splitlines()
+
+
 def run_python(code: str, limits: Limits = Limits()) -> Outcome:
     """Run `code` as a program in the sandbox; passed when it ran to its end."""
     with tempfile.TemporaryDirectory(prefix="specee-sandbox-", ignore_cleanup_errors=True) as tmp:
+        os.chmod(tmp, 0o711)  # the jail may run as nobody: it must reach work/, not list tmp
         work = Path(tmp) / "work"  # the program's directory; stdout/stderr live beside it, out of its reach
-        work.mkdir()
+        work.mkdir(mode=0o777)
+        os.chmod(work, 0o777)
         (work / "program.py").write_text(code)
         nonce = secrets.token_hex(16)
         env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
-               "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "SPECEE_SANDBOX_NONCE": nonce}
+               "PYTHONHASHSEED": "0"}
         out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        r, w = os.pipe()
         t0 = time.perf_counter()
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", str(JAIL), str(work), limits.for_jail()],
-                                    cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    start_new_session=True, close_fds=True)
-            try:
-                rc = proc.wait(timeout=limits.timeout_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                rc, timed_out = None, True
-            finally:
+        try:
+            with open(out_path, "wb") as out, open(err_path, "wb") as err:
+                proc = subprocess.Popen([sys.executable, *PYTHON_FLAGS, str(JAIL), str(work), limits.for_jail(), str(w)],
+                                        cwd=work, env=env, stdin=subprocess.PIPE, stdout=out, stderr=err,
+                                        start_new_session=True, close_fds=True, pass_fds=(w,))
+                os.close(w)
+                w = -1
                 try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # and anything it left behind in its group
-                except ProcessLookupError:
+                    proc.stdin.write(f"{nonce}\n".encode())
+                    proc.stdin.close()
+                except OSError:  # it died before reading
                     pass
-                proc.wait()
+                try:
+                    rc = proc.wait(timeout=limits.timeout_s)
+                    timed_out = False
+                except subprocess.TimeoutExpired:
+                    rc, timed_out = None, True
+                finally:
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)  # and anything left in its group
+                    except ProcessLookupError:
+                        pass
+                    proc.wait()
+            lines = _read_status(r)
+        finally:
+            os.close(r)
+            if w >= 0:
+                os.close(w)
         seconds = time.perf_counter() - t0
         stderr = _tail(err_path)
-        try:
-            guards = json.loads((work / "_guards.json").read_text())
-        except (OSError, ValueError):
-            guards = {}
-        finished = (work / "_result").is_file() and (work / "_result").read_text() == nonce
+    try:
+        guards = json.loads(lines[0]) if lines else {}
+    except ValueError:
+        guards = {}
+    finished = f"passed {nonce}" in lines
     if timed_out:
         return Outcome("timeout", f"timeout after {limits.timeout_s:g}s", seconds, None, guards, stderr)
     if rc is not None and rc < 0:
@@ -120,7 +165,7 @@ def run_python(code: str, limits: Limits = Limits()) -> Outcome:
         return Outcome(status, f"killed by {sig}", seconds, rc, guards, stderr)
     if rc == 0 and finished:
         return Outcome("passed", "", seconds, rc, guards, stderr)
-    detail = _last_line(stderr) or (f"exited with {rc} before the end of the program" if rc == 0 or not finished
+    detail = _last_line(stderr) or (f"exited with {rc} before the end of the program" if rc == 0
                                     else f"exit status {rc}")
     return Outcome("failed", detail, seconds, rc, guards, stderr)
 
