@@ -296,6 +296,7 @@ def markdown(result: dict) -> str:
 def run(cfg: EvalConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    commit = git_commit()  # of the code that runs (taken before a long run, not after)
     engine = SpecEEEngine.from_pretrained(cfg.model, dtype=cfg.dtype)
     chat = engine.has_chat_template if cfg.chat == "auto" else cfg.chat == "true"
     problems = humaneval.load_problems(cfg.limit or None)
@@ -322,7 +323,7 @@ def run(cfg: EvalConfig) -> dict:
 
     dense = next((m for m in modes if m.kind == "dense"), None)
     result: dict = {
-        "config": {k: str(v) for k, v in vars(cfg).items()}, "git_commit": git_commit(), "torch": torch.__version__,
+        "config": {k: str(v) for k, v in vars(cfg).items()}, "git_commit": commit, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "machine": platform.machine(), "device": str(engine.device),
         "dtype": str(engine.model.dtype), "num_layers": engine.config.num_hidden_layers, "chat": chat,
         "problems": len(problems), "sandbox": {"limits": vars(limits), "guards": outcomes[0].guards if outcomes else {},
