@@ -37,6 +37,7 @@ from jobs.cli import parse_config
 from jobs.build_corpus import sample_snippets
 from specee_core import SpecEEEngine
 from specee_core.sampling import SamplingParams
+from specee_eval import metrics
 from specee_eval.forced import Forcing
 
 log = logging.getLogger(__name__)
@@ -212,13 +213,8 @@ def speedup(speed: dict, variant: str, base: str) -> dict:
 
 
 def agreement(dense: list[list[int]], other: list[list[int]]) -> dict:
-    pos = same = seq = 0
-    for d, o in zip(dense, other):
-        m = min(len(d), len(o))
-        pos += m
-        same += sum(a == b for a, b in zip(d[:m], o[:m]))
-        seq += d == o
-    return {"token_agreement": same / max(pos, 1), "sequence_agreement": seq / max(len(dense), 1)}
+    a = metrics.agreement(dense, other)
+    return {"token_agreement": a["token_agreement"], "sequence_agreement": a["identical"]}
 
 
 def heldout_accuracy(engine: SpecEEEngine, cfg: BenchConfig, threshold: float) -> dict:
