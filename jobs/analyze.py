@@ -1,12 +1,14 @@
-"""Statistics of a batch generation output directory (jobs.generate), per wave and per schedule
+"""Statistics of a batch generation output directory (jobs.generate), per run and per schedule
 version, and a PNG of the exit-layer histogram.
 
     python -m jobs.analyze out/gen                 # tables on stdout, JSON at the end
-    python -m jobs.analyze out/gen --png hist.png  # default: <output>/exit_layers.png
+    python -m jobs.analyze out/gen --png hist.png  # default: <output>/_exit_layers.png
 
-avg_layers is per generated token (rows weighted by their tokens); tokens_per_s is generated
-tokens over the summed per-row latencies (a per-request rate, not the job's throughput, which
-the job's summary.json reports).
+avg_layers is per generated token (rows weighted by their tokens). tokens_per_s has the meaning
+it has in the progress bar and _summary.json: generated tokens over the seconds from the group's
+first engine batch start to its last batch end (for a run: the job's throughput; schedule versions
+overlap in time across actors, so theirs is the rate while that version was in use).
+latency_s and ttft_s are the rows' own (from their engine batch's start).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from pipeline.output import EXIT_PLOT
+
 
 @dataclass
 class AnalyzeConfig:
@@ -26,31 +30,34 @@ class AnalyzeConfig:
 
     def __post_init__(self) -> None:
         self.output = Path(self.output)
-        if not (self.output / "parts").is_dir():
-            raise FileNotFoundError(f"{self.output} is not a batch output directory (no parts/ in it)")
-        self.png = Path(self.png) if self.png else self.output / "exit_layers.png"
+        if not self.output.is_dir():
+            raise FileNotFoundError(f"output directory not found: {self.output}")
+        if not any(self.output.glob("part-*.parquet")):
+            raise FileNotFoundError(f"{self.output} is not a batch output directory (no part-*.parquet in it)")
+        self.png = Path(self.png) if self.png else self.output / EXIT_PLOT
 
 
 def load_rows(output: Path) -> pd.DataFrame:
-    files = sorted((output / "parts").glob("part-*.parquet"))
-    if not files:
-        raise FileNotFoundError(f"no part files in {output / 'parts'}")
-    return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
+    return pd.read_parquet(output)
 
 
 def group_stats(df: pd.DataFrame, by: str) -> pd.DataFrame:
-    """rows, errors, tokens, avg layers (per token) and tokens/s for each value of column `by`."""
+    """rows, errors, tokens, avg layers (per token), tokens/s, and median row latency and time to
+    first token for each value of column `by`."""
     ok = df[df["error"].isna()]
     g_all = df.groupby(by, dropna=False)
     g_ok = ok.groupby(by, dropna=False)
     tokens = g_ok["completion_tokens"].sum()
     layer_tokens = (ok["avg_layers"] * ok["completion_tokens"]).groupby(ok[by], dropna=False).sum()
+    span = (df["batch_started_at"] + df["batch_s"]).groupby(df[by], dropna=False).max() - g_all["batch_started_at"].min()
     out = pd.DataFrame({
         "rows": g_all.size(),
         "errors": g_all["error"].count(),
         "tokens": tokens,
         "avg_layers": layer_tokens / tokens.replace(0, np.nan),
-        "tokens_per_s": tokens / g_ok["latency_s"].sum().replace(0, np.nan),
+        "tokens_per_s": tokens / span.replace(0, np.nan),
+        "latency_s_p50": g_ok["latency_s"].median(),
+        "ttft_s_p50": g_ok["ttft_s"].median(),
     })
     out[["tokens"]] = out[["tokens"]].fillna(0).astype(int)
     return out
@@ -98,7 +105,7 @@ def records(table: pd.DataFrame) -> list[dict]:
 
 def analyze(cfg: AnalyzeConfig) -> dict:
     df = load_rows(cfg.output)
-    per_wave = group_stats(df, "wave")
+    per_run = group_stats(df, "run_id")
     per_version = group_stats(df.assign(schedule_version=df["schedule_version"].astype("Int64")), "schedule_version")
     save_histogram_png(exit_histogram(df), cfg.png)
     ok = df[df["error"].isna()]
@@ -113,7 +120,7 @@ def analyze(cfg: AnalyzeConfig) -> dict:
         # decoder layers only (draft head and predictors not counted): an upper bound
         "est_speedup_upper_bound": int(df["num_layers"].max()) / avg_layers if avg_layers else None,
         "error_kinds": df["error"].dropna().str.split(":").str[0].value_counts().to_dict(),
-        "per_wave": records(per_wave),
+        "per_run": records(per_run),
         "per_schedule_version": records(per_version),
         "png": str(cfg.png),
     }
@@ -122,11 +129,11 @@ def analyze(cfg: AnalyzeConfig) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("output", help="output directory of jobs.generate")
-    p.add_argument("--png", default=None, help="histogram image (default: <output>/exit_layers.png)")
+    p.add_argument("--png", default=None, help=f"histogram image (default: <output>/{EXIT_PLOT})")
     args = p.parse_args(argv)
     result = analyze(AnalyzeConfig(output=args.output, png=args.png))
     with pd.option_context("display.width", 120, "display.float_format", "{:.3f}".format):
-        for name in ("per_wave", "per_schedule_version"):
+        for name in ("per_run", "per_schedule_version"):
             print(f"\n{name}:\n{pd.DataFrame(result[name]).to_string(index=False)}")
     print(json.dumps(result, indent=2))
     return result

@@ -5,7 +5,8 @@
     ray job submit --working-dir . -- python -m jobs.generate --output /abs/path/out/gen
 
 Rerun with the same --output to finish a job that stopped: rows already written are skipped.
-Prints progress while it runs and the summary as JSON at the end (also saved as summary.json).
+Prints progress while it runs and the summary as JSON at the end (also saved as _summary.json).
+The rows read back with `pd.read_parquet(OUTPUT)`.
 """
 from __future__ import annotations
 
@@ -35,9 +36,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", required=True, help="output directory (local or mounted; absolute under ray job submit)")
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--mode", choices=["dense", "specee", "spec"], default=None,
-                   help="dense | specee (early exit, re-tuned between waves) | spec (speculative decoding, "
-                        "lossless); default: specee when the model has predictors beside it, else dense")
-    p.add_argument("--waves", type=int, default=4, help="re-tune the predictor schedule between waves")
+                   help="dense | specee (early exit, schedule re-tuned while the job runs) | spec (speculative "
+                        "decoding: lossless; --spec-t3 adds early exit inside verification); default: specee "
+                        "when the model has predictors beside it, else dense")
+    p.add_argument("--retune-every-tokens", type=int, default=1024,
+                   help="specee: re-tune the predictor schedule after this many generated tokens")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -67,13 +70,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spec-proposer", choices=["auto", "draft", "lookup"], default=None,
                    help="spec: draft head, prompt lookup, or auto (the draft head when the model has one)")
     p.add_argument("--spec-depth", type=int, default=None, help="spec: tokens drafted per step (default 4)")
+    p.add_argument("--spec-width", type=int, default=None,
+                   help="spec with the draft head: nodes expanded per level (1: a chain, >1: a tree)")
+    p.add_argument("--spec-t3", action="store_true",
+                   help="spec: SpecEE T3, exit predictors may end the verify forward early (lossy; greedy only; "
+                        "--threshold applies)")
     p.add_argument("--spec-lookup", choices=["off", "merge", "first"], default=None,
                    help="spec with the draft head: prompt lookup's chain joins its tree (merge) or replaces it "
                         "where lookup finds a continuation (first)")
     p.add_argument("--rows-per-file", type=int, default=1000)
     p.add_argument("--address", default=None, help="Ray cluster address; 'local' starts a private instance "
                                                    "(default: RAY_ADDRESS, else a cluster started here with "
-                                                   "`ray start`, else a new local instance)")
+                                                   "`ray start`, else a new local instance; a local "
+                                                   "instance listens on 127.0.0.1 only)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -83,16 +92,18 @@ def build_config(args: argparse.Namespace):
     from pipeline.stage import StageConfig
 
     mode = args.mode or ("specee" if has_predictors(args.model) else "dense")
-    early_exit = {"explore_every": args.explore_every}
+    early_exit = {"explore_every": args.explore_every} if mode == "specee" else {}
     if args.threshold is not None:
         early_exit["threshold"] = args.threshold
     spec = {k: v for k, v in (("proposer", args.spec_proposer), ("depth", args.spec_depth),
-                              ("lookup", args.spec_lookup)) if v is not None}
+                              ("width", args.spec_width), ("lookup", args.spec_lookup),
+                              ("t3", args.spec_t3 or None)) if v is not None}
     stage = StageConfig(model=args.model, mode=mode, device=args.device, dtype=args.dtype,
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, stop=tuple(args.stop), seed=args.seed, batch_size=args.batch_size,
                         torch_threads=args.torch_threads, chat=args.chat, engine_options=early_exit, spec=spec)
-    return BatchConfig(input=args.input, output=args.output, stage=stage, waves=args.waves,
+    return BatchConfig(input=args.input, output=args.output, stage=stage,
+                       retune_every_tokens=args.retune_every_tokens,
                        num_actors=args.num_actors, cpus_per_actor=args.cpus_per_actor,
                        input_format=args.input_format, prompt_column=args.prompt_column, id_column=args.id_column,
                        limit=args.limit, schedule=args.schedule, rows_per_file=args.rows_per_file,
@@ -106,10 +117,11 @@ def main(argv: list[str] | None = None) -> dict:
     import ray
 
     from pipeline.batch import run
+    from pipeline.local_ray import init_ray
 
     cfg = build_config(args)
     if not ray.is_initialized():
-        ray.init(address=args.address)
+        init_ray(args.address)
     summary = run(cfg)
     print(json.dumps(summary, indent=2))
     return summary

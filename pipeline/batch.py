@@ -1,10 +1,18 @@
-"""The batch generation driver: prompt files -> Ray Data actor pool -> Parquet, in waves.
+"""The batch generation driver: prompt files -> one streaming pass -> Parquet.
 
-Each wave is one Ray Data execution over the rows whose id hashes to it, through a pool of
-actors that each load the engine once. Between waves the driver sums the wave's exit
-statistics and re-tunes the predictor schedule with the scheduler's own update rule
-(specee_core.scheduler.retune); the next wave's actors start with the new version. Rows
-already in the output are skipped, so rerunning a crashed job finishes it.
+Ray Data reads the prompt files as a stream of blocks. The driver drops the rows already in the
+output, cuts the rest into engine batches and hands each to the least busy of a pool of engine
+actors (pipeline.stage.GenerateRows), which load the model once and live for the whole run. Rows
+come back as they finish and are written as part files. In SpecEE mode a named schedule store
+actor (pipeline.schedule_store) gathers each batch's exit statistics and re-tunes the predictor
+schedule every N generated tokens; engines pick up new versions between batches, every row
+records the version it ran with, and the driver saves each version under _schedules/.
+
+Why our own actors and not Ray Data's ActorPoolStrategy: Ray Data hands its actors their code
+through the object store, which Ray warns makes actor restarts unreliable (ray-project/ray#53727).
+Ours take a StageConfig of plain values and two names, inline, so Ray restarts a lost actor
+anywhere and retries its batches (max_restarts=-1, max_task_retries=-1). A batch's rows are
+written once its call returns, so a lost actor neither loses nor duplicates rows.
 """
 from __future__ import annotations
 
@@ -12,23 +20,26 @@ import logging
 import math
 import time
 import uuid
-from collections import Counter
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 import ray.data
 
-from pipeline.output import OutputDir
-from pipeline.prompts import read_prompts, rows_to_do
+from pipeline.output import DoneIds, OutputDir
+from pipeline.prompts import read_prompts
+from pipeline.schedule_store import remote_store
 from pipeline.stage import OUTPUT_SCHEMA, GenerateRows, StageConfig
 from specee_core.early_exit import initial_schedule
-from specee_core.scheduler import Schedule, retune
+from specee_core.scheduler import Schedule
 
 log = logging.getLogger(__name__)
+
+CALLS_PER_ACTOR = 2  # batches queued on each actor, so that it starts the next as soon as one ends
 
 
 @dataclass
@@ -36,7 +47,6 @@ class BatchConfig:
     input: list[str]
     output: str
     stage: StageConfig
-    waves: int = 4
     num_actors: int = 2
     cpus_per_actor: float | None = None  # None: 1 with a GPU, else the cluster's CPUs shared among actors
     gpus_per_actor: float | None = None  # None: 1 when stage.device is cuda, else 0
@@ -45,7 +55,8 @@ class BatchConfig:
     id_column: str = "id"
     limit: int | None = None  # only the first `limit` rows, in file order
     schedule: str | None = None  # specee: start from this schedule JSON instead of the model's
-    retune_min_tokens: int = 1  # re-tune only after a wave with at least this many early exits
+    retune_every_tokens: int = 1024  # specee: re-tune after this many generated tokens
+    retune_min_exits: int = 1  # ... when at least this many of them exited early
     rows_per_file: int = 1000
     flush_every_s: float = 60.0  # also write a part file this often, so a crash loses little work
     runtime_env: dict | None = None  # for the actors, e.g. {"env_vars": {...}}
@@ -55,7 +66,7 @@ class BatchConfig:
         self.input = [self.input] if isinstance(self.input, str) else list(self.input)
         if not self.input:
             raise ValueError("no input paths given")
-        for name in ("waves", "num_actors", "rows_per_file", "retune_min_tokens"):
+        for name in ("num_actors", "rows_per_file", "retune_every_tokens", "retune_min_exits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.cpus_per_actor is not None and self.cpus_per_actor <= 0:
@@ -65,55 +76,45 @@ class BatchConfig:
 
 
 @dataclass
-class WaveStats:
-    """What the driver accumulates from the output rows of one wave."""
+class RowStats:
+    """Counts over output rows; `generate_s` spans the first batch's start to the last batch's end,
+    the one clock every tokens/s of the job is measured on."""
     num_layers: int | None = None
     rows: int = 0
     errors: int = 0
     completion_tokens: int = 0
     layer_tokens: float = 0.0  # sum over tokens of layers run
-    retune_histogram: list[int] | None = None  # [L] summed over rows that carry one
-    schedule_version: int | None = None  # the schedule the wave ran with
+    first_start: float | None = None
+    last_end: float | None = None
 
     def add(self, rows: pa.Table) -> None:
-        d = rows.select(["error", "completion_tokens", "avg_layers", "num_layers", "retune_histogram"]).to_pydict()
-        for err, n, avg, layers, hist in zip(d["error"], d["completion_tokens"], d["avg_layers"], d["num_layers"],
-                                             d["retune_histogram"]):
+        d = rows.select(["error", "completion_tokens", "avg_layers", "num_layers", "batch_started_at",
+                         "batch_s"]).to_pydict()
+        for err, n, avg, layers, start, dur in zip(*d.values()):
             self.rows += 1
             self.num_layers = self.num_layers or layers
+            if start is not None:
+                self.first_start = start if self.first_start is None else min(self.first_start, start)
+                end = start + (dur or 0.0)
+                self.last_end = end if self.last_end is None else max(self.last_end, end)
             if err is not None:
                 self.errors += 1
                 continue
             self.completion_tokens += n
             self.layer_tokens += avg * n
-            if hist is not None:
-                if self.retune_histogram is None:
-                    self.retune_histogram = [0] * len(hist)
-                if len(hist) != len(self.retune_histogram):
-                    raise ValueError(f"retune histograms of {len(hist)} and {len(self.retune_histogram)} bins")
-                self.retune_histogram = [a + b for a, b in zip(self.retune_histogram, hist)]
-
-    def merge(self, other: WaveStats) -> None:
-        self.num_layers = self.num_layers or other.num_layers
-        for name in ("rows", "errors", "completion_tokens", "layer_tokens"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-    def summary(self) -> dict:
-        return {"schedule_version": self.schedule_version, "rows": self.rows, "errors": self.errors,
-                "completion_tokens": self.completion_tokens,
-                "avg_layers": None if self.avg_layers is None else round(self.avg_layers, 4)}
 
     @property
     def avg_layers(self) -> float | None:
         return self.layer_tokens / self.completion_tokens if self.completion_tokens else None
 
+    def generate_s(self, now: float | None = None) -> float | None:
+        if self.first_start is None:
+            return None
+        return (now if now is not None else self.last_end) - self.first_start
 
-def next_schedule(schedule: Schedule, stats: WaveStats, min_tokens: int = 1) -> Schedule:
-    """The schedule for the next wave: re-tuned from the wave's histogram, or unchanged when the
-    rows carried none (dense mode, an engine without the statistic) or too few exits."""
-    if stats.retune_histogram is None:
-        return schedule
-    return retune(schedule, stats.retune_histogram, min_tokens=min_tokens)
+    def tokens_per_s(self, now: float | None = None) -> float | None:
+        s = self.generate_s(now)
+        return self.completion_tokens / s if s else None
 
 
 def actor_resources(cfg: BatchConfig) -> dict:
@@ -146,134 +147,201 @@ def starting_schedule(cfg: BatchConfig, out: OutputDir) -> Schedule | None:
 
 
 class Progress:
-    """Rows done of total and generated tokens per second (tqdm on stderr)."""
+    """Rows done and generated tokens per second (tqdm on stderr), on the job's one clock."""
 
     def __init__(self, total: int, enabled: bool):
         from tqdm import tqdm
 
         self.bar = tqdm(total=total, unit="row", disable=not enabled, dynamic_ncols=True)
-        self.t0 = time.perf_counter()
-        self.tokens = 0
 
-    def update(self, rows: int, tokens: int, wave: int) -> None:
-        self.tokens += tokens
-        self.bar.set_postfix(wave=wave, tok_s=f"{self.tokens / max(time.perf_counter() - self.t0, 1e-9):.1f}",
-                             refresh=False)
+    def update(self, rows: int, stats: RowStats, version: int | None) -> None:
+        rate = stats.tokens_per_s(time.time())
+        post = {"tokens_per_s": f"{rate:.1f}" if rate else "-"}
+        if version is not None:
+            post["schedule"] = f"v{version}"
+        self.bar.set_postfix(post, refresh=False)
         self.bar.update(rows)
 
     def close(self) -> None:
         self.bar.close()
 
 
+def batches_to_do(inputs: ray.data.Dataset, done: DoneIds, size: int) -> Iterator[pa.Table]:
+    """The input rows not in done, in tables of `size` rows (the last one shorter), streamed."""
+    return rebatch(inputs.iter_batches(batch_format="pyarrow", batch_size=None), done, size)
+
+
+def rebatch(blocks: Iterable[pa.Table], done: DoneIds, size: int) -> Iterator[pa.Table]:
+    """The rows of blocks whose ids are not in done, in tables of `size` rows (the last one shorter)."""
+    pending: list[pa.Table] = []
+    n = 0
+    for block in blocks:
+        if len(done):
+            block = block.filter(pa.array(~done.mask(block["id"].to_pylist())))
+        if not block.num_rows:
+            continue
+        pending.append(block)
+        n += block.num_rows
+        while n >= size:
+            whole = pa.concat_tables(pending)
+            yield whole.slice(0, size)
+            rest = whole.slice(size)
+            pending, n = ([rest] if rest.num_rows else []), rest.num_rows
+    if n:
+        yield pa.concat_tables(pending)
+
+
+def count_to_do(inputs: ray.data.Dataset, done: DoneIds) -> int:
+    """Rows of the input not yet in the output: one read of the id column, for the progress bar."""
+    total = 0
+    for block in inputs.iter_batches(batch_format="pyarrow", batch_size=None):
+        total += block.num_rows - (int(done.mask(block["id"].to_pylist()).sum()) if len(done) else 0)
+    return total
+
+
+class Writer:
+    """Buffers output rows and writes a part file every rows_per_file rows or flush_every_s seconds."""
+
+    def __init__(self, out: OutputDir, run_id: str, rows_per_file: int, flush_every_s: float):
+        self.out, self.run_id = out, run_id
+        self.rows_per_file, self.flush_every_s = rows_per_file, flush_every_s
+        self.buffer: list[pa.Table] = []
+        self.seq, self.last_flush = 0, time.perf_counter()
+
+    def add(self, table: pa.Table) -> None:
+        self.buffer.append(table)
+        if sum(t.num_rows for t in self.buffer) >= self.rows_per_file or self.due():
+            self.flush()
+
+    def due(self) -> bool:
+        return bool(self.buffer) and time.perf_counter() - self.last_flush > self.flush_every_s
+
+    def flush(self) -> None:
+        if self.buffer:
+            path = self.out.write_part(pa.concat_tables(self.buffer), f"part-{self.run_id}-{self.seq:05d}.parquet")
+            log.debug("wrote %s", path.name)
+            self.buffer, self.seq = [], self.seq + 1
+        self.last_flush = time.perf_counter()
+
+
+class SavedVersions:
+    """The driver's copy of the store's versions: asks for new ones without waiting, saves each."""
+
+    def __init__(self, store, out: OutputDir, start: Schedule | None):
+        self.store, self.out = store, out
+        self.latest = None if start is None else start.version
+        self.pending = None
+
+    def poll(self, wait: bool = False) -> None:
+        if self.store is None or self.latest is None:
+            return
+        if self.pending is None:
+            self.pending = self.store.since.remote(self.latest)
+        ready, _ = ray.wait([self.pending], timeout=None if wait else 0)
+        if not ready:
+            return
+        try:
+            versions = ray.get(self.pending)
+        except ray.exceptions.RayError as e:
+            log.warning("schedule store lost (%s): no more re-tuning in this run", e)
+            self.store = None
+            return
+        finally:
+            self.pending = None
+        for v in versions:
+            path = self.out.save_schedule(Schedule(**v))
+            log.info("schedule v%d %s saved (%s)", v["version"], v["offline_layers"], path)
+            self.latest = v["version"]
+
+
 def run(cfg: BatchConfig) -> dict:
-    """Generate every input row not yet in cfg.output; return the summary (also saved as JSON)."""
-    t0 = time.perf_counter()
-    if cfg.show_progress:  # ours counts rows and tokens over all waves; Ray Data's would restart per wave
-        ray.data.DataContext.get_current().enable_progress_bars = False
+    """Generate every input row not yet in cfg.output; return the summary (also saved as _summary.json)."""
+    t0 = time.time()
+    ray.data.DataContext.get_current().enable_progress_bars = False  # ours counts rows and tokens/s
+    if not (Path(cfg.stage.model) / "config.json").is_file():
+        raise FileNotFoundError(f"model not found: {cfg.stage.model} has no config.json")
     out = OutputDir(cfg.output)
     out.prepare()
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
     done = out.done_ids()
     schedule = starting_schedule(cfg, out)
-    inputs = read_prompts(cfg.input, waves=cfg.waves, input_format=cfg.input_format, prompt_column=cfg.prompt_column,
-                          id_column=cfg.id_column, limit=cfg.limit).materialize()
-    inputs.context.execution_options.preserve_order = False  # file order mattered for --limit only: applied
-    todo = Counter()
-    for batch in inputs.select_columns(["id", "wave"]).iter_batches(batch_format="pyarrow", batch_size=None):
-        todo.update(w for i, w in zip(batch["id"].to_pylist(), batch["wave"].to_pylist()) if i not in done)
+    inputs = read_prompts(cfg.input, input_format=cfg.input_format, prompt_column=cfg.prompt_column,
+                          id_column=cfg.id_column, limit=cfg.limit)
+    total = count_to_do(inputs, done)
     resources = actor_resources(cfg)
-    log.info("run %s: %d rows to do in %d waves (%d already in %s); %d actors with %s; mode %s", run_id,
-             sum(todo.values()), cfg.waves, len(done), out.root, cfg.num_actors, resources, cfg.stage.mode)
+    log.info("run %s: %d rows to do (%d already in %s); %d actors with %s; mode %s", run_id, total, len(done),
+             out.root, cfg.num_actors, resources, cfg.stage.mode)
 
-    progress = Progress(sum(todo.values()), cfg.show_progress)
+    store_name = f"specee-schedule-{run_id}"
+    store = remote_store(store_name, schedule, cfg.retune_every_tokens, cfg.retune_min_exits) \
+        if cfg.stage.mode == "specee" else None
+    engine = ray.remote(GenerateRows).options(max_restarts=-1, max_task_retries=-1, runtime_env=cfg.runtime_env,
+                                              **resources)
+    actors = [engine.remote(cfg.stage, run_id, store_name if store else None) for _ in range(cfg.num_actors)] \
+        if total else []
+    progress = Progress(total, cfg.show_progress)
+    stats, versions = RowStats(), SavedVersions(store, out, schedule)
     try:
-        waves, schedule = run_waves(
-            cfg.waves, schedule, out, cfg.retune_min_tokens,
-            lambda wave, sched: run_wave(cfg, inputs, wave, todo[wave], done, sched, run_id, resources, out, progress))
+        stream(actors, batches_to_do(inputs, done, cfg.stage.batch_size), Writer(out, run_id, cfg.rows_per_file,
+               cfg.flush_every_s), stats, progress, versions)
+        versions.poll(wait=True)
+        store_state = ray.get(store.state.remote()) if versions.store is not None else None
     finally:
         progress.close()
-    total = WaveStats()
-    for stats in waves:
-        total.merge(stats)
-    summary = summarize(cfg, out, run_id, total, waves, schedule, time.perf_counter() - t0)
+        for a in actors + ([store] if store else []):
+            ray.kill(a)
+    if stats.rows != total:  # each call's rows come back once; anything else is a bug worth stopping for
+        raise RuntimeError(f"expected {total} rows, got {stats.rows}")
+    summary = summarize(cfg, out, run_id, stats, store_state, time.time() - t0)
     out.write_summary(summary)
     return summary
 
 
-def run_waves(n_waves: int, schedule: Schedule | None, out: OutputDir, min_tokens: int,
-              run_one: Callable[[int, Schedule | None], WaveStats]) -> tuple[list[WaveStats], Schedule | None]:
-    """The wave loop: run_one(wave, schedule) generates a wave; between waves the schedule is
-    re-tuned from that wave's statistics, saved as schedules/v<N>.json and used by the next."""
-    waves = []
-    for wave in range(n_waves):
-        stats = run_one(wave, schedule)
-        stats.schedule_version = None if schedule is None else schedule.version
-        waves.append(stats)
-        if schedule is None or wave == n_waves - 1:
-            continue
-        new = next_schedule(schedule, stats, min_tokens)
-        if new.version != schedule.version:
-            path = out.save_schedule(new)
-            log.info("after wave %d: schedule v%d %s -> v%d %s (%s)", wave, schedule.version, schedule.offline_layers,
-                     new.version, new.offline_layers, path)
-        schedule = new
-    return waves, schedule
+def stream(actors: list, batches: Iterator[pa.Table], writer: Writer, stats: RowStats, progress: Progress,
+           versions: SavedVersions) -> None:
+    """Keep every actor CALLS_PER_ACTOR batches busy until the input runs out; write rows as they return."""
+    free = deque(a for a in actors for _ in range(CALLS_PER_ACTOR))
+    in_flight: dict = {}
+    exhausted = False
+    while True:
+        while free and not exhausted:
+            batch = next(batches, None)
+            if batch is None:
+                exhausted = True
+                break
+            actor = free.popleft()
+            in_flight[actor.generate_batch.remote(batch)] = actor
+        if not in_flight:
+            break
+        ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=1.0)
+        for ref in ready:
+            free.append(in_flight.pop(ref))
+            try:
+                rows = ray.get(ref).cast(OUTPUT_SCHEMA)
+            except ray.exceptions.ActorDiedError as e:  # restarts cover crashes; this is a constructor that raised
+                reason = [line for line in str(e).splitlines() if line.strip()][-1]
+                raise RuntimeError(f"an engine actor could not start: {reason}") from e
+            stats.add(rows)
+            writer.add(rows)
+            version = pc.max(rows["schedule_version"]).as_py()
+            progress.update(rows.num_rows, stats, version)
+        if writer.due():
+            writer.flush()
+        versions.poll()
+    writer.flush()
 
 
-def run_wave(cfg: BatchConfig, inputs: ray.data.Dataset, wave: int, n_todo: int, done: frozenset[str],
-             schedule: Schedule | None, run_id: str, resources: dict, out: OutputDir,
-             progress: Progress) -> WaveStats:
-    """Generate one wave's remaining rows, writing a part file every rows_per_file rows."""
-    stats = WaveStats()
-    if n_todo == 0:
-        log.info("wave %d: nothing to do", wave)
-        return stats
-    # The wave's rows are selected before any actor exists: actors holding every CPU cannot then
-    # starve a read or filter task, so the pool may take the whole cluster.
-    todo = rows_to_do(inputs, wave, done).materialize()
-    rows = todo.map_batches(
-        GenerateRows,
-        fn_constructor_kwargs={"cfg": cfg.stage, "schedule": schedule, "run_id": run_id},
-        batch_size=cfg.stage.batch_size,
-        batch_format="pyarrow",
-        # all actors start at once; the wave begins as soon as one is ready (GPU nodes may still be booting)
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=cfg.num_actors, initial_size=cfg.num_actors),
-        runtime_env=cfg.runtime_env,
-        **resources,
-    )
-    buffer: list[pa.Table] = []
-    seq, last_flush = 0, time.perf_counter()
-
-    def flush() -> None:
-        nonlocal buffer, seq, last_flush
-        if buffer:
-            path = out.write_part(pa.concat_tables(buffer), f"part-{run_id}-w{wave:03d}-{seq:05d}.parquet")
-            log.debug("wrote %s", path.name)
-            buffer, seq, last_flush = [], seq + 1, time.perf_counter()
-
-    for block in rows.iter_batches(batch_format="pyarrow", batch_size=None):
-        block = block.cast(OUTPUT_SCHEMA)
-        stats.add(block)
-        buffer.append(block)
-        progress.update(block.num_rows, int(pc.sum(block["completion_tokens"]).as_py() or 0), wave)
-        if sum(t.num_rows for t in buffer) >= cfg.rows_per_file or time.perf_counter() - last_flush > cfg.flush_every_s:
-            flush()
-    flush()
-    if stats.rows != n_todo:  # Ray Data delivers each block once; anything else is a bug worth stopping for
-        raise RuntimeError(f"wave {wave}: expected {n_todo} rows, got {stats.rows}")
-    log.info("wave %d: %d rows, %d errors, %d tokens, avg layers %s", wave, stats.rows, stats.errors,
-             stats.completion_tokens, None if stats.avg_layers is None else round(stats.avg_layers, 2))
-    return stats
-
-
-def summarize(cfg: BatchConfig, out: OutputDir, run_id: str, run_stats: WaveStats, waves: list[WaveStats],
-              schedule: Schedule | None, wall_s: float) -> dict:
-    """Totals over every row in the output, plus this run's throughput."""
-    everything = WaveStats()
-    table = out.read_rows(columns=["error", "completion_tokens", "avg_layers", "num_layers", "retune_histogram"])
+def summarize(cfg: BatchConfig, out: OutputDir, run_id: str, this_run: RowStats, store_state: dict | None,
+              wall_s: float) -> dict:
+    """Totals over every row in the output, plus this run's throughput on the job's one clock."""
+    everything = RowStats()
+    table = out.read_rows(columns=["error", "completion_tokens", "avg_layers", "num_layers", "batch_started_at",
+                                   "batch_s"])
     if table is not None:
         everything.add(table)
     avg = everything.avg_layers
+    gen_s = this_run.generate_s()
+    latest = out.latest_schedule()
     return {
         "output": str(out.root),
         "run_id": run_id,
@@ -282,15 +350,20 @@ def summarize(cfg: BatchConfig, out: OutputDir, run_id: str, run_stats: WaveStat
         "rows": everything.rows,
         "errors": everything.errors,
         "completion_tokens": everything.completion_tokens,
-        "rows_this_run": run_stats.rows,
-        "tokens_this_run": run_stats.completion_tokens,
+        "rows_this_run": this_run.rows,
+        "tokens_this_run": this_run.completion_tokens,
         "wall_s": round(wall_s, 3),
-        "tokens_per_s": round(run_stats.completion_tokens / wall_s, 2) if wall_s > 0 else None,
+        "generate_s": None if gen_s is None else round(gen_s, 3),
+        "tokens_per_s": None if not gen_s else round(this_run.completion_tokens / gen_s, 2),
+        "rows_per_s": None if not gen_s else round(this_run.rows / gen_s, 3),
+        "tokens_per_s_note": "generated tokens per second from this run's first engine batch start to its last "
+                             "batch end (the progress bar's and jobs.analyze's clock); wall_s adds start-up",
+        "num_actors": cfg.num_actors,
         "num_layers": everything.num_layers,
         "avg_layers": None if avg is None else round(avg, 4),
         "est_speedup_upper_bound": None if avg is None else round(everything.num_layers / avg, 4),
         "est_speedup_note": "num_layers / avg_layers: counts decoder layers only, not the draft head and "
                             "predictors, so real speed-up is lower",
-        "final_schedule": None if schedule is None else asdict(schedule),
-        "waves": [{"wave": w, **stats.summary()} for w, stats in enumerate(waves)],
+        "final_schedule": None if cfg.stage.mode != "specee" or latest is None else asdict(latest),
+        "schedule_store": store_state,
     }

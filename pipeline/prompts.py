@@ -12,14 +12,13 @@ import io
 import json
 import logging
 import posixpath
-import zlib
+import warnings
 from pathlib import Path
 from typing import Iterator
 
 import pyarrow as pa
 import ray.data
 from ray.data.datasource import FileBasedDatasource
-from ray.data.expressions import col
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +26,9 @@ log = logging.getLogger(__name__)
 PROMPT_SCHEMA = pa.schema([("id", pa.string()), ("prompt", pa.string()), ("input_error", pa.string())])
 FORMATS = {"jsonl": ("jsonl", "json"), "csv": ("csv",), "parquet": ("parquet",)}
 ROWS_PER_BLOCK = 1024
+READ_TASKS = 4  # concurrent read tasks (each reads whole files)
+# Ray Data warns, when the stream starts, that fewer files than READ_TASKS cannot use them all: true, harmless
+warnings.filterwarnings("ignore", message="The maximum number of concurrent tasks", category=UserWarning)
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries its id under this label
 
 
@@ -146,18 +148,9 @@ def to_prompt_table(records: list[dict], name: str, start: int, prompt_column: s
     return pa.table({"id": ids, "prompt": prompts, "input_error": errors}, schema=PROMPT_SCHEMA)
 
 
-def wave_of(row_id: str, waves: int) -> int:
-    """The wave a row belongs to: a stable hash of its id (the same on every run and machine)."""
-    return zlib.crc32(row_id.encode("utf-8")) % waves
-
-
-def add_wave_column(batch: pa.Table, waves: int) -> pa.Table:
-    return batch.append_column("wave", pa.array([wave_of(i, waves) for i in batch["id"].to_pylist()], pa.int32()))
-
-
-def read_prompts(paths: str | list[str], *, waves: int = 1, input_format: str | None = None,
-                 prompt_column: str = "prompt", id_column: str = "id", limit: int | None = None) -> ray.data.Dataset:
-    """The prompt rows of paths (files or directories) with their `wave` column.
+def read_prompts(paths: str | list[str], *, input_format: str | None = None, prompt_column: str = "prompt",
+                 id_column: str = "id", limit: int | None = None) -> ray.data.Dataset:
+    """The prompt rows (PROMPT_SCHEMA) of paths (files or directories), as a lazy stream.
 
     Local paths are read on the driver's node, so a file that exists only there (e.g. in a
     `ray job submit --working-dir`) is still found on a cluster. With limit, the first `limit`
@@ -165,30 +158,18 @@ def read_prompts(paths: str | list[str], *, waves: int = 1, input_format: str | 
     paths = [paths] if isinstance(paths, str) else list(paths)
     if not paths:
         raise ValueError("no input paths given")
-    if waves < 1:
-        raise ValueError(f"waves must be >= 1, got {waves}")
     fmt = input_format or infer_format(paths)
     paths = [p if "://" in p else str(Path(p).resolve()) for p in paths]
     source = PromptDatasource(paths, fmt=fmt, prompt_column=prompt_column, id_column=id_column)
     pin = {}
     if any("://" not in p for p in paths):  # local files may exist on this node only
         pin["label_selector"] = {NODE_ID_LABEL: ray.get_runtime_context().get_node_id()}
-    ds = ray.data.read_datasource(source, **pin)
+    # No CPUs for the read tasks: parsing text is light next to generation, and the engine actors may
+    # hold every CPU of the cluster while the stream still has to be read.
+    ds = ray.data.read_datasource(source, num_cpus=0, concurrency=READ_TASKS, **pin)
     if limit is not None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         ds.context.execution_options.preserve_order = True
         ds = ds.limit(limit)
-    return ds.map_batches(add_wave_column, fn_kwargs={"waves": waves}, batch_format="pyarrow", batch_size=None)
-
-
-def rows_to_do(inputs: ray.data.Dataset, wave: int, done: frozenset[str]) -> ray.data.Dataset:
-    """The rows of one wave whose ids are not in done."""
-    todo = inputs.filter(expr=col("wave") == wave)
-    if done:  # a UDF, not an expression: the id list would be spelled out in every plan log line
-        todo = todo.map_batches(drop_done, fn_kwargs={"done": done}, batch_format="pyarrow", batch_size=None)
-    return todo
-
-
-def drop_done(batch: pa.Table, done: frozenset[str]) -> pa.Table:
-    return batch.filter(pa.array([i not in done for i in batch["id"].to_pylist()], pa.bool_()))
+    return ds

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import pyarrow as pa
+import ray
 
 from specee_core import PromptError, SpecEEEngine
 from specee_core.engine import MODES
@@ -15,7 +17,9 @@ from specee_core.spec_decode import SpecOptions
 
 log = logging.getLogger(__name__)
 
-# One output row per input row. Error rows keep id, prompt, mode, wave and error; the rest is null.
+# One output row per input row. Error rows keep id, prompt, mode, run_id, the batch columns and
+# error; the rest is null. Row-level timings are the row's own; batch_* columns describe the engine
+# batch the row ran in (the same on every row of that batch).
 OUTPUT_SCHEMA = pa.schema([
     ("id", pa.string()),
     ("prompt", pa.string()),
@@ -25,14 +29,17 @@ OUTPUT_SCHEMA = pa.schema([
     ("completion_tokens", pa.int32()),
     ("exit_layers", pa.list_(pa.int16())),  # per generated token: decoder layers run (1-based)
     ("avg_layers", pa.float64()),
-    ("latency_s", pa.float64()),  # end to end, the row's share of its engine batch
-    ("ttft_s", pa.float64()),
-    ("tokens_per_s", pa.float64()),
+    ("latency_s", pa.float64()),  # this row: its engine batch's start to its own last token
+    ("ttft_s", pa.float64()),  # this row: its engine batch's start to its first token (the batch's prefill)
     ("mode", pa.string()),
-    ("schedule_version", pa.int32()),  # null unless mode is specee
+    ("schedule_version", pa.int32()),  # the SpecEE schedule the row ran with; null unless mode is specee
     ("num_layers", pa.int16()),
     ("retune_histogram", pa.list_(pa.int32())),  # [L] what the scheduler update rule consumes; null if none
-    ("wave", pa.int32()),
+    ("batch_id", pa.string()),  # <worker>-<n>: the actor call the row ran in
+    ("batch_rows", pa.int32()),  # rows in that call
+    ("batch_started_at", pa.float64()),  # unix seconds when that call started
+    ("batch_s", pa.float64()),  # wall seconds of that call (every row of it)
+    ("worker", pa.string()),  # <actor id prefix>:<pid> of the engine actor (a restarted actor: new pid)
     ("run_id", pa.string()),
     ("error", pa.string()),  # null when the row succeeded
 ])
@@ -79,52 +86,112 @@ class StageConfig:
 
 
 class GenerateRows:
-    """map_batches callable: one engine per actor, one PROMPT_SCHEMA batch per call."""
+    """One engine, loaded once, turning PROMPT_SCHEMA batches into OUTPUT_SCHEMA rows.
 
-    def __init__(self, cfg: StageConfig, schedule: Schedule | None, run_id: str):
-        import ray
+    In the batch job it is a Ray actor (pipeline.batch) whose constructor arguments are small and
+    inline (a StageConfig of plain values and two names), so Ray can restart it anywhere. In
+    SpecEE mode it follows the run's schedule store: the latest version is fetched once at start,
+    then picked up before each batch without waiting (a request is kept in flight and only read
+    once answered), and each batch's exit statistics are sent back without waiting either."""
+
+    def __init__(self, cfg: StageConfig, run_id: str, store: str | None = None, schedule: Schedule | None = None):
         import torch
 
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1) if ray.is_initialized() else 1
-        torch.set_num_threads(cfg.torch_threads or max(1, int(cpus)))
         self.cfg = cfg
         self.run_id = run_id
-        early_exit = cfg.engine_options if cfg.mode == "specee" else {}
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1) if ray.is_initialized() else 1
+        torch.set_num_threads(cfg.torch_threads or max(1, int(cpus)))
+        self.worker = worker_name()
+        self.batches = 0
+        early_exit = cfg.engine_options if cfg.mode == "specee" or cfg.spec.get("t3") else {}
         self.engine = SpecEEEngine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype,
                                                    max_batch_size=cfg.batch_size, **early_exit)
-        if cfg.mode == "specee" and schedule is not None:
-            self.engine.set_schedule(schedule)
-        self.schedule_version = None if cfg.mode != "specee" or self.engine.schedule is None \
-            else self.engine.schedule.version
+        self.engine.stepper_factory(cfg.mode, dict(cfg.spec) or None)  # a mode it cannot run fails here, not per row
         self.num_layers = self.engine.config.num_hidden_layers
         self.chat = self.engine.has_chat_template if cfg.chat is None else cfg.chat
         if self.chat and not self.engine.has_chat_template:
             raise ValueError(f"chat=True but {cfg.model} has no chat template")
-        log.info("actor pid %d: %s on %s, mode %s, schedule v%s", os.getpid(), cfg.model, cfg.device, cfg.mode,
+        self.store = None
+        self._pending = None  # the store's answer to "anything newer than my version?", in flight
+        if cfg.mode == "specee":
+            if schedule is not None:
+                self.engine.set_schedule(schedule)
+            if store is not None:
+                self.store = ray.get_actor(store)
+                self._sync_schedule(wait_s=60.0)
+        self.schedule_version = self._version()
+        log.info("actor %s: %s on %s, mode %s, schedule v%s", self.worker, cfg.model, cfg.device, cfg.mode,
                  self.schedule_version)
 
+    def _version(self) -> int | None:
+        return None if self.cfg.mode != "specee" or self.engine.schedule is None else self.engine.schedule.version
+
+    def _sync_schedule(self, wait_s: float = 0.0) -> None:
+        """Take the store's latest schedule if its answer is in (waiting at most wait_s), then ask again."""
+        if self.store is None:
+            return
+        if self._pending is None:
+            self._pending = self.store.latest.remote(self._version())
+        ready, _ = ray.wait([self._pending], timeout=wait_s)
+        if not ready:
+            return
+        try:
+            latest = ray.get(self._pending)
+        except ray.exceptions.RayError as e:  # the store is gone: keep the version we have
+            log.warning("actor %s: schedule store lost (%s); staying on v%s", self.worker, e, self._version())
+            self.store = self._pending = None
+            return
+        if latest is not None:
+            self.engine.set_schedule(Schedule(**latest))
+            log.info("actor %s: schedule v%d %s", self.worker, latest["version"], latest["offline_layers"])
+        self._pending = self.store.latest.remote(self._version())
+
+    def _report(self, rows: list[dict]) -> None:
+        """This batch's exit statistics to the store, without waiting for it."""
+        if self.store is None:
+            return
+        ok = [r for r in rows if r["error"] is None]
+        hists = [r["retune_histogram"] for r in ok if r.get("retune_histogram") is not None]
+        hist = [sum(col) for col in zip(*hists)] if hists else None
+        tokens = sum(r["completion_tokens"] for r in ok)
+        layer_tokens = sum(r["avg_layers"] * r["completion_tokens"] for r in ok)
+        self.store.report.remote(self.schedule_version, len(rows), tokens, layer_tokens, hist)
+
+    def generate_batch(self, batch: pa.Table) -> pa.Table:
+        """One output row per input row of batch (the actor method the driver calls)."""
+        return self(batch)
+
     def __call__(self, batch: pa.Table) -> pa.Table:
+        started_at, t0 = time.time(), time.perf_counter()
+        self._sync_schedule()
+        self.schedule_version = self._version()
+        self.batches += 1
+        common = {"mode": self.cfg.mode, "schedule_version": self.schedule_version, "num_layers": self.num_layers,
+                  "batch_id": f"{self.worker}-{self.batches}", "batch_rows": batch.num_rows,
+                  "batch_started_at": started_at, "worker": self.worker, "run_id": self.run_id}
         ids = batch["id"].to_pylist()
         prompts = batch["prompt"].to_pylist()
         input_errors = batch["input_error"].to_pylist()
-        waves = batch["wave"].to_pylist()
         rows: list[dict | None] = [None] * len(ids)
         runnable, texts = [], {}
         for i, (prompt, error) in enumerate(zip(prompts, input_errors)):
             if error is not None:  # the reader could not make a prompt of the row
-                rows[i] = self._error_row(ids[i], prompt, waves[i], f"InputError: {error}")
+                rows[i] = self._error_row(ids[i], prompt, f"InputError: {error}")
                 continue
             try:  # one row at a time, so that one bad prompt does not fail the batch
                 texts[i] = self._prompt_text(prompt)
                 self.engine.encode_prompt(texts[i])
                 runnable.append(i)
             except PromptError as e:
-                rows[i] = self._error_row(ids[i], prompt, waves[i], f"PromptError: {e}")
+                rows[i] = self._error_row(ids[i], prompt, f"PromptError: {e}")
         for i, result in zip(runnable, self._generate([texts[i] for i in runnable])):
             if isinstance(result, Exception):
-                rows[i] = self._error_row(ids[i], prompts[i], waves[i], f"{type(result).__name__}: {result}")
+                rows[i] = self._error_row(ids[i], prompts[i], f"{type(result).__name__}: {result}")
             else:
-                rows[i] = self._row(ids[i], prompts[i], waves[i], result)
+                rows[i] = self._row(ids[i], prompts[i], result)
+        batch_s = time.perf_counter() - t0
+        rows = [{**common, **r, "batch_s": batch_s} for r in rows]
+        self._report(rows)
         maybe_crash_once()
         return pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA)
 
@@ -157,22 +224,25 @@ class GenerateRows:
         return dict(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
                     stop=list(c.stop) or None, seed=c.seed, mode=c.mode, spec=dict(c.spec) or None)
 
-    def _row(self, row_id: str, prompt: str, wave: int, r) -> dict:
+    def _row(self, row_id: str, prompt: str, r) -> dict:
         return {
-            **self._common(row_id, prompt, wave),
+            "id": row_id, "prompt": prompt, "error": None,
             "completion": r.text, "finish_reason": r.finish_reason, "prompt_tokens": r.prompt_tokens,
             "completion_tokens": len(r.token_ids), "exit_layers": r.exit_layers,
             "avg_layers": r.stats["avg_layers"], "latency_s": r.metrics["e2e_latency_s"],
-            "ttft_s": r.metrics["ttft_s"], "tokens_per_s": r.metrics["tokens_per_s"],
+            "ttft_s": r.metrics["ttft_s"],
             "retune_histogram": r.stats.get("retune_histogram") if self.cfg.mode == "specee" else None,
         }
 
-    def _error_row(self, row_id: str, prompt: str | None, wave: int, error: str) -> dict:
-        return {**self._common(row_id, prompt, wave), "error": error}
+    @staticmethod
+    def _error_row(row_id: str, prompt: str | None, error: str) -> dict:
+        return {"id": row_id, "prompt": prompt, "error": error}
 
-    def _common(self, row_id: str, prompt: str | None, wave: int) -> dict:
-        return {"id": row_id, "prompt": prompt, "mode": self.cfg.mode, "schedule_version": self.schedule_version,
-                "num_layers": self.num_layers, "wave": wave, "run_id": self.run_id}
+
+def worker_name() -> str:
+    """<actor id prefix>:<pid> inside an actor, local:<pid> elsewhere."""
+    actor = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
+    return f"{actor[:8] if actor else 'local'}:{os.getpid()}"
 
 
 def maybe_crash_once() -> None:

@@ -188,12 +188,7 @@ class SpecEEEngine:
         exception raised by on_token cancels the call and propagates (the cache is reset per call)."""
         if isinstance(prompts, str):
             raise PromptError("prompts must be a list of strings, got a single string")
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if mode == "specee" and self.early_exit is None:
-            raise ValueError("mode='specee' needs predictors and a speculator: none were found beside the model")
-        if spec and mode != "spec":
-            raise ValueError("spec options apply to mode='spec' only")
+        factory, headroom = self.stepper_factory(mode, spec)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, stop=stop or [], seed=seed,
                                 ignore_eos=ignore_eos)
@@ -203,12 +198,22 @@ class SpecEEEngine:
                 ids.append(self.encode_prompt(p))
             except PromptError as e:
                 raise PromptError(f"prompt {i}: {e}") from None
-        factory, headroom = None, 0
-        if mode == "specee":
-            factory = self.early_exit.new_stepper
-        elif mode == "spec":
-            factory, headroom = self._spec_factory(spec or {})
         return self.run(ids, params, factory, on_token, mode=mode, cache_headroom=headroom)
+
+    def stepper_factory(self, mode: str = "dense", spec: dict | None = None):
+        """The stepper factory of a mode (None: dense) and the KV slots it needs past a row's last token.
+        Raises ValueError for a mode or options this engine cannot run, before any prompt is."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "specee" and self.early_exit is None:
+            raise ValueError("mode='specee' needs predictors and a speculator: none were found beside the model")
+        if spec and mode != "spec":
+            raise ValueError("spec options apply to mode='spec' only")
+        if mode == "specee":
+            return self.early_exit.new_stepper, 0
+        if mode == "spec":
+            return self._spec_factory(spec or {})
+        return None, 0
 
     def _spec_factory(self, spec: dict):
         """The stepper factory of mode="spec" (options: specee_core.spec_decode.SpecOptions fields) and

@@ -1,16 +1,19 @@
-"""Pieces of the batch pipeline that need no Ray cluster: prompt rows, wave assignment, the
-driver's re-tune loop fed with synthetic histograms, output files, sample prompts."""
+"""Units of the batch pipeline without a Ray cluster: the prompt reader's rows, the schedule
+store, the done-id set, re-batching, the output directory, the stage with a fake engine."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pytest
 
-from pipeline.batch import BatchConfig, WaveStats, next_schedule, run_waves
-from pipeline.output import OutputDir
-from pipeline.prompts import PROMPT_SCHEMA, infer_format, to_prompt_table, wave_of
+from pipeline.batch import BatchConfig, RowStats, rebatch
+from pipeline.output import DoneIds, OutputDir
+from pipeline.prompts import PROMPT_SCHEMA, infer_format, to_prompt_table
+from pipeline.schedule_store import ScheduleStore
 from pipeline.stage import OUTPUT_SCHEMA, StageConfig
 from specee_core.scheduler import Schedule
 
@@ -18,13 +21,12 @@ REPO = Path(__file__).resolve().parents[2]
 L = 8
 
 
-def rows(hists: list[list[int] | None], errors: list[str | None] | None = None, tokens: int = 4) -> pa.Table:
-    """Output rows carrying the given retune histograms (None: the row has none)."""
-    errors = errors or [None] * len(hists)
+def rows(errors: list[str | None], tokens: int = 4, start: float = 100.0, batch_s: float = 2.0) -> pa.Table:
+    """Output rows of one engine call."""
     return pa.Table.from_pylist([
         {"id": f"r{i}", "completion_tokens": None if e else tokens, "avg_layers": None if e else 5.0,
-         "num_layers": L, "retune_histogram": h, "error": e}
-        for i, (h, e) in enumerate(zip(hists, errors))], schema=OUTPUT_SCHEMA)
+         "num_layers": L, "error": e, "batch_started_at": start, "batch_s": batch_s}
+        for i, e in enumerate(errors)], schema=OUTPUT_SCHEMA)
 
 
 def test_prompt_rows_get_stable_ids_and_input_errors():
@@ -37,15 +39,6 @@ def test_prompt_rows_get_stable_ids_and_input_errors():
                                             "invalid JSON", None]
 
 
-def test_waves_are_a_stable_hash_of_the_id():
-    assert [wave_of(f"f.jsonl:{i}", 4) for i in range(6)] == [wave_of(f"f.jsonl:{i}", 4) for i in range(6)]
-    assert wave_of("abc", 4) == 2  # crc32, not Python's per-process salted hash
-    counts = [0] * 4
-    for i in range(400):
-        counts[wave_of(str(i), 4)] += 1
-    assert min(counts) > 60
-
-
 def test_infer_format(tmp_path):
     (tmp_path / "a.csv").write_text("prompt\nx\n")
     assert infer_format([str(tmp_path / "a.csv")]) == "csv"
@@ -55,72 +48,101 @@ def test_infer_format(tmp_path):
         infer_format([str(tmp_path)])
 
 
-def test_wave_stats_sum_histograms_of_good_rows_only():
-    s = WaveStats()
-    s.add(rows([[1, 2, 0, 0, 0, 0, 0, 1], None, [9, 9, 9, 9, 9, 9, 9, 9]], errors=[None, None, "PromptError: x"]))
-    assert (s.rows, s.errors, s.completion_tokens, s.num_layers) == (3, 1, 8, L)
-    assert s.retune_histogram == [1, 2, 0, 0, 0, 0, 0, 1]
-    assert s.avg_layers == 5.0
+def test_row_stats_count_good_rows_on_one_clock():
+    s = RowStats()
+    s.add(rows([None, None, "PromptError: x"], start=100.0, batch_s=2.0))
+    s.add(rows([None], start=101.0, batch_s=3.0))
+    assert (s.rows, s.errors, s.completion_tokens, s.num_layers, s.avg_layers) == (4, 1, 12, L, 5.0)
+    assert s.generate_s() == 4.0 and s.tokens_per_s() == 3.0  # 12 tokens from t=100 to t=104
+    assert s.tokens_per_s(now=106.0) == 2.0
+    assert RowStats().tokens_per_s() is None
+
+
+def test_store_retunes_every_n_tokens_and_versions_only_changes():
+    store = ScheduleStore({"num_layers": 4, "offline_layers": [3], "version": 0}, retune_every_tokens=10)
+    assert store.latest(None)["offline_layers"] == [3] and store.latest(0) is None
+    assert store.report(0, 2, 6, 24.0, [6, 0, 0, 0]) == 0  # 6 tokens: not yet
+    assert store.report(0, 2, 6, 24.0, [4, 0, 0, 2]) == 1  # 12 >= 10: the rule picks layer 1
+    assert store.latest(0)["offline_layers"] == [1] and store.latest(1) is None
+    assert store.report(1, 1, 10, 10.0, [10, 0, 0, 0]) == 1  # re-tuned again, same layers: no new version
+    assert store.report(1, 1, 10, 40.0, [0, 0, 0, 10]) == 1  # no early exit at all: kept
+    assert store.report(None, 1, 0, 0.0, None) == 1  # a batch of error rows carries no histogram
+    state = store.state()
+    assert [v["version"] for v in state["versions"]] == [0, 1] and state["retunes"] == 3
+    assert [v["offline_layers"] for v in store.since(0)] == [[1]] and store.since(1) == []
+    per = {v["schedule_version"]: v for v in state["per_version"]}
+    assert per[0]["rows"] == 4 and per[0]["tokens"] == 12 and per[0]["avg_layers"] == 4.0
+    assert per[1]["tokens"] == 20 and per[None]["rows"] == 1
     with pytest.raises(ValueError, match="bins"):
-        s.add(rows([[1, 2, 3]]))
+        store.report(1, 1, 1, 1.0, [1, 2, 3])
+    assert ScheduleStore(None).report(None, 3, 9, 9.0, None) is None  # dense: statistics only
 
 
-def test_next_schedule_keeps_the_schedule_without_histograms():
-    sched = Schedule(num_layers=L, offline_layers=[6, 7])
-    stats = WaveStats()
-    stats.add(rows([None, None]))  # dense rows, or an engine that reports no retune histogram
-    assert next_schedule(sched, stats) is sched
-    stats = WaveStats()
-    stats.add(rows([[0] * (L - 1) + [5]]))  # no early exit at all: too few to re-tune
-    assert next_schedule(sched, stats) is sched
-
-
-def test_retune_loop_moves_a_wrong_schedule_to_the_profile(tmp_path):
-    """The driver's wave loop with a simulated engine. A token that could exit at layer t (60%
-    at 2, 30% at 3, 10% at 5: the profile picks [2, 3]) exits at the first active layer >= t,
-    active = predictor layers and their neighbours (the online level explores) and the last
-    layer. The histogram a wrong schedule produces is biased towards it; re-tuning still walks
-    to the profile: [5, 7] -> [4, 5] -> [3, 5] -> [2, 3]."""
-    profile = [2, 3]
-    out = OutputDir(tmp_path)
-    out.prepare()
-
-    def run_one(wave: int, schedule: Schedule) -> WaveStats:
-        active = {l + o for l in schedule.offline_layers for o in (-1, 0, 1)} | {L}
+def test_store_walks_a_wrong_schedule_to_the_profile():
+    """The store with a simulated engine. A token that could exit at layer t (60% at 2, 30% at 3,
+    10% at 5: the profile picks [2, 3]) exits at the first active layer >= t, active = predictor
+    layers and their neighbours (the online level explores) and the last layer. The histogram a
+    wrong schedule produces is biased towards it; re-tuning still walks to the profile:
+    [5, 7] -> [4, 5] -> [3, 5] -> [2, 3]."""
+    store = ScheduleStore(asdict_schedule([5, 7]), retune_every_tokens=100)
+    for _ in range(5):
+        current = Schedule(**store.latest(None))
+        active = {l + o for l in current.offline_layers for o in (-1, 0, 1)} | {L}
         hist = [0] * L
         for t, count in ((2, 60), (3, 30), (5, 10)):
             hist[min(l for l in active if l >= t) - 1] += count
-        stats = WaveStats()
-        stats.add(rows([hist]))
-        return stats
-
-    wrong = Schedule(num_layers=L, offline_layers=[5, 7], version=0)
-    waves, final = run_waves(4, wrong, out, 1, run_one)
-    assert [w.schedule_version for w in waves] == [0, 1, 2, 3]
-    assert final.version == 3 and final.offline_layers == profile
-    saved = sorted(p.name for p in out.schedules.glob("v*.json"))
-    assert saved == ["v1.json", "v2.json", "v3.json"]  # v0 is the caller's (run() saves the initial one)
-    assert Schedule.load(out.schedules / "v3.json").offline_layers == profile
-    distances = [len(set(Schedule.load(out.schedule_path(v)).offline_layers) ^ set(profile)) for v in (1, 2, 3)]
-    assert distances[-1] == 0 and distances == sorted(distances, reverse=True)
+        store.report(current.version, 1, 100, 300.0, hist)
+    walk = [v["offline_layers"] for v in store.state()["versions"]]
+    assert walk == [[5, 7], [4, 5], [3, 5], [2, 3]]
 
 
-def test_dense_loop_has_no_schedule(tmp_path):
-    out = OutputDir(tmp_path)
-    waves, final = run_waves(3, None, out, 1, lambda w, s: WaveStats(rows=1))
-    assert final is None and [w.schedule_version for w in waves] == [None] * 3
-    assert not out.schedules.exists()
+def asdict_schedule(layers: list[int]) -> dict:
+    from dataclasses import asdict
+
+    return asdict(Schedule(num_layers=L, offline_layers=layers))
 
 
-def test_part_files_are_atomic_and_tmp_files_ignored(tmp_path):
+def test_done_ids():
+    done = DoneIds.of([pa.chunked_array([["a", "b"]]), pa.chunked_array([["c", "a"]]), pa.chunked_array([[]], pa.string())])
+    assert len(done) == 3 and "a" in done and "x" not in done
+    assert done.mask(["c", "x", "b", "é"]).tolist() == [True, False, True, False]
+    assert DoneIds.of([]).mask(["a"]).tolist() == [False] and "a" not in DoneIds.of([])
+    ids = [f"file.jsonl:{i}" for i in range(5000)]
+    big = DoneIds.of([pa.chunked_array([ids[::2]])])
+    assert big.mask(ids).tolist() == [i % 2 == 0 for i in range(5000)]
+    assert big.digests.nbytes == 16 * 2500
+
+
+def test_rebatch_drops_done_rows_and_fills_batches():
+    def block(ids):
+        return pa.table({"id": ids, "prompt": ids, "input_error": [None] * len(ids)}, schema=PROMPT_SCHEMA)
+
+    blocks = [block(["a", "b", "c"]), block([]), block(["d", "e"]), block(["f", "g", "h", "i", "j"])]
+    done = DoneIds.of([pa.chunked_array([["b", "g"]])])
+    out = [t["id"].to_pylist() for t in rebatch(iter(blocks), done, 3)]
+    assert out == [["a", "c", "d"], ["e", "f", "h"], ["i", "j"]]
+    assert [t["id"].to_pylist() for t in rebatch(iter(blocks), DoneIds.of([]), 4)] == \
+        [["a", "b", "c", "d"], ["e", "f", "g", "h"], ["i", "j"]]
+
+
+def test_output_reads_back_with_pandas_and_part_files_are_atomic(tmp_path):
     out = OutputDir(tmp_path)
     out.prepare()
     table = pa.Table.from_pylist([{"id": "a", "mode": "dense"}, {"id": "b", "mode": "dense"}], schema=OUTPUT_SCHEMA)
-    out.write_part(table, "part-r-w000-00000.parquet")
-    (out.parts / ".part-r-w000-00001.parquet.tmp").write_bytes(b"half a file")  # a crash mid-write
-    assert out.done_ids() == {"a", "b"}
+    out.write_part(table, "part-r-00000.parquet")
+    (tmp_path / ".part-r-00001.parquet.tmp").write_bytes(b"half a file")  # a crash mid-write
+    out.save_schedule(Schedule(num_layers=L, offline_layers=[2], version=3))
+    out.write_summary({"rows": 2})
+    (tmp_path / "_exit_layers.png").write_bytes(b"\x89PNG")
+    assert sorted(pd.read_parquet(tmp_path)["id"]) == ["a", "b"]  # metadata and temp files are skipped
+    assert "a" in out.done_ids() and len(out.done_ids()) == 2
+    assert out.latest_schedule().version == 3 and json.loads(out.summary.read_text()) == {"rows": 2}
     out.prepare()
-    assert [p.name for p in out.parts.iterdir()] == ["part-r-w000-00000.parquet"]
+    assert not (tmp_path / ".part-r-00001.parquet.tmp").exists() and len(out.part_files()) == 1
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "parts").mkdir()
+    with pytest.raises(ValueError, match="earlier version"):
+        OutputDir(tmp_path / "old").prepare()
 
 
 def test_config_validation(tmp_path):
@@ -132,8 +154,8 @@ def test_config_validation(tmp_path):
     with pytest.raises(ValueError, match="depth"):
         StageConfig(model="m", mode="spec", spec={"depth": 0})
     stage = StageConfig(model="m")
-    with pytest.raises(ValueError, match="waves"):
-        BatchConfig(input=["x"], output=str(tmp_path), stage=stage, waves=0)
+    with pytest.raises(ValueError, match="retune_every_tokens"):
+        BatchConfig(input=["x"], output=str(tmp_path), stage=stage, retune_every_tokens=0)
     with pytest.raises(ValueError, match="schedule only applies"):
         BatchConfig(input=["x"], output=str(tmp_path), stage=stage, schedule="s.json")
     with pytest.raises(ValueError, match="local or mounted"):
@@ -187,6 +209,9 @@ class FakeEngine:
     def set_schedule(self, schedule: Schedule) -> None:
         self.schedule = schedule
 
+    def stepper_factory(self, mode: str, spec: dict | None):
+        return None, 0
+
     def encode_prompt(self, prompt) -> list[int]:
         from specee_core import PromptError
 
@@ -210,20 +235,19 @@ class FakeEngine:
                 for p in prompts]
 
 
-def test_stage_uses_the_wave_schedule_and_isolates_failing_rows(monkeypatch):
-    """GenerateRows in-process with a fake engine: the wave's schedule is set on the engine, rows
-    carry its version and the retune histogram, a prompt the engine rejects and a prompt that
-    breaks its batch each cost one row."""
+def test_stage_uses_its_schedule_and_isolates_failing_rows(monkeypatch):
+    """GenerateRows in-process with a fake engine: the given schedule is set on the engine, rows
+    carry its version, the retune histogram and their batch's columns, a prompt the engine rejects
+    and a prompt that breaks its batch each cost one row."""
     from pipeline.stage import GenerateRows
 
     engine = FakeEngine()
     monkeypatch.setattr("pipeline.stage.SpecEEEngine.from_pretrained", lambda *a, **kw: engine)
-    wave_schedule = Schedule(num_layers=4, offline_layers=[1, 2], version=7)
-    stage = GenerateRows(StageConfig(model="m", mode="specee", max_new_tokens=2), wave_schedule, "run-1")
-    assert engine.schedule is wave_schedule
+    schedule = Schedule(num_layers=4, offline_layers=[1, 2], version=7)
+    stage = GenerateRows(StageConfig(model="m", mode="specee", max_new_tokens=2), "run-1", schedule=schedule)
+    assert engine.schedule is schedule
     batch = pa.table({"id": ["a", "b", "c", "d", "e"], "prompt": ["x", "", None, "poison", "yz"],
-                      "input_error": [None, None, "prompt must be a string, got int", None, None],
-                      "wave": pa.array([1] * 5, pa.int32())})
+                      "input_error": [None, None, "prompt must be a string, got int", None, None]})
     out = stage(batch)
     assert out.schema == OUTPUT_SCHEMA
     rows = {r["id"]: r for r in out.to_pylist()}
@@ -231,17 +255,17 @@ def test_stage_uses_the_wave_schedule_and_isolates_failing_rows(monkeypatch):
     assert rows["a"]["schedule_version"] == 7 and rows["a"]["mode"] == "specee" and rows["a"]["run_id"] == "run-1"
     assert rows["a"]["retune_histogram"] == [1, 0, 0, 1] and rows["a"]["exit_layers"] == [1, 4]
     assert rows["a"]["avg_layers"] == 2.5 and rows["a"]["completion_tokens"] == 2 and rows["a"]["latency_s"] == 0.5
+    assert rows["a"]["ttft_s"] == 0.1
     assert rows["b"]["error"] == "PromptError: prompt is empty"
     assert rows["c"]["error"] == "InputError: prompt must be a string, got int"
     assert rows["d"]["error"] == "RuntimeError: still broken" and rows["d"]["completion"] is None
     assert all(rows[i]["error"] is None for i in "ae")
+    assert {r["batch_id"] for r in rows.values()} == {f"local:{__import__('os').getpid()}-1"}
+    assert {r["batch_rows"] for r in rows.values()} == {5} and rows["b"]["batch_s"] == rows["a"]["batch_s"] > 0
+    assert rows["d"]["schedule_version"] == 7 and rows["d"]["run_id"] == "run-1"  # error rows keep the context
     assert engine.calls[0][0] == ["x", "poison", "yz"] and engine.calls[0][1]["mode"] == "specee"
     assert engine.calls[0][1]["max_new_tokens"] == 2
-
-    stats = WaveStats()
-    stats.add(out)
-    assert (stats.rows, stats.errors, stats.retune_histogram) == (5, 3, [2, 0, 0, 2])
-    assert next_schedule(wave_schedule, stats).version == 8
+    assert stage(batch.slice(0, 1)).to_pylist()[0]["batch_id"].endswith("-2")
 
 
 def test_stage_runs_prompts_through_the_chat_template(tmp_path):
@@ -258,10 +282,9 @@ def test_stage_runs_prompts_through_the_chat_template(tmp_path):
     template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
-    stage = GenerateRows(StageConfig(model=str(tmp_path), max_new_tokens=6), None, "run-1")
+    stage = GenerateRows(StageConfig(model=str(tmp_path), max_new_tokens=6), "run-1")
     assert stage.chat
-    batch = pa.table({"id": ["a", "b"], "prompt": ["Reverse a string.", ""], "input_error": [None, None],
-                      "wave": pa.array([0, 0], pa.int32())})
+    batch = pa.table({"id": ["a", "b"], "prompt": ["Reverse a string.", ""], "input_error": [None, None]})
     rows = {r["id"]: r for r in stage(batch).to_pylist()}
     engine = SpecEEEngine.from_pretrained(tmp_path)
     rendered = engine.chat_prompt([{"role": "user", "content": "Reverse a string."}])
@@ -270,5 +293,5 @@ def test_stage_runs_prompts_through_the_chat_template(tmp_path):
     assert rows["a"]["prompt"] == "Reverse a string." and rows["a"]["completion"] == expect.text
     assert rows["a"]["prompt_tokens"] == len(engine.encode_prompt(rendered))
     assert rows["b"]["error"].startswith("PromptError")
-    plain = GenerateRows(StageConfig(model=str(tmp_path), max_new_tokens=6, chat=False), None, "run-2")
+    plain = GenerateRows(StageConfig(model=str(tmp_path), max_new_tokens=6, chat=False), "run-2")
     assert plain(batch).to_pylist()[0]["prompt_tokens"] == len(engine.encode_prompt("Reverse a string."))

@@ -45,12 +45,13 @@ def server(dirs):
     import ray
     from ray import serve
 
+    from pipeline.local_ray import init_ray
     from pipeline.serve import app
 
     plain, chat = dirs
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
+        init_ray("local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
                  log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
