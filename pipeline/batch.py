@@ -267,27 +267,28 @@ def run(cfg: BatchConfig) -> dict:
     schedule = starting_schedule(cfg, out)
     inputs = read_prompts(cfg.input, input_format=cfg.input_format, prompt_column=cfg.prompt_column,
                           id_column=cfg.id_column, limit=cfg.limit)
-    total = count_to_do(inputs, done)
     resources = actor_resources(cfg)
-    log.info("run %s: %d rows to do (%d already in %s); %d actors with %s; mode %s", run_id, total, len(done),
-             out.root, cfg.num_actors, resources, cfg.stage.mode)
-
     store_name = f"specee-schedule-{run_id}"
     store = remote_store(store_name, schedule, cfg.retune_every_tokens, cfg.retune_min_exits) \
         if cfg.stage.mode == "specee" else None
     engine = ray.remote(GenerateRows).options(max_restarts=-1, max_task_retries=-1, runtime_env=cfg.runtime_env,
                                               **resources)
-    actors = [engine.remote(cfg.stage, run_id, store_name if store else None) for _ in range(cfg.num_actors)] \
-        if total else []
-    progress = Progress(total, cfg.show_progress)
+    # the actors load the model while the rows to do are counted
+    actors = [engine.remote(cfg.stage, run_id, store_name if store else None) for _ in range(cfg.num_actors)]
     stats, versions = RowStats(), SavedVersions(store, out, schedule)
+    progress = None
     try:
+        total = count_to_do(inputs, done)
+        log.info("run %s: %d rows to do (%d already in %s); %d actors with %s; mode %s", run_id, total, len(done),
+                 out.root, cfg.num_actors, resources, cfg.stage.mode)
+        progress = Progress(total, cfg.show_progress)
         stream(actors, batches_to_do(inputs, done, cfg.stage.batch_size), Writer(out, run_id, cfg.rows_per_file,
                cfg.flush_every_s), stats, progress, versions)
         versions.poll(wait=True)
         store_state = ray.get(store.state.remote()) if versions.store is not None else None
     finally:
-        progress.close()
+        if progress is not None:
+            progress.close()
         for a in actors + ([store] if store else []):
             ray.kill(a)
     if stats.rows != total:  # each call's rows come back once; anything else is a bug worth stopping for
@@ -300,7 +301,7 @@ def run(cfg: BatchConfig) -> dict:
 def stream(actors: list, batches: Iterator[pa.Table], writer: Writer, stats: RowStats, progress: Progress,
            versions: SavedVersions) -> None:
     """Keep every actor CALLS_PER_ACTOR batches busy until the input runs out; write rows as they return."""
-    free = deque(a for a in actors for _ in range(CALLS_PER_ACTOR))
+    free = deque(a for _ in range(CALLS_PER_ACTOR) for a in actors)  # round robin first: a1, a2, a1, a2
     in_flight: dict = {}
     exhausted = False
     while True:

@@ -115,7 +115,7 @@ class SpecEEEngine:
                             self.draft_head)
 
     def set_schedule(self, schedule) -> None:
-        """Switch to another predictor schedule (the Ray pipeline does this between waves)."""
+        """Switch to another predictor schedule (the Ray pipeline does this between batches)."""
         if self.early_exit is None:
             raise ValueError("this engine has no predictors: a schedule cannot be set")
         if schedule.num_layers != self.model.num_layers:

@@ -1,0 +1,165 @@
+"""Benchmark of the batch job's shape: rows/s and tokens/s of jobs.generate's pipeline on the
+300 sample prompts with the default model, side by side in one run:
+
+- stream: the job as it is, one streaming pass, engine actors that load the model once;
+- waves:  the same job in the shape it had before, rows split into --waves groups by a hash of
+          their id, each group its own run with new actors (one model load per actor per wave);
+- bare:   the engine alone in this process (all CPUs), the same prompts in batches of the same size.
+
+    python -m jobs.bench_pipeline --out docs/bench_pipeline.json
+    python -m jobs.bench_pipeline --limit 48 --max-new-tokens 16 --variants stream,bare   # quick
+
+tokens_per_s is generated tokens over wall seconds from the variant's start to its end, start-up
+(actors, model loads) included: what a user waits for. generate_tokens_per_s leaves start-up out
+(the summary's clock: first engine batch start to last batch end; for bare, the generate calls).
+Rows and tokens must match across variants in dense greedy mode, and the JSON says whether they do.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = ("stream", "waves", "bare")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from jobs.generate import DEFAULT_MODEL
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--input", default=str(REPO / "prompts" / "sample_prompts.jsonl"))
+    p.add_argument("--mode", default="dense", choices=["dense", "specee", "spec"])
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--num-actors", type=int, default=2)
+    p.add_argument("--waves", type=int, default=4, help="the waves variant: groups, each with new actors")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}: choose from {VARIANTS}")
+    return args
+
+
+def read_rows(path: str, limit: int | None) -> list[dict]:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return rows[:limit] if limit else rows
+
+
+def stage_config(args):
+    from pipeline.stage import StageConfig
+
+    return StageConfig(model=args.model, mode=args.mode, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+                       batch_size=args.batch_size)
+
+
+def pipeline_run(args, inputs: list[Path], out: Path) -> dict:
+    """One run() per input file into one output: a single file is the stream shape, several the waves."""
+    import pandas as pd
+
+    from pipeline.batch import BatchConfig, run
+
+    t0 = time.perf_counter()
+    summaries = [run(BatchConfig(input=[str(f)], output=str(out), stage=stage_config(args),
+                                 num_actors=args.num_actors, show_progress=False)) for f in inputs]
+    wall = time.perf_counter() - t0
+    df = pd.read_parquet(out)
+    ok = df[df["error"].isna()]
+    return {"wall_s": wall, "rows": len(df), "errors": int(df["error"].notna().sum()),
+            "tokens": int(ok["completion_tokens"].sum()),
+            "generate_s": sum(s["generate_s"] or 0 for s in summaries),
+            "model_loads": int(df["worker"].nunique()), "runs": len(summaries),
+            "completions": dict(zip(df["id"], df["completion"]))}
+
+
+def bare_run(args, rows: list[dict]) -> dict:
+    import torch
+
+    from specee_core import SpecEEEngine
+
+    t0 = time.perf_counter()
+    torch.set_num_threads(os.cpu_count() or 1)
+    engine = SpecEEEngine.from_pretrained(args.model, dtype=args.dtype, max_batch_size=args.batch_size)
+    texts = [engine.chat_prompt([{"role": "user", "content": r["prompt"]}]) if engine.has_chat_template
+             else r["prompt"] for r in rows]
+    t_gen = time.perf_counter()
+    results = []
+    for s in range(0, len(texts), args.batch_size):
+        results += engine.generate(texts[s : s + args.batch_size], max_new_tokens=args.max_new_tokens, mode=args.mode)
+    end = time.perf_counter()
+    return {"wall_s": end - t0, "rows": len(results), "errors": 0, "tokens": sum(len(r.token_ids) for r in results),
+            "generate_s": end - t_gen, "model_loads": 1, "runs": 1,
+            "completions": {r_in["id"]: r.text for r_in, r in zip(rows, results)}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import ray
+    import torch
+
+    from jobs.bench import git_commit
+    from pipeline.local_ray import init_ray
+
+    commit = git_commit()
+    rows = read_rows(args.input, args.limit)
+    work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
+    whole = work / "all.jsonl"
+    whole.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    waves = [work / f"wave{w}.jsonl" for w in range(args.waves)]
+    for w, path in enumerate(waves):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows
+                                if zlib.crc32(str(r["id"]).encode()) % args.waves == w))
+    init_ray("local", include_dashboard=False, log_to_driver=False)
+    results = {}
+    try:
+        for variant in args.variants.split(","):
+            print(f"[bench_pipeline] {variant} ...", flush=True)
+            if variant == "bare":
+                r = bare_run(args, rows)
+            else:
+                r = pipeline_run(args, [whole] if variant == "stream" else waves, work / f"out-{variant}")
+            r["rows_per_s"] = r["rows"] / r["wall_s"]
+            r["tokens_per_s"] = r["tokens"] / r["wall_s"]
+            r["generate_tokens_per_s"] = r["tokens"] / r["generate_s"] if r["generate_s"] else None
+            results[variant] = r
+            print(f"[bench_pipeline] {variant}: {r['rows']} rows, {r['tokens']} tokens in {r['wall_s']:.1f} s: "
+                  f"{r['tokens_per_s']:.1f} tokens/s ({r['model_loads']} model loads)", flush=True)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+    reference = next(iter(results.values()))["completions"]
+    out = {
+        "benchmark": "jobs.bench_pipeline", "git_commit": commit, "config": vars(args),
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+                    "torch": torch.__version__, "ray": ray.__version__},
+        "variants": {v: {k: (round(x, 3) if isinstance(x, float) else x) for k, x in r.items() if k != "completions"}
+                     | {"same_completions_as_first": r["completions"] == reference}
+                     for v, r in results.items()},
+    }
+    if "stream" in results and "bare" in results:
+        out["stream_vs_bare"] = round(results["stream"]["tokens_per_s"] / results["bare"]["tokens_per_s"], 3)
+    if "stream" in results and "waves" in results:
+        out["stream_vs_waves"] = round(results["stream"]["tokens_per_s"] / results["waves"]["tokens_per_s"], 3)
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()
