@@ -45,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-actors", type=int, default=2)
     p.add_argument("--waves", type=int, default=4, help="the waves variant: groups, each with new actors")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--repeats", type=int, default=2, help="rounds, the variant order reversed every other round")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     unknown = set(args.variants.split(",")) - set(VARIANTS)
@@ -104,6 +105,18 @@ def bare_run(args, rows: list[dict]) -> dict:
             "completions": {r_in["id"]: r.text for r_in, r in zip(rows, results)}}
 
 
+def summarize_runs(runs: list[dict], reference: dict) -> dict:
+    """Means over rounds of the rates, the counts of the first round, every round's rates."""
+    keys = ("wall_s", "generate_s", "rows_per_s", "tokens_per_s", "generate_tokens_per_s")
+    first = runs[0]
+    return {
+        **{k: first[k] for k in ("rows", "errors", "tokens", "model_loads", "runs")},
+        **{k: round(sum(r[k] for r in runs) / len(runs), 3) for k in keys},
+        "same_completions_as_first_variant": all(r["completions"] == reference for r in runs),
+        "rounds": [{k: round(r[k], 3) for k in keys} for r in runs],
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -124,36 +137,41 @@ def main(argv: list[str] | None = None) -> dict:
         path.write_text("".join(json.dumps(r) + "\n" for r in rows
                                 if zlib.crc32(str(r["id"]).encode()) % args.waves == w))
     init_ray("local", include_dashboard=False, log_to_driver=False)
-    results = {}
+    variants = args.variants.split(",")
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
     try:
-        for variant in args.variants.split(","):
-            print(f"[bench_pipeline] {variant} ...", flush=True)
-            if variant == "bare":
-                r = bare_run(args, rows)
-            else:
-                r = pipeline_run(args, [whole] if variant == "stream" else waves, work / f"out-{variant}")
-            r["rows_per_s"] = r["rows"] / r["wall_s"]
-            r["tokens_per_s"] = r["tokens"] / r["wall_s"]
-            r["generate_tokens_per_s"] = r["tokens"] / r["generate_s"] if r["generate_s"] else None
-            results[variant] = r
-            print(f"[bench_pipeline] {variant}: {r['rows']} rows, {r['tokens']} tokens in {r['wall_s']:.1f} s: "
-                  f"{r['tokens_per_s']:.1f} tokens/s ({r['model_loads']} model loads)", flush=True)
+        for rnd in range(args.repeats):  # A B C, C B A, ...: drift hits every variant alike
+            for variant in (variants if rnd % 2 == 0 else variants[::-1]):
+                print(f"[bench_pipeline] round {rnd}: {variant} ...", flush=True)
+                if variant == "bare":
+                    r = bare_run(args, rows)
+                else:
+                    out_dir = work / f"out-{variant}-{rnd}"
+                    r = pipeline_run(args, [whole] if variant == "stream" else waves, out_dir)
+                r["rows_per_s"] = r["rows"] / r["wall_s"]
+                r["tokens_per_s"] = r["tokens"] / r["wall_s"]
+                r["generate_tokens_per_s"] = r["tokens"] / r["generate_s"] if r["generate_s"] else None
+                runs[variant].append(r)
+                print(f"[bench_pipeline] {variant}: {r['rows']} rows, {r['tokens']} tokens in {r['wall_s']:.1f} s: "
+                      f"{r['tokens_per_s']:.1f} tokens/s ({r['model_loads']} model loads)", flush=True)
     finally:
         ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
-    reference = next(iter(results.values()))["completions"]
+    reference = runs[variants[0]][0]["completions"]
+    summary = {v: summarize_runs(rs, reference) for v, rs in runs.items()}
     out = {
         "benchmark": "jobs.bench_pipeline", "git_commit": commit, "config": vars(args),
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                     "torch": torch.__version__, "ray": ray.__version__},
-        "variants": {v: {k: (round(x, 3) if isinstance(x, float) else x) for k, x in r.items() if k != "completions"}
-                     | {"same_completions_as_first": r["completions"] == reference}
-                     for v, r in results.items()},
+        "note": "tokens_per_s: generated tokens / wall seconds of the whole variant, start-up included; "
+                "generate_tokens_per_s leaves start-up out. Means over rounds; per-round values in runs. In bf16 "
+                "a row's completion can depend on its batch mates (rounding), so only identical batches (stream "
+                "and bare) must give identical completions.",
+        "variants": summary,
     }
-    if "stream" in results and "bare" in results:
-        out["stream_vs_bare"] = round(results["stream"]["tokens_per_s"] / results["bare"]["tokens_per_s"], 3)
-    if "stream" in results and "waves" in results:
-        out["stream_vs_waves"] = round(results["stream"]["tokens_per_s"] / results["waves"]["tokens_per_s"], 3)
+    for a, b in (("stream", "bare"), ("stream", "waves")):
+        if a in summary and b in summary:
+            out[f"{a}_vs_{b}"] = round(summary[a]["tokens_per_s"] / summary[b]["tokens_per_s"], 3)
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:
