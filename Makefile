@@ -18,6 +18,7 @@ install: $(VENV)/.installed
 
 # The main job: Ray Data batch generation of held-out instruction prompts (chat template) with SmolLM2.
 demo: $(VENV)/.installed model
+	rm -rf out/demo
 	$(PY) -m jobs.generate --output out/demo --address local --max-new-tokens 64 --limit 32
 	$(PY) -m jobs.analyze out/demo
 
@@ -26,6 +27,10 @@ test: $(VENV)/.installed model
 
 bench: $(VENV)/.installed model
 	$(PY) -m jobs.bench
+
+# The batch job's shape: one streaming pass vs one model load per wave vs the bare engine (about 8 min)
+bench-pipeline: $(VENV)/.installed model
+	$(PY) -m jobs.bench_pipeline --out docs/bench_pipeline.json
 
 # HumanEval: the README's "Results" table and Pareto plot, every mode on all 164 problems at batch 1
 # (about 100 min on 2 cores: 80 generating, 15 perplexity)
