@@ -7,14 +7,23 @@ Routes: POST /v1/completions, POST /v1/chat/completions (when the tokenizer has 
 GET /v1/models, GET /healthz. Non-streaming requests that arrive together are batched
 (@serve.batch) and grouped by mode and sampling parameters into engine calls; streaming requests bypass
 the batcher and run as one engine call each. All engine calls of a replica run on one worker
-thread (the engine is not thread-safe), so the event loop stays free to accept requests."""
+thread (the engine is not thread-safe), and JSON parsing, chat templating and tokenization run on
+a small pool of other threads, so the event loop stays free to accept requests and answer /healthz.
+
+Limits, each a 4xx with an OpenAI-style error body (ServeArgs): body size (413), JSON nesting depth,
+prompts per request, characters per prompt before tokenizing, tokens per request, stop strings'
+count and length (400), requests waiting beyond the running batch (429 with Retry-After), and with
+`api_keys` set, a missing or wrong `Authorization: Bearer` (401; /healthz stays open)."""
 import asyncio
 import functools
+import hmac
 import json
 import logging
+import math
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,15 +40,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specee_core import PromptError, SpecEEEngine
 from specee_core.engine import MODES
 from specee_core.stops import cut_at_stop
-from pipeline.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk,
+from pipeline.openai_protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRequest, CompletionRequest, chat_chunk,
                                       chat_response, completion_chunk, completion_response, error_body, new_id,
                                       parse_body, specee_summary, sse, usage, usage_chunk)
 from pipeline.stream_text import StreamText
 
-log = logging.getLogger(__name__)
+# under ray.serve: Serve's replica log handler (file and console, with the request id) takes these too
+log = logging.getLogger("ray.serve.specee")
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_BODY_BYTES = 4 << 20  # far beyond any prompt that fits the context; bounds tokenizer work
+INLINE_PARSE_BYTES = 64 << 10  # bodies up to this are parsed on the event loop, larger ones on a thread
+API_KEYS_ENV = "SPECEE_API_KEYS"  # comma-separated; the api_keys argument when it is not given
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -60,6 +72,20 @@ class ServeArgs(BaseModel):
     max_tokens_limit: int | None = Field(None, ge=1)  # default: the context length - 1
     stall_timeout_s: float = Field(600.0, gt=0)  # an engine call running longer fails the health check
     num_cpus: float = Field(1.0, gt=0)  # per replica
+    # clients must send `Authorization: Bearer <one of these>` (401 otherwise); empty: no authentication
+    api_keys: list[str] = Field(default_factory=lambda: os.environ.get(API_KEYS_ENV, ""))
+    max_json_depth: int = Field(MAX_JSON_DEPTH, ge=4)  # nesting of arrays and objects in a body
+    max_prompts_per_request: int = Field(64, ge=1)  # a /v1/completions prompt list
+    max_request_tokens: int = Field(65536, ge=1)  # prompt tokens + max_tokens, summed over a request's prompts
+    max_stop_chars: int = Field(256, ge=1)  # per stop string (OpenAI's count limit of 4 applies too)
+    max_chars_per_token: int = Field(32, ge=1)  # a prompt longer than context x this is refused untokenized
+    max_queued_requests: int = Field(64, ge=0)  # waiting beyond max_batch_size running ones: 429 past this
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _keys(cls, v):
+        keys = v.split(",") if isinstance(v, str) else v
+        return [k.strip() for k in keys if k and k.strip()]
 
     @field_validator("model")
     @classmethod
@@ -170,6 +196,44 @@ class EngineThread:
             raise RuntimeError(f"an engine call has run for over {self.stall_timeout_s:.0f} s")
 
 
+class Admission:
+    """Requests admitted into a replica: up to `running` (a batch) plus `queued` waiting; beyond
+    that a request gets 429 with Retry-After, from the mean request time seen so far."""
+
+    def __init__(self, running: int, queued: int):
+        self.capacity = running + queued
+        self.running = running
+        self.active = 0
+        self.mean_s = 1.0  # exponential average of admitted requests' seconds
+
+    def enter(self) -> "Ticket":
+        if self.active >= self.capacity:
+            waiting = self.active - self.running + 1
+            retry = min(60, max(1, math.ceil(self.mean_s * waiting / self.running)))
+            raise APIError(f"the server has {self.active} requests in hand (at most {self.capacity}): retry in "
+                           f"{retry} s", status=429, type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(retry)})
+        self.active += 1
+        return Ticket(self)
+
+    def leave(self, seconds: float) -> None:
+        self.active -= 1
+        self.mean_s += 0.1 * (seconds - self.mean_s)
+
+
+class Ticket:
+    """One admitted request; released exactly once (explicitly, or when a stream that never ran is
+    garbage-collected)."""
+
+    def __init__(self, admission: Admission):
+        self.admission, self.t0, self.done = admission, time.monotonic(), False
+
+    def release(self) -> None:
+        if not self.done:
+            self.done = True
+            self.admission.leave(time.monotonic() - self.t0)
+
+
 class _StreamCancelled(Exception):
     """Raised from on_token inside the engine thread to stop generating for a gone client."""
 
@@ -179,7 +243,7 @@ api = FastAPI(title="SpecEE OpenAI-compatible server")
 
 @api.exception_handler(APIError)
 async def _api_error(request: Request, e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 @api.exception_handler(RequestValidationError)
@@ -196,10 +260,31 @@ async def _http_error(request: Request, e: StarletteHTTPException) -> JSONRespon
                         status_code=e.status_code)
 
 
+CLIENT_CLOSED = 499  # nginx's status for a request whose client hung up; nobody receives it
+
+
 @api.exception_handler(Exception)
 async def _server_error(request: Request, e: Exception) -> JSONResponse:
-    log.exception("unhandled error on %s", request.url.path)
+    if hung_up(e):
+        log.info("request %s on %s: the client hung up", request_id(request), request.url.path)
+        return JSONResponse(error_body("client closed the request", code="client_closed"), status_code=CLIENT_CLOSED)
+    log.exception("unhandled error on %s (request %s)", request.url.path, request_id(request))
     return JSONResponse(error_body("internal server error", type="server_error"), status_code=500)
+
+
+def hung_up(e: BaseException) -> bool:
+    """Whether e is how a request ends when its client goes away: the request task cancelled."""
+    from ray.exceptions import TaskCancelledError
+
+    return isinstance(e, (asyncio.CancelledError, TaskCancelledError))
+
+
+def request_id(request: Request | None = None) -> str:
+    """Serve's id of the request being handled (also sent back as X-Request-Id)."""
+    try:
+        return serve.context._get_serve_request_context().request_id or "-"
+    except Exception:  # noqa: BLE001 -- outside a request (tests calling handlers directly)
+        return request.headers.get("x-request-id", "-") if request is not None else "-"
 
 
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
@@ -245,12 +330,17 @@ class SpecEEServer:
         tok = self.engine.tokenizer
         self.chat_template = getattr(tok, "chat_template", None)
         self._thread = EngineThread(args.stall_timeout_s)
+        # JSON parsing, chat templates and tokenization of big inputs: off the event loop, beside the engine
+        self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specee-requests")
+        self.args = args
+        self._api_keys = [k.encode() for k in args.api_keys]
+        self._admission = Admission(args.max_batch_size, args.max_queued_requests)
         self._generate_batch.set_max_batch_size(args.max_batch_size)
         self._generate_batch.set_batch_wait_timeout_s(args.batch_wait_timeout_s)
         self.engine.generate(["Hello"], max_new_tokens=1, mode=self.mode)  # warm up; fail here, not on a request
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()  # = its actor's name
-        log.info("serving %s as %r, mode=%s, context=%d, chat=%s", args.model, self.model_name, self.mode,
-                 self.engine.context_len, self.chat_template is not None)
+        log.info("serving %s as %r, mode=%s, context=%d, chat=%s, api keys: %d", args.model, self.model_name,
+                 self.mode, self.engine.context_len, self.chat_template is not None, len(self._api_keys))
 
     # ---- health -------------------------------------------------------------------------------
     def check_health(self) -> None:
@@ -267,11 +357,13 @@ class SpecEEServer:
                              "replica": self.replica_id})
 
     @api.get("/v1/models")
-    async def models(self) -> dict:
+    async def models(self, request: Request) -> dict:
+        self._authorize(request)
         return {"object": "list", "data": [self._model_card()]}
 
     @api.get("/v1/models/{name:path}")
-    async def model(self, name: str) -> dict:
+    async def model(self, name: str, request: Request) -> dict:
+        self._authorize(request)
         self._check_model(name)
         return self._model_card()
 
@@ -283,13 +375,24 @@ class SpecEEServer:
     # ---- endpoints ----------------------------------------------------------------------------
     @api.post("/v1/completions")
     async def completions(self, request: Request):
-        req = parse_body(await read_body(request), CompletionRequest)
+        self._authorize(request)
+        req = await self._parse(request, CompletionRequest)
         prompts = req.prompts
-        mode, params, n_prompt = self._prepare(req, prompts, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
-        rid = new_id("cmpl")
-        if req.stream:
-            return self._stream(rid, prompts, params, mode, chat=False, include_usage=req.include_usage)
-        results, batch_size = await self._generate(Work(tuple(prompts), params, mode))
+        if len(prompts) > self.args.max_prompts_per_request:
+            raise APIError(f"prompt is a list of {len(prompts)}; this server takes at most "
+                           f"{self.args.max_prompts_per_request} per request", param="prompt", code="too_many_prompts")
+        ticket = self._admission.enter()
+        try:
+            mode, params, n_prompt = await self._prepare(req, prompts, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
+            rid = new_id("cmpl")
+            if req.stream:  # the ticket goes with the stream
+                response, ticket = self._stream(rid, prompts, params, mode, chat=False,
+                                                include_usage=req.include_usage, ticket=ticket), None
+                return response
+            results, batch_size = await self._generate(Work(tuple(prompts), params, mode))
+        finally:
+            if ticket is not None:
+                ticket.release()
         body = completion_response(rid, self.model_name,
                                    [{"text": r.text, "finish_reason": r.finish_reason} for r in results],
                                    usage(n_prompt, sum(len(r.token_ids) for r in results)),
@@ -298,42 +401,78 @@ class SpecEEServer:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
+        self._authorize(request)
         if self.chat_template is None:
             raise APIError(f"model {self.model_name!r} has no chat template: use /v1/completions", status=404,
                            code="chat_not_supported")
-        req = parse_body(await read_body(request), ChatCompletionRequest)
-        prompt = self._render_chat(req)
-        mode, params, n_prompt = self._prepare(req, [prompt], default_max_tokens=None)
-        rid = new_id("chatcmpl")
-        if req.stream:
-            return self._stream(rid, [prompt], params, mode, chat=True, include_usage=req.include_usage)
-        results, batch_size = await self._generate(Work((prompt,), params, mode))
+        req = await self._parse(request, ChatCompletionRequest)
+        ticket = self._admission.enter()
+        try:
+            prompt = await self._render_chat(req)
+            mode, params, n_prompt = await self._prepare(req, [prompt], default_max_tokens=None)
+            rid = new_id("chatcmpl")
+            if req.stream:  # the ticket goes with the stream
+                response, ticket = self._stream(rid, [prompt], params, mode, chat=True,
+                                                include_usage=req.include_usage, ticket=ticket), None
+                return response
+            results, batch_size = await self._generate(Work((prompt,), params, mode))
+        finally:
+            if ticket is not None:
+                ticket.release()
         r = results[0]
         body = chat_response(rid, self.model_name, r.text, r.finish_reason, usage(n_prompt, len(r.token_ids)),
                              specee_summary(results, self.engine.model.num_layers, mode, batch_size))
         return JSONResponse(body)
 
     # ---- request checks -----------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        """With api_keys set: 401 unless `Authorization: Bearer <key>` names one of them."""
+        if not self._api_keys:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        token = token.strip().encode()
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token, k) for k in self._api_keys):
+            raise APIError("missing or incorrect API key: send `Authorization: Bearer <key>`", status=401,
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def _parse(self, request: Request, cls):
+        """The validated request; bodies past INLINE_PARSE_BYTES are parsed on a thread."""
+        raw = await read_body(request)
+        if len(raw) <= INLINE_PARSE_BYTES:
+            return parse_body(raw, cls, self.args.max_json_depth)
+        return await self._off_loop(parse_body, raw, cls, self.args.max_json_depth)
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    def _check_chars(self, text: str, where: str, param: str) -> None:
+        """Refuse, without tokenizing it, a text that cannot fit the context at max_chars_per_token."""
+        limit = self.engine.context_len * self.args.max_chars_per_token
+        if len(text) > limit:
+            raise APIError(f"{where} has {len(text)} characters: more than this model's context of "
+                           f"{self.engine.context_len} tokens can hold (at most {limit} characters)",
+                           param=param, code="context_length_exceeded")
+
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(f"the model {name!r} does not exist; this server has {self.model_name!r}", status=404,
                            param="model", code="model_not_found")
 
-    def _prepare(self, req, prompts: list[str], default_max_tokens: int | None) -> tuple[str, dict, int]:
+    async def _prepare(self, req, prompts: list[str], default_max_tokens: int | None) -> tuple[str, dict, int]:
         """Checks that need the engine -> (mode, generate kwargs, prompt tokens in all)."""
         self._check_model(req.model)
         try:
             mode = self._pick_mode(req.mode or self.mode)
         except ValueError as e:
             raise APIError(str(e), param="mode", code="invalid_value") from None
-        lengths = []
+        for stop in req.sampling(1)["stop"]:
+            if len(stop) > self.args.max_stop_chars:
+                raise APIError(f"a stop string has {len(stop)} characters; the limit is {self.args.max_stop_chars}",
+                               param="stop", code="invalid_value")
+        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         for i, p in enumerate(prompts):
-            try:
-                lengths.append(len(self.engine.encode_prompt(p)))
-            except PromptError as e:  # types and emptiness are checked already: this is the length
-                where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-                param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
-                raise APIError(f"{where}: {e}", param=param, code="context_length_exceeded") from None
+            self._check_chars(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]", param)
+        lengths = await self._off_loop(self._token_counts, prompts, param)
         room = self.engine.context_len - max(lengths)
         max_tokens = req.max_tokens or default_max_tokens or min(room, self.max_tokens_limit)
         if max_tokens > self.max_tokens_limit:
@@ -344,15 +483,33 @@ class SpecEEServer:
                            f"{max(lengths) + max_tokens} were requested ({max(lengths)} in the prompt, "
                            f"{max_tokens} for the completion): shorten the prompt or lower max_tokens",
                            param="max_tokens", code="context_length_exceeded")
+        total = sum(lengths) + max_tokens * len(prompts)
+        if total > self.args.max_request_tokens:
+            raise APIError(f"the request asks for {total} tokens ({sum(lengths)} in its prompts, {max_tokens} x "
+                           f"{len(prompts)} to generate); this server allows {self.args.max_request_tokens} per "
+                           f"request", param="max_tokens", code="request_too_large")
         return mode, req.sampling(max_tokens), sum(lengths)
+
+    def _token_counts(self, prompts: list[str], param: str) -> list[int]:
+        """Prompt lengths in tokens (on a request thread); a prompt over the context is a 400."""
+        lengths = []
+        for i, p in enumerate(prompts):
+            try:
+                lengths.append(len(self.engine.encode_prompt(p)))
+            except PromptError as e:  # types and emptiness are checked already: this is the length
+                where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                raise APIError(f"{where}: {e}", param=param, code="context_length_exceeded") from None
+        return lengths
 
     def _pick_mode(self, requested: str | None) -> str:
         return pick_mode(requested, has_draft=self.engine.draft_head is not None,
                          has_predictors=self.engine.early_exit is not None)
 
-    def _render_chat(self, req: ChatCompletionRequest) -> str:
+    async def _render_chat(self, req: ChatCompletionRequest) -> str:
+        messages = req.template_messages()
+        self._check_chars("".join(m["content"] for m in messages), "messages", "messages")
         try:
-            return self.engine.chat_prompt(req.template_messages())
+            return await self._off_loop(self.engine.chat_prompt, messages)
         except ValueError as e:
             raise APIError(f"messages: {e}", param="messages") from None
 
@@ -373,7 +530,7 @@ class SpecEEServer:
         return await self._thread.submit(run_grouped, self.engine, works)
 
     def _stream(self, rid: str, prompts: list[str], params: dict, mode: str, *, chat: bool,
-                include_usage: bool) -> StreamingResponse:
+                include_usage: bool, ticket: Ticket) -> StreamingResponse:
         """Server-sent events in OpenAI's chunk format: text deltas as tokens are chosen, then a
         chunk per choice with finish_reason (the last one carries usage and specee), then [DONE]."""
         tok, model, created = self.engine.tokenizer, self.model_name, int(time.time())
@@ -403,6 +560,7 @@ class SpecEEServer:
             run = functools.partial(self.engine.generate, list(prompts), mode=mode, on_token=on_token, **params)
             fut = self._thread.submit(run)
             fut.add_done_callback(done)
+            fut.add_done_callback(lambda _: ticket.release())
             texts = [StreamText(tok, params["stop"]) for _ in prompts]
             try:
                 if chat:
@@ -418,6 +576,9 @@ class SpecEEServer:
                     yield sse(err.body())
                     yield sse("[DONE]")
                     return
+            except (GeneratorExit, asyncio.CancelledError):
+                log.info("request %s (%s): the client hung up mid-stream; generation stops", request_id(), rid)
+                raise
             finally:
                 cancelled.set()  # the client left (GeneratorExit / CancelledError) or we are done
             u = usage(sum(r.prompt_tokens for r in results), sum(len(r.token_ids) for r in results))
@@ -431,7 +592,9 @@ class SpecEEServer:
                 yield sse(usage_chunk(rid, model, created, obj, u))
             yield sse("[DONE]")
 
-        return StreamingResponse(events(), media_type="text/event-stream",
+        gen = events()
+        weakref.finalize(gen, ticket.release)  # a stream that never ran still gives its place back
+        return StreamingResponse(gen, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.slow
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 MAX_TOKENS_LIMIT = 48
+KEYS = ("key-one", "key-two")
 PROMPTS = ["Hello there", "The quick brown fox", "Once upon a time", "SpecEE exits early", "1 2 3 4",
            "What is a cache?", "Ray Serve batches", "héllo 日本語"]
 
@@ -63,6 +64,11 @@ def server(dirs):
         # fp32: greedy speculative decoding is exactly dense; no mode given: spec, since a draft head is there
         serve.RunTarget(app({"model": str(BUNDLED), "model_name": "specee-tiny", "num_cpus": 0.5, "dtype": "float32",
                              "max_tokens_limit": MAX_TOKENS_LIMIT}), name="spec", route_prefix="/spec"),
+        # small limits and API keys; one request runs, none waits
+        serve.RunTarget(app({"model": str(plain), "model_name": "tiny", "num_cpus": 0.25, "dtype": "float32",
+                             "api_keys": ",".join(KEYS), "max_prompts_per_request": 4, "max_request_tokens": 300,
+                             "max_stop_chars": 8, "max_chars_per_token": 4, "max_batch_size": 1,
+                             "max_queued_requests": 0}), name="strict", route_prefix="/strict"),
     ])
     try:
         yield f"http://127.0.0.1:{port}"
@@ -453,6 +459,131 @@ def test_load(server, capsys):
         print(f"\nload: {n} requests, {concurrency} concurrent, {wall:.1f} s, {n / wall:.1f} req/s, "
               f"p50 {lat[n // 2] * 1e3:.0f} ms, p99 {lat[int(n * 0.99) - 1] * 1e3:.0f} ms, mean batch {batch:.1f}")
     assert not failed, failed[:3]
+
+
+# ---- limits, keys, hang-ups ------------------------------------------------------------------------
+def strict_post(server: str, body: dict, key: str | None = KEYS[1], path: str = "/strict/v1/completions",
+                **kw) -> httpx.Response:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    return httpx.post(f"{server}{path}", json=body, headers=headers, timeout=60, **kw)
+
+
+def test_api_keys(server):
+    from openai import AuthenticationError, OpenAI
+
+    body = {"prompt": "a", "max_tokens": 2, "temperature": 0}
+    for key in (None, "wrong", KEYS[0][:-1]):
+        r = strict_post(server, body, key=key)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        assert r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(f"{server}/strict/v1/models", timeout=10).status_code == 401
+    r = httpx.post(f"{server}/strict/v1/completions", json=body, headers={"Authorization": f"Basic {KEYS[0]}"})
+    assert r.status_code == 401
+    assert all(strict_post(server, body, key=k).status_code == 200 for k in KEYS)
+    assert httpx.get(f"{server}/strict/healthz", timeout=10).status_code == 200  # probes need no key
+    assert httpx.post(f"{server}/v1/completions", json=body, timeout=60).status_code == 200  # no keys set: open
+    good = OpenAI(base_url=f"{server}/strict/v1", api_key=KEYS[0], max_retries=0, timeout=60)
+    assert good.completions.create(model="tiny", prompt="a", max_tokens=2, temperature=0).choices
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=f"{server}/strict/v1", api_key="nope", max_retries=0).models.list()
+
+
+@pytest.mark.parametrize("body, code, param", [
+    ({"prompt": ["a"] * 5, "max_tokens": 2}, "too_many_prompts", "prompt"),
+    ({"prompt": ["a"] * 4, "max_tokens": 80}, "request_too_large", "max_tokens"),  # 4 + 4 x 80 > 300
+    ({"prompt": "a", "max_tokens": 2, "stop": ["123456789"]}, "invalid_value", "stop"),
+    ({"prompt": "a", "max_tokens": 2, "stop": ["1", "2", "3", "4", "5"]}, "invalid_value", "stop"),  # OpenAI's 4
+    ({"prompt": "x" * 1025, "max_tokens": 2}, "context_length_exceeded", "prompt"),  # 256 tokens x 4 chars
+])
+def test_each_limit_is_its_400(server, body, code, param):
+    r = strict_post(server, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == (code, param) and err["message"]
+
+
+def test_deeply_nested_json_is_a_400_not_a_500(server):
+    for depth in (17, 5000, 10000):
+        r = post(server, "/v1/completions", b'{"prompt": "a", "x": ' + b"[" * depth + b"]" * depth + b"}")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "json_too_deep", r.text
+    # brackets inside strings and escaped quotes do not count
+    ok = post(server, "/v1/completions", {"prompt": '[[[[[[[[[[[[[[[[[[[[\\"{{{{{{{{{{{{{{{{{{', "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+
+
+def test_queue_full_is_a_429_with_retry_after_and_places_come_back(server):
+    """max_batch_size 1, max_queued_requests 0: of requests sent together one runs, the rest get 429."""
+    body = {"prompt": "a", "max_tokens": 200, "temperature": 0}
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server, timeout=60,
+                                     headers={"Authorization": f"Bearer {KEYS[0]}"}) as http:
+            return await asyncio.gather(*(http.post("/strict/v1/completions", json=body) for _ in range(6)))
+
+    out = asyncio.run(burst())
+    codes = sorted(r.status_code for r in out)
+    assert codes.count(200) >= 1 and codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
+    busy = next(r for r in out if r.status_code == 429)
+    assert busy.json()["error"]["code"] == "queue_full" and int(busy.headers["retry-after"]) >= 1
+    # streams, finished or hung up, give their place back
+    with httpx.stream("POST", f"{server}/strict/v1/completions", timeout=60, headers={"Authorization": f"Bearer {KEYS[0]}"},
+                      json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+    deadline = time.monotonic() + 20
+    while (r := strict_post(server, {"prompt": "b", "max_tokens": 2})).status_code == 429 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert r.status_code == 200, r.text
+    assert strict_post(server, {"prompt": "a", "max_tokens": 3, "stream": True}).status_code == 200
+    assert strict_post(server, {"prompt": "a", "max_tokens": 3}).status_code == 200
+
+
+def test_health_answers_fast_while_huge_prompts_arrive(server):
+    """Twelve 3.9 MB prompts (under the 4 MiB body limit) at once: parsed off the event loop and refused
+    by length before tokenizing, while /healthz keeps answering."""
+    huge = json.dumps({"prompt": "word " * 780_000, "max_tokens": 2}).encode()
+    assert len(huge) < 4 << 20
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server, timeout=120) as http:
+            async def probe():
+                worst = 0.0
+                for _ in range(10):
+                    t = time.perf_counter()
+                    assert (await http.get("/healthz")).status_code == 200
+                    worst = max(worst, time.perf_counter() - t)
+                    await asyncio.sleep(0.1)
+                return worst
+
+            posts = [http.post("/v1/completions", content=huge, headers={"Content-Type": "application/json"})
+                     for _ in range(12)]
+            return await asyncio.gather(probe(), *posts)
+
+    worst, *answers = asyncio.run(run())
+    assert all(r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded" for r in answers)
+    assert worst < 1.0, worst
+
+
+def test_hang_ups_are_logged_at_info_not_as_errors(server):
+    """Clients that go away (mid-stream, or while a plain request waits) are logged at info with the
+    request id; the replica logs no 'unhandled error' and no traceback for them."""
+    import glob
+
+    import ray
+
+    for _ in range(3):
+        with httpx.stream("POST", f"{server}/v1/completions", timeout=60,
+                          json={"prompt": "go", "max_tokens": MAX_TOKENS_LIMIT, "temperature": 1.0, "stream": True}) as r:
+            next(r.iter_lines())
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{server}/chat/v1/chat/completions", timeout=0.3,
+                       json={"messages": [{"role": "user", "content": "long"}], "max_tokens": 3000, "temperature": 0,
+                             "mode": "dense"})
+    time.sleep(3)  # let the replicas notice and log
+    logs = ray._private.worker._global_node.get_logs_dir_path()
+    text = "".join(open(f, errors="replace").read() for f in glob.glob(f"{logs}/serve/replica_*.log"))
+    assert "hung up" in text
+    assert "unhandled error" not in text and "TaskCancelledError" not in text
 
 
 # ---- fault tolerance (last: it replaces the replica) ---------------------------------------------
