@@ -4,11 +4,17 @@
     serve deploy serve_config.yaml
 
 Routes: POST /v1/completions, POST /v1/chat/completions (when the tokenizer has a chat template),
-GET /v1/models, GET /healthz. Non-streaming requests that arrive together are batched
-(@serve.batch) and grouped by mode and sampling parameters into engine calls; streaming requests bypass
-the batcher and run as one engine call each. All engine calls of a replica run on one worker
-thread (the engine is not thread-safe), and JSON parsing, chat templating and tokenization run on
-a small pool of other threads, so the event loop stays free to accept requests and answer /healthz.
+GET /v1/models, GET /healthz.
+
+Batching (`batching`): "continuous" (default) runs every request, streaming or not, through
+specee_core.continuous: prompts join the running batch at decode-step boundaries, leave it when they
+finish, get free rows in turn per request (a 1000-prompt request does not starve a 1-prompt one),
+and long prompts are prefilled in chunks between decode steps. "request" is the earlier shape, kept
+for comparison (jobs.bench_serve): non-streaming requests that arrive together are batched
+(@serve.batch) into engine calls that run to completion, streams run one engine call each. Either
+way the engine runs on one thread of its own (it is not thread-safe), and JSON parsing, chat
+templating and tokenization run on a small pool of other threads, so the event loop stays free to
+accept requests and answer /healthz.
 
 Limits, each a 4xx with an OpenAI-style error body (ServeArgs): body size (413), JSON nesting depth,
 prompts per request, characters per prompt before tokenizing, tokens per request, stop strings'
@@ -38,7 +44,10 @@ from ray.serve import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specee_core import PromptError, SpecEEEngine
+from specee_core.continuous import Request as EngineRequest
+from specee_core.continuous import Runner, Scheduler
 from specee_core.engine import MODES
+from specee_core.sampling import SamplingParams
 from specee_core.stops import cut_at_stop
 from pipeline.openai_protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRequest, CompletionRequest, chat_chunk,
                                       chat_response, completion_chunk, completion_response, error_body, new_id,
@@ -67,8 +76,10 @@ class ServeArgs(BaseModel):
     device: str = "cpu"
     dtype: str | None = "bfloat16"  # float32 | bfloat16 | float16 (bf16: the fast path on CPUs with avx512_bf16)
     engine_options: dict = Field(default_factory=dict)  # more SpecEEEngine.from_pretrained options
-    max_batch_size: int = Field(8, ge=1)  # prompts per batched engine call
-    batch_wait_timeout_s: float = Field(0.02, ge=0)  # how long a batch waits to fill up
+    batching: Literal["continuous", "request"] = "continuous"  # see the module's docstring
+    max_batch_size: int = Field(8, ge=1)  # rows decoding at once (continuous); prompts per engine call (request)
+    prefill_chunk: int = Field(256, ge=1)  # continuous: prompt tokens prefilled per step (one lane)
+    batch_wait_timeout_s: float = Field(0.02, ge=0)  # request batching: how long a batch waits to fill up
     max_tokens_limit: int | None = Field(None, ge=1)  # default: the context length - 1
     stall_timeout_s: float = Field(600.0, gt=0)  # an engine call running longer fails the health check
     num_cpus: float = Field(1.0, gt=0)  # per replica
@@ -109,6 +120,13 @@ class Work:
     prompts: tuple[str, ...]
     params: dict  # max_new_tokens, temperature, top_p, top_k, stop (tuple), seed
     mode: str
+    ids: tuple = ()  # the prompts' token ids (continuous batching runs these)
+
+    def engine_request(self, on_token=None) -> EngineRequest:
+        p = self.params
+        sampling = SamplingParams(max_new_tokens=p["max_new_tokens"], temperature=p["temperature"], top_p=p["top_p"],
+                                  top_k=p["top_k"], stop=list(p["stop"]), seed=p["seed"])
+        return EngineRequest([list(i) for i in self.ids], sampling, self.mode, on_token=on_token)
 
     def key(self) -> tuple:
         """Requests with equal keys can share one engine call."""
@@ -272,6 +290,15 @@ async def _server_error(request: Request, e: Exception) -> JSONResponse:
     return JSONResponse(error_body("internal server error", type="server_error"), status_code=500)
 
 
+def rss_mb() -> float:
+    """This process's resident memory in MB (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+    except OSError:
+        return 0.0
+
+
 def hung_up(e: BaseException) -> bool:
     """Whether e is how a request ends when its client goes away: the request task cancelled."""
     from ray.exceptions import TaskCancelledError
@@ -330,6 +357,9 @@ class SpecEEServer:
         tok = self.engine.tokenizer
         self.chat_template = getattr(tok, "chat_template", None)
         self._thread = EngineThread(args.stall_timeout_s)
+        self._runner = None if args.batching == "request" else Runner(
+            Scheduler(self.engine, max_rows=args.max_batch_size, prefill_chunk=args.prefill_chunk),
+            args.stall_timeout_s)
         # JSON parsing, chat templates and tokenization of big inputs: off the event loop, beside the engine
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specee-requests")
         self.args = args
@@ -338,6 +368,9 @@ class SpecEEServer:
         self._generate_batch.set_max_batch_size(args.max_batch_size)
         self._generate_batch.set_batch_wait_timeout_s(args.batch_wait_timeout_s)
         self.engine.generate(["Hello"], max_new_tokens=1, mode=self.mode)  # warm up; fail here, not on a request
+        if self._runner is not None:  # and the batching thread, with a lane for greedy requests in the default mode
+            self._runner.submit(EngineRequest([self.engine.encode_prompt("Hello")], SamplingParams(max_new_tokens=2),
+                                              self.mode)).result(timeout=600)
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()  # = its actor's name
         log.info("serving %s as %r, mode=%s, context=%d, chat=%s, api keys: %d", args.model, self.model_name,
                  self.mode, self.engine.context_len, self.chat_template is not None, len(self._api_keys))
@@ -345,7 +378,7 @@ class SpecEEServer:
     # ---- health -------------------------------------------------------------------------------
     def check_health(self) -> None:
         """Called by Serve every health_check_period_s; raising makes Serve replace this replica."""
-        self._thread.check()
+        (self._runner or self._thread).check()
 
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
@@ -354,7 +387,7 @@ class SpecEEServer:
         except RuntimeError as e:
             return JSONResponse({"status": "unhealthy", "reason": str(e)}, status_code=503)
         return JSONResponse({"status": "ok", "model": self.model_name, "mode": self.mode,
-                             "replica": self.replica_id})
+                             "replica": self.replica_id, "batching": self.args.batching, "rss_mb": rss_mb()})
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict:
@@ -383,13 +416,15 @@ class SpecEEServer:
                            f"{self.args.max_prompts_per_request} per request", param="prompt", code="too_many_prompts")
         ticket = self._admission.enter()
         try:
-            mode, params, n_prompt = await self._prepare(req, prompts, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
+            mode, params, n_prompt, ids = await self._prepare(req, prompts,
+                                                              default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
+            work = Work(tuple(prompts), params, mode, ids)
             rid = new_id("cmpl")
             if req.stream:  # the ticket goes with the stream
-                response, ticket = self._stream(rid, prompts, params, mode, chat=False,
-                                                include_usage=req.include_usage, ticket=ticket), None
+                response, ticket = self._stream(rid, work, chat=False, include_usage=req.include_usage,
+                                                ticket=ticket), None
                 return response
-            results, batch_size = await self._generate(Work(tuple(prompts), params, mode))
+            results, batch_size = await self._generate(work)
         finally:
             if ticket is not None:
                 ticket.release()
@@ -409,13 +444,14 @@ class SpecEEServer:
         ticket = self._admission.enter()
         try:
             prompt = await self._render_chat(req)
-            mode, params, n_prompt = await self._prepare(req, [prompt], default_max_tokens=None)
+            mode, params, n_prompt, ids = await self._prepare(req, [prompt], default_max_tokens=None)
+            work = Work((prompt,), params, mode, ids)
             rid = new_id("chatcmpl")
             if req.stream:  # the ticket goes with the stream
-                response, ticket = self._stream(rid, [prompt], params, mode, chat=True,
-                                                include_usage=req.include_usage, ticket=ticket), None
+                response, ticket = self._stream(rid, work, chat=True, include_usage=req.include_usage,
+                                                ticket=ticket), None
                 return response
-            results, batch_size = await self._generate(Work((prompt,), params, mode))
+            results, batch_size = await self._generate(work)
         finally:
             if ticket is not None:
                 ticket.release()
@@ -458,8 +494,8 @@ class SpecEEServer:
             raise APIError(f"the model {name!r} does not exist; this server has {self.model_name!r}", status=404,
                            param="model", code="model_not_found")
 
-    async def _prepare(self, req, prompts: list[str], default_max_tokens: int | None) -> tuple[str, dict, int]:
-        """Checks that need the engine -> (mode, generate kwargs, prompt tokens in all)."""
+    async def _prepare(self, req, prompts: list[str], default_max_tokens: int | None) -> tuple[str, dict, int, tuple]:
+        """Checks that need the engine -> (mode, generate kwargs, prompt tokens in all, token ids)."""
         self._check_model(req.model)
         try:
             mode = self._pick_mode(req.mode or self.mode)
@@ -472,7 +508,8 @@ class SpecEEServer:
         param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         for i, p in enumerate(prompts):
             self._check_chars(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]", param)
-        lengths = await self._off_loop(self._token_counts, prompts, param)
+        ids = await self._off_loop(self._encode, prompts, param)
+        lengths = [len(i) for i in ids]
         room = self.engine.context_len - max(lengths)
         max_tokens = req.max_tokens or default_max_tokens or min(room, self.max_tokens_limit)
         if max_tokens > self.max_tokens_limit:
@@ -488,18 +525,18 @@ class SpecEEServer:
             raise APIError(f"the request asks for {total} tokens ({sum(lengths)} in its prompts, {max_tokens} x "
                            f"{len(prompts)} to generate); this server allows {self.args.max_request_tokens} per "
                            f"request", param="max_tokens", code="request_too_large")
-        return mode, req.sampling(max_tokens), sum(lengths)
+        return mode, req.sampling(max_tokens), sum(lengths), tuple(tuple(i) for i in ids)
 
-    def _token_counts(self, prompts: list[str], param: str) -> list[int]:
-        """Prompt lengths in tokens (on a request thread); a prompt over the context is a 400."""
-        lengths = []
+    def _encode(self, prompts: list[str], param: str) -> list[list[int]]:
+        """The prompts' token ids (on a request thread); a prompt over the context is a 400."""
+        ids = []
         for i, p in enumerate(prompts):
             try:
-                lengths.append(len(self.engine.encode_prompt(p)))
+                ids.append(self.engine.encode_prompt(p))
             except PromptError as e:  # types and emptiness are checked already: this is the length
                 where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
                 raise APIError(f"{where}: {e}", param=param, code="context_length_exceeded") from None
-        return lengths
+        return ids
 
     def _pick_mode(self, requested: str | None) -> str:
         return pick_mode(requested, has_draft=self.engine.draft_head is not None,
@@ -515,7 +552,22 @@ class SpecEEServer:
 
     # ---- engine calls -------------------------------------------------------------------------
     async def _generate(self, work: Work):
-        """(results, prompts in the engine call); APIError on failure."""
+        """(results, the batch it ran in: prompts per engine call, or the most rows decoding beside it);
+        APIError on failure."""
+        if self._runner is not None:
+            request = work.engine_request()
+            try:
+                fut = asyncio.wrap_future(self._runner.submit(request))
+            except ValueError as e:  # PromptError included
+                raise engine_error(e) from None
+            try:
+                results = await fut
+            except asyncio.CancelledError:  # the client went away: free its rows
+                request.cancel()
+                raise
+            except Exception as e:  # noqa: BLE001 -- as the client sees it
+                raise engine_error(e) from None
+            return results, request.peak_batch or len(work.prompts)
         if len(work.prompts) > self.max_batch_size:  # too big to share a batch: run it alone
             out = (await self._thread.submit(run_grouped, self.engine, [work]))[0]
         else:
@@ -529,12 +581,12 @@ class SpecEEServer:
         # the sizes set here are replaced in __init__ from ServeArgs
         return await self._thread.submit(run_grouped, self.engine, works)
 
-    def _stream(self, rid: str, prompts: list[str], params: dict, mode: str, *, chat: bool,
-                include_usage: bool, ticket: Ticket) -> StreamingResponse:
+    def _stream(self, rid: str, work: Work, *, chat: bool, include_usage: bool, ticket: Ticket) -> StreamingResponse:
         """Server-sent events in OpenAI's chunk format: text deltas as tokens are chosen, then a
         chunk per choice with finish_reason (the last one carries usage and specee), then [DONE]."""
         tok, model, created = self.engine.tokenizer, self.model_name, int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
+        prompts, params, mode = work.prompts, work.params, work.mode
 
         def chunk(i: int, text: str | None, finish: str | None = None, **extra) -> str:
             if chat:
@@ -557,8 +609,13 @@ class SpecEEServer:
                     f.exception()  # retrieved here: a cancelled stream's error is expected
                 queue.put_nowait(None)
 
-            run = functools.partial(self.engine.generate, list(prompts), mode=mode, on_token=on_token, **params)
-            fut = self._thread.submit(run)
+            request = None
+            if self._runner is not None:  # joins the running batch
+                request = work.engine_request(on_token)
+                fut = asyncio.wrap_future(self._runner.submit(request))
+            else:  # an engine call of its own
+                run = functools.partial(self.engine.generate, list(prompts), mode=mode, on_token=on_token, **params)
+                fut = self._thread.submit(run)
             fut.add_done_callback(done)
             fut.add_done_callback(lambda _: ticket.release())
             texts = [StreamText(tok, params["stop"]) for _ in prompts]
@@ -581,8 +638,11 @@ class SpecEEServer:
                 raise
             finally:
                 cancelled.set()  # the client left (GeneratorExit / CancelledError) or we are done
+                if request is not None and not request.done:
+                    request.cancel()
             u = usage(sum(r.prompt_tokens for r in results), sum(len(r.token_ids) for r in results))
-            summary = specee_summary(results, self.engine.model.num_layers, mode, len(prompts))
+            batch = request.peak_batch if request is not None and request.peak_batch else len(prompts)
+            summary = specee_summary(results, self.engine.model.num_layers, mode, batch)
             for i, r in enumerate(results):
                 if rest := texts[i].finish(cut_at_stop(r.text, params["stop"])):
                     yield chunk(i, rest)

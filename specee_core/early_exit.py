@@ -260,6 +260,19 @@ class Stepper:
         ee.speculator.start(batch.prompt_ids, m.final_norm(prefill_hidden), lens, cache.max_len)
         self.t_draft += time.perf_counter() - t0
 
+    def admit(self, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
+        batch, m = self.batch, self.model
+        for b in rows:
+            self.histories[b] = list(batch.prompt_ids[b])
+            self.windows[b] = OnlineWindow(self.ee.schedule)
+            self.rows[b] = RowStats(explore_histogram=[0] * m.num_layers)
+            self.pending[b] = []
+        idx = torch.tensor(rows, device=m.device)
+        self.features[idx] = m.final_norm(batch.last_hidden[idx])
+        t0 = time.perf_counter()
+        self.ee.speculator.admit([batch.prompt_ids[b] for b in rows], m.final_norm(prefill_hidden), lens, rows)
+        self.t_draft += time.perf_counter() - t0
+
     def _predictor_layers(self, alive: list[int], explore: bool) -> list[frozenset[int]]:
         """Per alive row: the layers after which its predictor runs this step."""
         if explore:

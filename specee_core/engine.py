@@ -351,7 +351,7 @@ class SpecEEEngine:
         batch.positions[b] = len(batch.prompt_ids[b]) + len(batch.generated[b]) - 1
         if tok in self.eos_ids and not batch.params.ignore_eos:
             batch.finish[b] = "stop"
-        elif batch.params.stop:
+        elif batch.stop_matchers[b].stops:
             # the whole id list is decoded (a character split across tokens comes out right); only
             # the new tail is searched
             text = self.tokenizer.decode(batch.generated[b], skip_special_tokens=True)
@@ -364,13 +364,15 @@ class SpecEEEngine:
         if batch.finish[b] is not None:
             batch.t_done[b] = now
 
-    def _result(self, batch: Batch, b: int, t0: float, stepper) -> GenerationResult:
+    def _result(self, batch: Batch, b: int, t0: float, stepper, t_first: float | None = None) -> GenerationResult:
+        """Row b's result; t0: when its work started, t_first: when its first token came (default: the batch's)."""
         ids = batch.generated[b]
         text = batch.texts[b] if batch.texts[b] is not None else self.tokenizer.decode(ids, skip_special_tokens=True)
         n_tok = len(ids)
-        ttft = batch.t_first - t0
+        t_first = batch.t_first if t_first is None else t_first
+        ttft = t_first - t0
         e2e = batch.t_done[b] - t0
-        decode_s = batch.t_done[b] - batch.t_first
+        decode_s = batch.t_done[b] - t_first
         metrics = {
             "ttft_s": ttft,
             "tpot_s": decode_s / max(n_tok - 1, 1),  # mean inter-token latency after the first token
@@ -422,3 +424,6 @@ class DenseStepper:
 
     def row_stats(self, b: int) -> dict:
         return {}
+
+    def admit(self, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
+        pass  # no per-row state

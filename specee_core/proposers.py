@@ -118,6 +118,9 @@ class Proposer(Protocol):
     def start(self, engine, batch: Batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
         """After the prefill; prefill_hidden [B, T, D] right-padded, lens [B]."""
 
+    def admit(self, batch: Batch, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
+        """Continuous batching: batch rows `rows` start new prompts, prefilled (as start, for those rows)."""
+
     def propose(self, rows: list[int], batch: Batch, depths: list[int], params: SamplingParams | None = None,
                 generator: torch.Generator | None = None, max_nodes: int | None = None) -> Draft:
         """Drafts after each row's root (its last generated token), no deeper than depths[r] (>= 1 for
@@ -139,6 +142,9 @@ class LookupProposer:
 
     def start(self, engine, batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
         pass
+
+    def admit(self, batch, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
+        pass  # drafts from the batch's tokens alone
 
     def continuation(self, hist: list[int], depth: int) -> list[int]:
         start = next(ngram_matches(hist, self.max_ngram), None)
@@ -184,6 +190,15 @@ class DraftHeadProposer:
         # per row: the features of its pending pairs, one [k, D] tensor per step (joined when fed, so steps
         # without a draft append without copying)
         self.pend_feats = [[m.final_norm(batch.last_hidden[b : b + 1])] for b in range(n)]
+
+    def admit(self, batch, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
+        """New prompts in batch rows `rows` (continuous batching): prefill their draft cache rows and
+        set their pending pairs, as start does for a whole batch."""
+        m = self.spec.model_base
+        self.spec.admit([batch.prompt_ids[b] for b in rows], m.final_norm(prefill_hidden), lens, rows)
+        for b in rows:
+            self.pend_tokens[b] = [int(batch.next_tokens[b])]
+            self.pend_feats[b] = [m.final_norm(batch.last_hidden[b : b + 1])]
 
     def accepted(self, rows: list[int], features: list[torch.Tensor], tokens: list[list[int]]) -> None:
         for b, f, toks in zip(rows, features, tokens):  # steps without a draft leave their pairs pending

@@ -98,6 +98,11 @@ class SpecStepper:
         proposer.start(engine, batch, cache, prefill_hidden, lens)
         self.stats.t_draft += time.perf_counter() - t0
 
+    def admit(self, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
+        for b in rows:
+            self.stats.per_row_steps[b] = self.stats.per_row_accepted[b] = 0
+        self.proposer.admit(self.batch, rows, prefill_hidden, lens)
+
     def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
         t0 = time.perf_counter()
         draft = self.propose(alive, generator)

@@ -151,6 +151,9 @@ class Speculator:
     def start(self, prompt_ids: list[list[int]], features: torch.Tensor, lens: torch.Tensor, max_len: int) -> None:
         """features [B, T, D]: normed prefill features (right-padded), lens [B]."""
 
+    def admit(self, prompt_ids: list[list[int]], features: torch.Tensor, lens: torch.Tensor, rows: list[int]) -> None:
+        """Continuous batching: batch rows `rows` start new prompts (features and lens as in start)."""
+
     def propose(self, rows: list[int], history: list[list[int]], tokens: torch.Tensor,
                 features: torch.Tensor) -> torch.Tensor:
         """rows: batch rows; history[b]: every token of row b so far (prompt + generated, the fed
@@ -183,8 +186,16 @@ class DraftSpeculator(Speculator):
         return m.layer(0, h, m.rope_for(positions), self.cache, rows, n_valid, tree)
 
     def start(self, prompt_ids, features, lens, max_len) -> None:
+        self.cache = self.draft.new_cache(features.shape[0], max_len)
+        self._prefill(prompt_ids, features, lens, None)
+
+    def admit(self, prompt_ids, features, lens, rows) -> None:
+        self.cache.truncate(torch.tensor(rows), torch.zeros(len(rows), dtype=torch.int64))
+        sub = torch.tensor(rows, device=features.device) if len(rows) < self.cache.batch else None
+        self._prefill(prompt_ids, features, lens, sub)
+
+    def _prefill(self, prompt_ids, features, lens, rows) -> None:
         n, t, _ = features.shape
-        self.cache = self.draft.new_cache(n, max_len)
         if t < 2:
             return
         # pairs (x_{i+1}, f_i) for i < len - 1 at draft position i; the last pair comes with the first decode step
@@ -192,7 +203,7 @@ class DraftSpeculator(Speculator):
         for b, p in enumerate(prompt_ids):
             toks[b, : len(p) - 1] = torch.tensor(p[1:])
         dev = features.device
-        self._step(toks.to(dev), features[:, :-1], torch.arange(t - 1, device=dev).expand(n, t - 1), None,
+        self._step(toks.to(dev), features[:, :-1], torch.arange(t - 1, device=dev).expand(n, t - 1), rows,
                    n_valid=(lens - 1).clamp(min=0))
 
     def propose(self, rows, history, tokens, features) -> torch.Tensor:
@@ -246,6 +257,10 @@ class PromptLookupSpeculator(Speculator):
     def start(self, prompt_ids, features, lens, max_len) -> None:
         if self.fallback is not None:
             self.fallback.start(prompt_ids, features, lens, max_len)
+
+    def admit(self, prompt_ids, features, lens, rows) -> None:
+        if self.fallback is not None:
+            self.fallback.admit(prompt_ids, features, lens, rows)
 
     def lookup(self, hist: list[int]) -> list[int]:
         found: list[int] = []

@@ -41,6 +41,12 @@ class Stepper(Protocol):
         """Statistics of batch row b for its GenerationResult.stats."""
         ...
 
+    def admit(self, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
+        """Continuous batching: batch rows `rows` now hold new prompts, prefilled (prefill_hidden [N, T, D]
+        right-padded, lens [N]; the batch already has their first token and last hidden state). Forget
+        what the rows held before and start them as the constructor starts a batch's rows."""
+        ...
+
 
 class StepperFactory(Protocol):
     def __call__(self, engine: SpecEEEngine, batch: Batch, cache: KVCache, prefill_hidden: torch.Tensor,

@@ -58,7 +58,8 @@ def server(dirs):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run_many([
         serve.RunTarget(app({"model": str(plain), "model_name": "tiny", "num_cpus": 0.5, "dtype": "float32",
-                             "max_tokens_limit": MAX_TOKENS_LIMIT}), name="specee", route_prefix="/"),
+                             "max_tokens_limit": MAX_TOKENS_LIMIT, "max_prompts_per_request": 256}),
+                        name="specee", route_prefix="/"),
         serve.RunTarget(app({"model": str(chat), "model_name": "tiny-chat", "num_cpus": 0.5, "dtype": "float32",
                              "mode": "specee"}), name="chat", route_prefix="/chat"),
         # fp32: greedy speculative decoding is exactly dense; no mode given: spec, since a draft head is there
@@ -584,6 +585,79 @@ def test_hang_ups_are_logged_at_info_not_as_errors(server):
     text = "".join(open(f, errors="replace").read() for f in glob.glob(f"{logs}/serve/replica_*.log"))
     assert "hung up" in text
     assert "unhandled error" not in text and "TaskCancelledError" not in text
+
+
+# ---- continuous batching under traffic -------------------------------------------------------------
+def test_a_short_request_finishes_while_a_200_prompt_request_runs(server, engine):
+    big = {"prompt": [PROMPTS[i % len(PROMPTS)] for i in range(200)], "max_tokens": MAX_TOKENS_LIMIT,
+           "temperature": 0}
+    small = {"prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server, timeout=300) as http:
+            async def timed(body, delay):
+                await asyncio.sleep(delay)
+                t = time.perf_counter()
+                r = await http.post("/v1/completions", json=body)
+                return r, time.perf_counter()
+
+            t0 = time.perf_counter()
+            return t0, *await asyncio.gather(timed(big, 0), timed(small, 0.3))
+
+    t0, (rb, t_big), (rs, t_small) = asyncio.run(run())
+    assert rb.status_code == 200 and rs.status_code == 200, (rb.text[:200], rs.text[:200])
+    print(f"\n200 prompts: {t_big - t0:.2f} s; 1 prompt sent at 0.3 s: done at {t_small - t0:.2f} s")
+    assert t_small - t0 < 0.5 * (t_big - t0)  # it did not wait for the 200 prompts
+    assert rs.json()["choices"][0]["text"] == engine.generate([PROMPTS[1]], max_new_tokens=4)[0].text
+    texts = [c["text"] for c in sorted(rb.json()["choices"], key=lambda c: c["index"])]
+    refs = {p: r.text for p, r in zip(PROMPTS, engine.generate(PROMPTS, max_new_tokens=MAX_TOKENS_LIMIT))}
+    assert texts == [refs[PROMPTS[i % len(PROMPTS)]] for i in range(200)]
+
+
+MEMORY_BOUND_MB = 150
+
+
+def test_memory_stays_bounded_over_1000_mixed_requests(server):
+    """Completions, prompt lists, streams, hang-ups and bad requests, 16 at a time: the replica's resident
+    memory after 1,000 of them is within MEMORY_BOUND_MB of what it was after a warm-up of 100."""
+    def bodies(n):
+        out = []
+        for i in range(n):
+            kind = i % 5
+            if kind == 0:
+                out.append(("/v1/completions", {"prompt": PROMPTS[i % 8], "max_tokens": 8, "temperature": 0}))
+            elif kind == 1:
+                out.append(("/v1/completions", {"prompt": PROMPTS[:3], "max_tokens": 4, "temperature": 0.8, "top_p": 0.9}))
+            elif kind == 2:
+                out.append(("/v1/completions", {"prompt": PROMPTS[i % 8], "max_tokens": 6, "stream": True}))
+            elif kind == 3:
+                out.append(("/v1/completions", {"prompt": "", "max_tokens": 4}))  # 400
+            else:
+                out.append(("/v1/completions", {"prompt": PROMPTS[i % 8], "max_tokens": 12, "stop": ["e"]}))
+        return out
+
+    async def drive(n):
+        sem = asyncio.Semaphore(16)
+        async with httpx.AsyncClient(base_url=server, timeout=120) as http:
+            async def one(path, body):
+                async with sem:
+                    if body.get("stream"):
+                        async with http.stream("POST", path, json=body) as r:
+                            async for _ in r.aiter_lines():
+                                break  # hang up after the first event
+                        return 200
+                    return (await http.post(path, json=body)).status_code
+
+            return await asyncio.gather(*(one(p, b) for p, b in bodies(n)))
+
+    codes = asyncio.run(drive(100))
+    assert set(codes) <= {200, 400}
+    before = httpx.get(f"{server}/healthz", timeout=10).json()["rss_mb"]
+    codes = asyncio.run(drive(1000))
+    assert codes.count(400) == 200 and codes.count(200) == 800
+    after = httpx.get(f"{server}/healthz", timeout=10).json()["rss_mb"]
+    print(f"\nreplica memory: {before} MB after 100 requests, {after} MB after 1,000 more")
+    assert before > 0 and after - before < MEMORY_BOUND_MB, (before, after)
 
 
 # ---- fault tolerance (last: it replaces the replica) ---------------------------------------------

@@ -1,0 +1,156 @@
+"""Continuous batching (specee_core.continuous) on the trained bundled model in fp32: every prompt of
+requests that arrive while others decode, with chunked prefill, fewer rows than prompts, stop strings
+and different lengths, gets exactly what it gets when run alone, in every mode; admission is fair
+per request; cancellation frees rows; failures stay with their request."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from specee_core import SpecEEEngine
+from specee_core.continuous import CancelledRequest, Request, Runner, Scheduler
+from specee_core.sampling import SamplingParams
+from tests.conftest import BUNDLED
+
+PROMPTS = ["def add(a, b):\n", "import os\n", "class Point:\n    def __init__(self", "for i in range(10):\n",
+           "x = [1, 2, 3]\n", "with open(path) as f:\n", "return sorted(", "try:\n    import json\n"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return SpecEEEngine.from_pretrained(BUNDLED)
+
+
+@pytest.fixture(scope="module")
+def ids(engine):
+    return [engine.encode_prompt(p) for p in PROMPTS]
+
+
+def alone(engine, prompt_ids, params, mode, spec):
+    factory, headroom = engine.stepper_factory(mode, spec)
+    return engine.run([prompt_ids], params, factory, mode=mode, cache_headroom=headroom)[0]
+
+
+@pytest.mark.parametrize("mode, spec", [("dense", None), ("spec", {"proposer": "lookup"}), ("spec", None),
+                                        ("spec", {"width": 2, "depth": 3}), ("specee", None)])
+def test_rows_joining_a_running_batch_get_what_they_get_alone(engine, ids, mode, spec):
+    sch = Scheduler(engine, max_rows=3, prefill_chunk=5, min_len=64)
+    first = sch.submit(Request([ids[0], ids[1]], SamplingParams(max_new_tokens=12), mode, spec))
+    sch.step()
+    sch.step()  # the first request is decoding when the next ones arrive
+    second = sch.submit(Request([ids[2]], SamplingParams(max_new_tokens=7, stop=["\n"]), mode, spec))
+    sch.step()
+    third = sch.submit(Request([ids[3], ids[4], ids[5], ids[6]], SamplingParams(max_new_tokens=20), mode, spec))
+    steps = 0
+    while not all(r.done for r in (first, second, third)):
+        sch.step()
+        steps += 1
+        assert steps < 500
+    for req in (first, second, third):
+        assert req.error is None
+        for p, got in zip(req.prompt_ids, req.results):
+            ref = alone(engine, p, req.params, mode, spec)
+            assert (got.token_ids, got.text, got.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason)
+            assert got.exit_layers == ref.exit_layers
+    assert max(r.peak_batch for r in (first, second, third)) == 3 and not sch.lanes  # rows shared steps; lanes idle
+
+
+def test_a_short_request_is_not_starved_by_a_long_one(engine, ids):
+    """200 prompts arrive first, then one: the late request gets the next free row (turns per request),
+    so it finishes long before the big one, which still ends with every result right."""
+    sch = Scheduler(engine, max_rows=4, prefill_chunk=64, min_len=64)
+    big = sch.submit(Request([ids[i % len(ids)] for i in range(200)], SamplingParams(max_new_tokens=6), "dense"))
+    sch.step()
+    small = sch.submit(Request([ids[3]], SamplingParams(max_new_tokens=6), "dense"))
+    steps_small = None
+    steps = 0
+    while not big.done:
+        sch.step()
+        steps += 1
+        if small.done and steps_small is None:
+            steps_small = steps
+    assert steps_small is not None and steps_small <= 12 < steps
+    assert small.results[0].token_ids == alone(engine, ids[3], small.params, "dense", None).token_ids
+    assert all(r is not None for r in big.results)
+    assert big.results[5].token_ids == alone(engine, ids[5], big.params, "dense", None).token_ids
+
+
+def test_requests_with_different_sampling_run_in_lanes_of_their_own(engine, ids):
+    sch = Scheduler(engine, max_rows=4, min_len=64)
+    greedy = sch.submit(Request([ids[0]], SamplingParams(max_new_tokens=8), "dense"))
+    seeded = sch.submit(Request([ids[1]], SamplingParams(max_new_tokens=8, temperature=1.0, seed=7), "dense"))
+    spec = sch.submit(Request([ids[2]], SamplingParams(max_new_tokens=8), "spec"))
+    sch.step()
+    assert len(sch.lanes) == 3
+    while not all(r.done for r in (greedy, seeded, spec)):
+        sch.step()
+    assert seeded.results[0].token_ids == alone(engine, ids[1], seeded.params, "dense", None).token_ids
+    assert spec.results[0].token_ids == alone(engine, ids[2], spec.params, "dense", None).token_ids
+
+
+def test_cancel_frees_rows_and_a_failing_callback_ends_only_its_request(engine, ids):
+    sch = Scheduler(engine, max_rows=2, min_len=64)
+    long = sch.submit(Request([ids[0], ids[1]], SamplingParams(max_new_tokens=40, ignore_eos=True), "dense"))
+
+    def broken(i, tok):
+        raise RuntimeError("client gone")
+
+    bad = sch.submit(Request([ids[2]], SamplingParams(max_new_tokens=5), "dense", on_token=broken))
+    waiting = sch.submit(Request([ids[3]], SamplingParams(max_new_tokens=5), "dense"))
+    for _ in range(3):
+        sch.step()
+    long.cancel()
+    for _ in range(20):
+        sch.step()
+    assert long.done and isinstance(long.error, CancelledRequest)
+    assert bad.done and isinstance(bad.error, RuntimeError)
+    assert waiting.done and waiting.error is None  # got a row once the others left
+    assert waiting.results[0].token_ids == alone(engine, ids[3], waiting.params, "dense", None).token_ids
+    assert not sch.busy and sch.running_rows() == 0
+
+
+def test_chunked_prefill_keeps_others_decoding(engine, ids):
+    """A long prompt prefilled 8 tokens per step: the row already decoding makes a token every step."""
+    sch = Scheduler(engine, max_rows=2, prefill_chunk=8, min_len=64)
+    running = sch.submit(Request([ids[0]], SamplingParams(max_new_tokens=30, ignore_eos=True), "dense"))
+    while not sch.lanes or len(sch.lanes[0].batch.generated[0]) < 2:  # its own prefill done, decoding
+        sch.step()
+    long_prompt = engine.encode_prompt("".join(PROMPTS) * 2)
+    late = sch.submit(Request([long_prompt], SamplingParams(max_new_tokens=4), "dense"))
+    lane = sch.lanes[0]
+    before = len(lane.batch.generated[0])
+    prefill_steps = -(-len(long_prompt) // 8)
+    for _ in range(prefill_steps):
+        sch.step()
+    assert len(lane.batch.generated[0]) == before + prefill_steps  # one token per step throughout
+    while not (running.done and late.done):
+        sch.step()
+    assert late.results[0].token_ids == alone(engine, long_prompt, late.params, "dense", None).token_ids
+    assert running.results[0].token_ids == alone(engine, ids[0], running.params, "dense", None).token_ids
+
+
+def test_runner_serves_threads(engine, ids):
+    runner = Runner(Scheduler(engine, max_rows=4, min_len=64))
+    futures = {}
+
+    def client(i):
+        futures[i] = runner.submit(Request([ids[i]], SamplingParams(max_new_tokens=6), "dense"))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+        time.sleep(0.01)
+    for t in threads:
+        t.join()
+    for i, fut in futures.items():
+        assert fut.result(timeout=60)[0].token_ids == alone(engine, ids[i], SamplingParams(max_new_tokens=6),
+                                                            "dense", None).token_ids
+    runner.check()
+    with pytest.raises(ValueError, match="mode"):
+        runner.submit(Request([ids[0]], SamplingParams(), "fast"))
+    with pytest.raises(ValueError, match="empty"):
+        runner.submit(Request([[]], SamplingParams(), "dense"))
+    assert torch.is_inference_mode_enabled() is False
