@@ -52,6 +52,7 @@ from specee_core.stops import cut_at_stop
 from pipeline.openai_protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRequest, CompletionRequest, chat_chunk,
                                       chat_response, completion_chunk, completion_response, error_body, new_id,
                                       parse_body, specee_summary, sse, usage, usage_chunk)
+from pipeline.serve_metrics import EngineMetrics
 from pipeline.stream_text import StreamText
 
 # under ray.serve: Serve's replica log handler (file and console, with the request id) takes these too
@@ -365,6 +366,7 @@ class SpecEEServer:
         self.args = args
         self._api_keys = [k.encode() for k in args.api_keys]
         self._admission = Admission(args.max_batch_size, args.max_queued_requests)
+        self.metrics = EngineMetrics(self.model_name, self.engine.model.num_layers, args.max_batch_size)
         self._generate_batch.set_max_batch_size(args.max_batch_size)
         self._generate_batch.set_batch_wait_timeout_s(args.batch_wait_timeout_s)
         self.engine.generate(["Hello"], max_new_tokens=1, mode=self.mode)  # warm up; fail here, not on a request
@@ -379,6 +381,15 @@ class SpecEEServer:
     def check_health(self) -> None:
         """Called by Serve every health_check_period_s; raising makes Serve replace this replica."""
         (self._runner or self._thread).check()
+        self._record_load()
+
+    def _record_load(self) -> None:
+        if self._runner is not None:
+            running, waiting = self._runner.scheduler.load
+        else:  # request batching: what is admitted is in or waiting for an engine call
+            running, waiting = min(self._admission.active, self.max_batch_size), max(
+                0, self._admission.active - self.max_batch_size)
+        self.metrics.load(running, waiting)
 
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
@@ -567,6 +578,7 @@ class SpecEEServer:
                 raise
             except Exception as e:  # noqa: BLE001 -- as the client sees it
                 raise engine_error(e) from None
+            self._finished(results, work.mode)
             return results, request.peak_batch or len(work.prompts)
         if len(work.prompts) > self.max_batch_size:  # too big to share a batch: run it alone
             out = (await self._thread.submit(run_grouped, self.engine, [work]))[0]
@@ -574,7 +586,12 @@ class SpecEEServer:
             out = await self._generate_batch(work)
         if isinstance(out, Exception):
             raise engine_error(out)
+        self._finished(out[0], work.mode)
         return out
+
+    def _finished(self, results, mode: str) -> None:
+        self.metrics.finished(results, mode)
+        self._record_load()
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.02, batch_size_fn=_prompt_count)
     async def _generate_batch(self, works: list[Work]) -> list:
@@ -640,6 +657,7 @@ class SpecEEServer:
                 cancelled.set()  # the client left (GeneratorExit / CancelledError) or we are done
                 if request is not None and not request.done:
                     request.cancel()
+            self._finished(results, mode)
             u = usage(sum(r.prompt_tokens for r in results), sum(len(r.token_ids) for r in results))
             batch = request.peak_batch if request is not None and request.peak_batch else len(prompts)
             summary = specee_summary(results, self.engine.model.num_layers, mode, batch)

@@ -252,6 +252,7 @@ class Scheduler:
         self.active: list[Request] = []  # every request not done
         self.lanes: list[Lane] = []
         self.steps = 0
+        self.load = (0, 0)  # (rows in lanes, prompts waiting) after the last step: safe to read from any thread
 
     # ---- from any thread -------------------------------------------------------------------------
     def submit(self, request: Request) -> Request:
@@ -307,6 +308,7 @@ class Scheduler:
                 del self.idle[: max(0, len(self.idle) - self.idle_lanes)]
         self._settle(ended)
         self.steps += 1
+        self.load = (self.running_rows(), self.waiting_prompts())
         return ended
 
     def _drop_cancelled(self) -> None:
@@ -368,7 +370,10 @@ class Scheduler:
             req._done = True
             ended.append(req)
             if req.on_done is not None:
-                req.on_done(req)
+                try:
+                    req.on_done(req)
+                except Exception:  # noqa: BLE001 -- the caller's callback must not stop the others' requests
+                    log.exception("on_done of a request failed")
         self.active = still
 
     def fail_all(self, error: BaseException) -> None:
@@ -418,6 +423,8 @@ class Runner:
         def done(r: Request) -> None:
             if then is not None:
                 then(r)
+            if fut.done():  # cancelled by the caller (asyncio.wrap_future cancels it when the awaiting task is)
+                return
             if r.error is not None:
                 fut.set_exception(r.error)
             else:
@@ -440,7 +447,11 @@ class Runner:
                     log.exception("continuous batching step failed; failing %d requests", len(self.scheduler.active))
                     if isinstance(e, MemoryError):
                         self._fatal = repr(e)
-                    self.scheduler.fail_all(e)
+                    try:
+                        self.scheduler.fail_all(e)
+                    except BaseException as again:  # noqa: BLE001 -- nothing left to do: report it in check()
+                        self._fatal = f"{e!r}, then {again!r}"
+                        raise
                 finally:
                     self._busy_since = None
 
@@ -448,6 +459,8 @@ class Runner:
         """RuntimeError when the engine failed for good or a step has run past stall_timeout_s."""
         if self._fatal:
             raise RuntimeError(f"engine failed: {self._fatal}")
+        if not self._thread.is_alive():
+            raise RuntimeError("the continuous batching thread has stopped")
         busy = self._busy_since
         if busy is not None and time.monotonic() - busy > self.stall_timeout_s:
             raise RuntimeError(f"a decode step has run for over {self.stall_timeout_s:.0f} s")

@@ -154,3 +154,18 @@ def test_runner_serves_threads(engine, ids):
     with pytest.raises(ValueError, match="empty"):
         runner.submit(Request([[]], SamplingParams(), "dense"))
     assert torch.is_inference_mode_enabled() is False
+
+
+def test_runner_survives_callers_that_cancel_their_futures(engine, ids):
+    """asyncio.wrap_future cancels the concurrent future when the awaiting task is cancelled (a client
+    hanging up); the request ending later must not kill the runner's thread."""
+    runner = Runner(Scheduler(engine, max_rows=2, min_len=64))
+    req = Request([ids[0]], SamplingParams(max_new_tokens=200, ignore_eos=True), "dense")
+    fut = runner.submit(req)
+    assert fut.cancel() or fut.done()
+    req.cancel()
+    for _ in range(3):
+        after = runner.submit(Request([ids[1]], SamplingParams(max_new_tokens=4), "dense"))
+        assert after.result(timeout=60)[0].token_ids == alone(engine, ids[1], SamplingParams(max_new_tokens=4),
+                                                               "dense", None).token_ids
+    runner.check()

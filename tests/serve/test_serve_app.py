@@ -660,6 +660,32 @@ def test_memory_stays_bounded_over_1000_mixed_requests(server):
     assert before > 0 and after - before < MEMORY_BOUND_MB, (before, after)
 
 
+def test_engine_metrics_are_exported_beside_serves(server, chat_client):
+    """vLLM-style engine metrics reach Ray's metrics agent (the node's Prometheus port) with Serve's."""
+    import ray
+
+    msgs = [{"role": "user", "content": "count"}]
+    for mode in ("specee", "spec", "dense"):
+        chat_client.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=6, temperature=0,
+                                            extra_body={"mode": mode})
+    port = ray.nodes()[0]["MetricsExportPort"]
+    wanted = ["specee_generation_tokens_total", "specee_time_to_first_token_seconds_bucket",
+              "specee_inter_token_latency_seconds_bucket", "specee_e2e_request_latency_seconds_bucket",
+              "specee_exit_layer_bucket", "specee_spec_decode_tokens_per_step_bucket", "specee_num_requests_running",
+              "specee_num_requests_waiting", "specee_batch_occupancy_perc", "ray_serve_deployment_request_counter"]
+    deadline, text = time.monotonic() + 90, ""
+    while time.monotonic() < deadline:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        if all(w in text for w in wanted):
+            break
+        time.sleep(2)
+    missing = [w for w in wanted if w not in text]
+    assert not missing, missing
+    tokens = [line for line in text.splitlines()
+              if line.startswith("ray_specee_generation_tokens_total") and 'model_name="tiny-chat"' in line]
+    assert tokens and float(tokens[0].rsplit(" ", 1)[1]) >= 3, [l for l in text.splitlines() if "specee_gen" in l]
+
+
 # ---- fault tolerance (last: it replaces the replica) ---------------------------------------------
 def test_dead_replica_is_replaced(server, client):
     import ray
