@@ -13,8 +13,9 @@ slot is free for the next prompt at once.
 Admission is fair per request: free rows go round-robin to the requests with prompts waiting, so a
 request of 1000 prompts takes one row in turn with every other request, not all of them.
 Lanes are sized by the longest sequence they may hold (a power of two, at least `min_len`); an
-emptied lane is kept for reuse (up to `idle_lanes` of them, the oldest dropped first), so a steady
-stream of requests does not allocate a KV cache each, while memory still follows the traffic.
+emptied lane of up to IDLE_MAX_LEN_FACTOR x min_len is kept for reuse (up to `idle_lanes` of them, the
+oldest dropped first), so a steady stream of requests does not allocate a KV cache each, while the
+memory of lanes for long sequences goes back as soon as they empty.
 
 Not thread-safe: one thread runs `step()`; other threads hand requests over through `submit` (a
 queue) and stop them with `Request.cancel()`.
@@ -38,6 +39,7 @@ from specee_core.stops import StopMatcher
 
 log = logging.getLogger(__name__)
 
+IDLE_MAX_LEN_FACTOR = 4  # emptied lanes up to 4 x min_len long are kept for reuse
 FREE = "free"  # Batch.finish of an empty slot (not None: not alive)
 PREFILL = "prefill"  # ... of a slot whose prompt is still being prefilled
 
@@ -304,8 +306,9 @@ class Scheduler:
                     req.results[row.index] = result
             if not lane.rows:
                 self.lanes.remove(lane)
-                self.idle.append(lane)
-                del self.idle[: max(0, len(self.idle) - self.idle_lanes)]
+                if lane.max_len <= IDLE_MAX_LEN_FACTOR * self.min_len:  # long lanes give their memory back
+                    self.idle.append(lane)
+                    del self.idle[: max(0, len(self.idle) - self.idle_lanes)]
         self._settle(ended)
         self.steps += 1
         self.load = (self.running_rows(), self.waiting_prompts())

@@ -169,3 +169,13 @@ def test_runner_survives_callers_that_cancel_their_futures(engine, ids):
         assert after.result(timeout=60)[0].token_ids == alone(engine, ids[1], SamplingParams(max_new_tokens=4),
                                                                "dense", None).token_ids
     runner.check()
+
+
+def test_emptied_lanes_are_reused_unless_long(engine, ids):
+    sch = Scheduler(engine, max_rows=2, min_len=32, idle_lanes=2)
+    sch.run(Request([ids[0]], SamplingParams(max_new_tokens=4), "dense"))
+    [lane] = sch.idle
+    sch.run(Request([ids[1]], SamplingParams(max_new_tokens=4), "dense"))
+    assert sch.idle == [lane]  # the same lane (and KV cache) served the second request
+    sch.run(Request([ids[2]], SamplingParams(max_new_tokens=200), "dense"))  # needs a 256-slot lane: 8 x min_len
+    assert sch.idle == [lane] and not sch.lanes  # the long lane's memory went back

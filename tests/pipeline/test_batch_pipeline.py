@@ -149,7 +149,8 @@ def test_csv_and_parquet_inputs(tmp_path, model_dir):
                  cpus_per_actor=1.0)
     summary = run(cfg)
     df = read_output(tmp_path / "out")
-    assert sorted(df["id"]) == [f"p.parquet:{i}" for i in range(5)] and list(df["prompt"]) == GOOD[:5]
+    # rows come back as their batches finish (two actors here): compare by id
+    assert dict(zip(df["id"], df["prompt"])) == {f"p.parquet:{i}": GOOD[i] for i in range(5)}
     assert summary["errors"] == 0 and df["completion"].notna().all()
 
 
