@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from jobs.bench import git_commit
+    from jobs.cli import emit_json
     from pipeline.local_ray import init_ray
 
     commit = git_commit()
@@ -173,11 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     for a, b in (("stream", "bare"), ("stream", "waves")):
         if a in summary and b in summary:
             out[f"{a}_vs_{b}"] = round(summary[a]["tokens_per_s"] / summary[b]["tokens_per_s"], 3)
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return out
+    return emit_json(out, args.out)
 
 
 if __name__ == "__main__":

@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     from ray import serve
 
     from jobs.bench import git_commit
+    from jobs.cli import emit_json
     from pipeline.local_ray import init_ray
     from pipeline.serve import app
 
@@ -169,11 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
            "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                        "torch": torch.__version__, "ray": ray.__version__},
            "results": results, "continuous_over_request": speedups}
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return out
+    return emit_json(out, args.out)
 
 
 if __name__ == "__main__":

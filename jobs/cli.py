@@ -32,3 +32,14 @@ def parse_config(cls, doc: str | None, argv: list[str] | None = None, **override
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     return cls(**vars(args))
+
+
+def emit_json(obj: dict, path: str | Path | None = None) -> dict:
+    """Print obj as indented JSON and, given a path, write the same text there; returns obj."""
+    import json
+
+    text = json.dumps(obj, indent=2)
+    print(text)
+    if path:
+        Path(path).write_text(text + "\n")
+    return obj

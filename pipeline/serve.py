@@ -45,7 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specee_core import PromptError, SpecEEEngine
 from specee_core.continuous import Request as EngineRequest
-from specee_core.continuous import Runner, Scheduler
+from specee_core.continuous import Runner, Scheduler, Watchdog
 from specee_core.engine import MODES
 from specee_core.sampling import SamplingParams
 from specee_core.stops import cut_at_stop
@@ -183,15 +183,13 @@ def run_grouped(engine, works: list[Work]) -> list:
     return out
 
 
-class EngineThread:
-    """The one thread that runs a replica's engine calls (the engine is not thread-safe), keeping
-    what the health check needs: when the running call started and whether the engine failed."""
+class EngineThread(Watchdog):
+    """The one thread that runs a replica's engine calls with request batching (the engine is not
+    thread-safe), watched for the health check."""
 
     def __init__(self, stall_timeout_s: float):
-        self.stall_timeout_s = stall_timeout_s
+        super().__init__(stall_timeout_s)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specee-engine")
-        self._busy_since: float | None = None
-        self._fatal: str | None = None
 
     def submit(self, fn, *args) -> asyncio.Future:
         return asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, *args)
@@ -205,14 +203,6 @@ class EngineThread:
             raise
         finally:
             self._busy_since = None
-
-    def check(self) -> None:
-        """RuntimeError when the engine failed for good or a call has run past stall_timeout_s."""
-        if self._fatal:
-            raise RuntimeError(f"engine failed: {self._fatal}")
-        busy = self._busy_since
-        if busy is not None and time.monotonic() - busy > self.stall_timeout_s:
-            raise RuntimeError(f"an engine call has run for over {self.stall_timeout_s:.0f} s")
 
 
 class Admission:
@@ -425,20 +415,10 @@ class SpecEEServer:
         if len(prompts) > self.args.max_prompts_per_request:
             raise APIError(f"prompt is a list of {len(prompts)}; this server takes at most "
                            f"{self.args.max_prompts_per_request} per request", param="prompt", code="too_many_prompts")
-        ticket = self._admission.enter()
-        try:
-            mode, params, n_prompt, ids = await self._prepare(req, prompts,
-                                                              default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
-            work = Work(tuple(prompts), params, mode, ids)
-            rid = new_id("cmpl")
-            if req.stream:  # the ticket goes with the stream
-                response, ticket = self._stream(rid, work, chat=False, include_usage=req.include_usage,
-                                                ticket=ticket), None
-                return response
-            results, batch_size = await self._generate(work)
-        finally:
-            if ticket is not None:
-                ticket.release()
+        out = await self._complete(req, prompts, chat=False, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
+        if isinstance(out, StreamingResponse):
+            return out
+        rid, mode, n_prompt, results, batch_size = out
         body = completion_response(rid, self.model_name,
                                    [{"text": r.text, "finish_reason": r.finish_reason} for r in results],
                                    usage(n_prompt, sum(len(r.token_ids) for r in results)),
@@ -452,24 +432,34 @@ class SpecEEServer:
             raise APIError(f"model {self.model_name!r} has no chat template: use /v1/completions", status=404,
                            code="chat_not_supported")
         req = await self._parse(request, ChatCompletionRequest)
-        ticket = self._admission.enter()
-        try:
-            prompt = await self._render_chat(req)
-            mode, params, n_prompt, ids = await self._prepare(req, [prompt], default_max_tokens=None)
-            work = Work((prompt,), params, mode, ids)
-            rid = new_id("chatcmpl")
-            if req.stream:  # the ticket goes with the stream
-                response, ticket = self._stream(rid, work, chat=True, include_usage=req.include_usage,
-                                                ticket=ticket), None
-                return response
-            results, batch_size = await self._generate(work)
-        finally:
-            if ticket is not None:
-                ticket.release()
+        out = await self._complete(req, None, chat=True, default_max_tokens=None)
+        if isinstance(out, StreamingResponse):
+            return out
+        rid, mode, n_prompt, results, batch_size = out
         r = results[0]
         body = chat_response(rid, self.model_name, r.text, r.finish_reason, usage(n_prompt, len(r.token_ids)),
                              specee_summary(results, self.engine.model.num_layers, mode, batch_size))
         return JSONResponse(body)
+
+    async def _complete(self, req, prompts: list[str] | None, *, chat: bool, default_max_tokens: int | None):
+        """Admission, the checks that need the engine, and generation: a StreamingResponse for a stream
+        (which then holds the admission ticket), else (id, mode, prompt tokens, results, batch size)."""
+        ticket = self._admission.enter()
+        try:
+            if chat:
+                prompts = [await self._render_chat(req)]
+            mode, params, n_prompt, ids = await self._prepare(req, prompts, default_max_tokens=default_max_tokens)
+            work = Work(tuple(prompts), params, mode, ids)
+            rid = new_id("chatcmpl" if chat else "cmpl")
+            if req.stream:  # the ticket goes with the stream
+                response, ticket = self._stream(rid, work, chat=chat, include_usage=req.include_usage,
+                                                ticket=ticket), None
+                return response
+            results, batch_size = await self._generate(work)
+            return rid, mode, n_prompt, results, batch_size
+        finally:
+            if ticket is not None:
+                ticket.release()
 
     # ---- request checks -----------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:

@@ -407,15 +407,34 @@ class CancelledRequest(Exception):
     """A request cancelled before it finished."""
 
 
-class Runner:
-    """A Scheduler stepping on its own thread whenever it has work. submit() from any thread returns a
-    concurrent Future of the request's results (asyncio: `asyncio.wrap_future`)."""
+class Watchdog:
+    """What a health check needs of the thread that runs an engine: since when its current step or
+    call runs, and whether the engine failed for good."""
+    busy_what = "an engine call"
 
-    def __init__(self, scheduler: Scheduler, stall_timeout_s: float = 600.0):
-        self.scheduler, self.stall_timeout_s = scheduler, stall_timeout_s
-        self._wake = threading.Event()
+    def __init__(self, stall_timeout_s: float):
+        self.stall_timeout_s = stall_timeout_s
         self._busy_since: float | None = None
         self._fatal: str | None = None
+
+    def check(self) -> None:
+        """RuntimeError when the engine failed for good or the current step has run past stall_timeout_s."""
+        if self._fatal:
+            raise RuntimeError(f"engine failed: {self._fatal}")
+        busy = self._busy_since
+        if busy is not None and time.monotonic() - busy > self.stall_timeout_s:
+            raise RuntimeError(f"{self.busy_what} has run for over {self.stall_timeout_s:.0f} s")
+
+
+class Runner(Watchdog):
+    """A Scheduler stepping on its own thread whenever it has work. submit() from any thread returns a
+    concurrent Future of the request's results (asyncio: `asyncio.wrap_future`)."""
+    busy_what = "a decode step"
+
+    def __init__(self, scheduler: Scheduler, stall_timeout_s: float = 600.0):
+        super().__init__(stall_timeout_s)
+        self.scheduler = scheduler
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="specee-continuous", daemon=True)
         self._thread.start()
 
@@ -459,11 +478,6 @@ class Runner:
                     self._busy_since = None
 
     def check(self) -> None:
-        """RuntimeError when the engine failed for good or a step has run past stall_timeout_s."""
-        if self._fatal:
-            raise RuntimeError(f"engine failed: {self._fatal}")
+        super().check()
         if not self._thread.is_alive():
             raise RuntimeError("the continuous batching thread has stopped")
-        busy = self._busy_since
-        if busy is not None and time.monotonic() - busy > self.stall_timeout_s:
-            raise RuntimeError(f"a decode step has run for over {self.stall_timeout_s:.0f} s")
