@@ -11,8 +11,9 @@ records the version it ran with, and the driver saves each version under _schedu
 Why our own actors and not Ray Data's ActorPoolStrategy: Ray Data hands its actors their code
 through the object store, which Ray warns makes actor restarts unreliable (ray-project/ray#53727).
 Ours take a StageConfig of plain values and two names, inline, so Ray restarts a lost actor
-anywhere and retries its batches (max_restarts=-1, max_task_retries=-1). A batch's rows are
-written once its call returns, so a lost actor neither loses nor duplicates rows.
+anywhere and retries its batches (max_restarts=-1, max_task_retries=TASK_RETRIES). A batch's rows
+are written once its call returns, so a lost actor neither loses nor duplicates rows; a row that
+kills its actor every time becomes an error row.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import uuid
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -40,6 +41,7 @@ from specee_core.scheduler import Schedule
 log = logging.getLogger(__name__)
 
 CALLS_PER_ACTOR = 2  # batches queued on each actor, so that it starts the next as soon as one ends
+TASK_RETRIES = 2  # a batch whose actor dies is run again twice; then its rows one by one, then error rows
 
 
 @dataclass
@@ -271,8 +273,8 @@ def run(cfg: BatchConfig) -> dict:
     store_name = f"specee-schedule-{run_id}"
     store = remote_store(store_name, schedule, cfg.retune_every_tokens, cfg.retune_min_exits) \
         if cfg.stage.mode == "specee" else None
-    engine = ray.remote(GenerateRows).options(max_restarts=-1, max_task_retries=-1, runtime_env=cfg.runtime_env,
-                                              **resources)
+    engine = ray.remote(GenerateRows).options(max_restarts=-1, max_task_retries=TASK_RETRIES,
+                                              runtime_env=cfg.runtime_env, **resources)
     # the actors load the model while the rows to do are counted
     actors = [engine.remote(cfg.stage, run_id, store_name if store else None) for _ in range(cfg.num_actors)]
     stats, versions = RowStats(), SavedVersions(store, out, schedule)
@@ -283,7 +285,8 @@ def run(cfg: BatchConfig) -> dict:
                  out.root, cfg.num_actors, resources, cfg.stage.mode)
         progress = Progress(total, cfg.show_progress)
         stream(actors, batches_to_do(inputs, done, cfg.stage.batch_size), Writer(out, run_id, cfg.rows_per_file,
-               cfg.flush_every_s), stats, progress, versions)
+               cfg.flush_every_s), stats, progress, versions,
+               lambda batch, error: error_rows(batch, error, cfg.stage.mode, run_id))
         versions.poll(wait=True)
         store_state = ray.get(store.state.remote()) if versions.store is not None else None
     finally:
@@ -299,37 +302,60 @@ def run(cfg: BatchConfig) -> dict:
 
 
 def stream(actors: list, batches: Iterator[pa.Table], writer: Writer, stats: RowStats, progress: Progress,
-           versions: SavedVersions) -> None:
-    """Keep every actor CALLS_PER_ACTOR batches busy until the input runs out; write rows as they return."""
+           versions: SavedVersions, failed: Callable[[pa.Table, str], pa.Table]) -> None:
+    """Keep every actor CALLS_PER_ACTOR batches busy until the input runs out; write rows as they return.
+
+    A batch whose actor died 1 + TASK_RETRIES times (Ray restarts the actor and reruns the call) is
+    split into its rows, run one by one; a row that still kills its actor becomes an error row
+    (failed(batch, error)), so one poisonous prompt costs its own row, not the job or its neighbours."""
     free = deque(a for _ in range(CALLS_PER_ACTOR) for a in actors)  # round robin first: a1, a2, a1, a2
     in_flight: dict = {}
+    singles: deque[pa.Table] = deque()  # rows of batches that killed their actor, to run alone
     exhausted = False
-    while True:
-        while free and not exhausted:
-            batch = next(batches, None)
-            if batch is None:
-                exhausted = True
+    try:
+        while True:
+            while free and (singles or not exhausted):
+                batch = singles.popleft() if singles else next(batches, None)
+                if batch is None:
+                    exhausted = True
+                    break
+                actor = free.popleft()
+                in_flight[actor.generate_batch.remote(batch)] = (actor, batch)
+            if not in_flight:
                 break
-            actor = free.popleft()
-            in_flight[actor.generate_batch.remote(batch)] = actor
-        if not in_flight:
-            break
-        ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=1.0)
-        for ref in ready:
-            free.append(in_flight.pop(ref))
-            try:
-                rows = ray.get(ref).cast(OUTPUT_SCHEMA)
-            except ray.exceptions.ActorDiedError as e:  # restarts cover crashes; this is a constructor that raised
-                reason = [line for line in str(e).splitlines() if line.strip()][-1]
-                raise RuntimeError(f"an engine actor could not start: {reason}") from e
-            stats.add(rows)
-            writer.add(rows)
-            version = pc.max(rows["schedule_version"]).as_py()
-            progress.update(rows.num_rows, stats, version)
-        if writer.due():
-            writer.flush()
-        versions.poll()
-    writer.flush()
+            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=1.0)
+            for ref in ready:
+                actor, batch = in_flight.pop(ref)
+                free.append(actor)
+                try:
+                    rows = ray.get(ref).cast(OUTPUT_SCHEMA)
+                except ray.exceptions.RayActorError as e:
+                    reason = [line for line in str(e).splitlines() if line.strip()][-1]
+                    if "creation task" in str(e):  # a constructor that raised: no batch can run
+                        raise RuntimeError(f"an engine actor could not start: {reason}") from e
+                    if batch.num_rows > 1:
+                        log.warning("an engine actor died %d times on a batch of %d rows; running them one by one",
+                                    1 + TASK_RETRIES, batch.num_rows)
+                        singles.extend(batch.slice(i, 1) for i in range(batch.num_rows))
+                        continue
+                    rows = failed(batch, f"WorkerDied: the engine process died {1 + TASK_RETRIES} times on this row "
+                                         f"({reason})")
+                stats.add(rows)
+                writer.add(rows)
+                version = pc.max(rows["schedule_version"]).as_py()
+                progress.update(rows.num_rows, stats, version)
+            if writer.due():
+                writer.flush()
+            versions.poll()
+    finally:
+        writer.flush()  # complete rows are kept even when the run stops with an error
+
+
+def error_rows(batch: pa.Table, error: str, mode: str, run_id: str) -> pa.Table:
+    """OUTPUT_SCHEMA error rows for the rows of an input batch."""
+    return pa.Table.from_pylist([{"id": i, "prompt": p, "mode": mode, "run_id": run_id, "error": error}
+                                 for i, p in zip(batch["id"].to_pylist(), batch["prompt"].to_pylist())],
+                                schema=OUTPUT_SCHEMA)
 
 
 def summarize(cfg: BatchConfig, out: OutputDir, run_id: str, this_run: RowStats, store_state: dict | None,

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -198,7 +199,7 @@ class EngineThread(Watchdog):
         self._busy_since = time.monotonic()
         try:
             return fn(*args)
-        except MemoryError as e:  # torch.OutOfMemoryError is one too: this replica is done
+        except (MemoryError, torch.OutOfMemoryError) as e:  # this replica is done
             self._fatal = repr(e)
             raise
         finally:
@@ -360,6 +361,8 @@ class SpecEEServer:
         self._generate_batch.set_max_batch_size(args.max_batch_size)
         self._generate_batch.set_batch_wait_timeout_s(args.batch_wait_timeout_s)
         self.engine.generate(["Hello"], max_new_tokens=1, mode=self.mode)  # warm up; fail here, not on a request
+        for mode in {"spec", self.mode}:  # build what each mode drafts with now, not on a request's thread
+            self.engine.stepper_factory(mode)
         if self._runner is not None:  # and the batching thread, with a lane for greedy requests in the default mode
             self._runner.submit(EngineRequest([self.engine.encode_prompt("Hello")], SamplingParams(max_new_tokens=2),
                                               self.mode)).result(timeout=600)

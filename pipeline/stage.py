@@ -47,6 +47,8 @@ OUTPUT_SCHEMA = pa.schema([
 # Test hook: the first actor call that finds this marker file missing creates it and kills its
 # own process after generating, before returning (an actor lost mid-wave, work in flight).
 CRASH_ONCE_ENV = "SPECEE_PIPELINE_CRASH_ONCE"
+# Test hook: an actor call whose batch has a prompt equal to this value kills its process, every time.
+CRASH_ON_ENV = "SPECEE_PIPELINE_CRASH_ON"
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,7 @@ class GenerateRows:
         ids = batch["id"].to_pylist()
         prompts = batch["prompt"].to_pylist()
         input_errors = batch["input_error"].to_pylist()
+        maybe_crash_on(prompts)
         rows: list[dict | None] = [None] * len(ids)
         runnable, texts = [], {}
         for i, (prompt, error) in enumerate(zip(prompts, input_errors)):
@@ -243,6 +246,13 @@ def worker_name() -> str:
     """<actor id prefix>:<pid> inside an actor, local:<pid> elsewhere."""
     actor = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
     return f"{actor[:8] if actor else 'local'}:{os.getpid()}"
+
+
+def maybe_crash_on(prompts: list) -> None:
+    poison = os.environ.get(CRASH_ON_ENV)
+    if poison and poison in prompts:
+        log.warning("%s: killing actor process %d", CRASH_ON_ENV, os.getpid())
+        os._exit(1)
 
 
 def maybe_crash_once() -> None:

@@ -22,12 +22,13 @@ queue) and stop them with `Request.cancel()`.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 
 IDLE_MAX_LEN_FACTOR = 4  # emptied lanes up to 4 x min_len long are kept for reuse
 FREE = "free"  # Batch.finish of an empty slot (not None: not alive)
+_REQUEST_IDS = itertools.count()
 PREFILL = "prefill"  # ... of a slot whose prompt is still being prefilled
 
 
@@ -65,6 +67,7 @@ class Request:
     peak_batch: int = 0  # the most rows that decoded in one step with one of this request's
 
     def __post_init__(self) -> None:
+        self.uid = next(_REQUEST_IDS)
         if not self.prompt_ids:
             raise PromptError("a request needs at least one prompt")
         self.results = [None] * len(self.prompt_ids)
@@ -86,7 +89,7 @@ class Request:
         """Requests with equal keys can share decode steps."""
         p = self.params
         greedy = p.temperature == 0
-        seed = ("seeded", id(self)) if (p.seed is not None and not greedy) else None  # one generator per lane
+        seed = ("seeded", self.uid) if (p.seed is not None and not greedy) else None  # one generator per lane
         spec = tuple(sorted((self.spec or {}).items()))
         sampling = (0.0, 1.0, 0) if greedy else (p.temperature, p.top_p, p.top_k)
         return (self.mode, spec, *sampling, p.ignore_eos, seed)
@@ -128,6 +131,11 @@ class Lane:
         empty = torch.zeros(slots, 1, m.config.hidden_size, dtype=m.dtype, device=dev)
         self.stepper = (factory or DenseStepper)(engine, self.batch, self.cache, empty, torch.ones(slots, dtype=torch.int64))
         self.rows: dict[int, Row] = {}
+        self.failed = False  # a step raised: the lane is dropped once its rows are out
+
+    def reusable(self, max_len: int) -> bool:
+        """Whether to keep this emptied lane for the next requests of its key."""
+        return not self.failed and self.max_len <= max_len and self.key[-1] is None  # seeded lanes: one request
 
     # ---- slots -----------------------------------------------------------------------------------
     def free_slots(self) -> list[int]:
@@ -229,7 +237,9 @@ class Lane:
             if row.request.cancelled:
                 out.append((row, None))
             elif fin in ("stop", "length"):
-                out.append((row, self.engine._result(self.batch, s, row.t0, self.stepper, t_first=row.t_first)))
+                # latency and time to first token from the request's submission: waiting for a row counts
+                out.append((row, self.engine._result(self.batch, s, row.request.submitted, self.stepper,
+                                                     t_first=row.t_first)))
             else:
                 continue
             del self.rows[s]
@@ -243,11 +253,12 @@ class Scheduler:
     one decode step per lane, hand out finished requests."""
 
     def __init__(self, engine: SpecEEEngine, max_rows: int = 8, prefill_chunk: int = 256, min_len: int = 256,
-                 idle_lanes: int = 2):
+                 idle_lanes: int = 2, max_lanes: int = 4):
         if max_rows < 1 or prefill_chunk < 1 or min_len < 1 or idle_lanes < 0:
             raise ValueError("max_rows, prefill_chunk and min_len must be >= 1, idle_lanes >= 0")
         self.engine, self.max_rows, self.prefill_chunk, self.min_len = engine, max_rows, prefill_chunk, min_len
         self.idle_lanes = idle_lanes
+        self.max_lanes = max_lanes  # lanes with rows at once (each holds max_rows slots of KV memory)
         self.idle: list[Lane] = []  # emptied lanes kept for reuse, oldest first
         self.inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.requests: deque[Request] = deque()  # with prompts waiting for a row, in turn order
@@ -297,8 +308,8 @@ class Scheduler:
                 log.exception("a %s lane failed; its %d rows' requests fail", lane.mode, len(lane.rows))
                 for row in lane.rows.values():
                     row.request.error = row.request.error or e
-                    row.request.cancel()
-                lane.rows.clear()
+                    row.request.cancel()  # finished() below collects the rows and frees their slots
+                lane.failed = True
             for row, result in lane.finished():
                 req = row.request
                 req._running -= 1
@@ -306,7 +317,7 @@ class Scheduler:
                     req.results[row.index] = result
             if not lane.rows:
                 self.lanes.remove(lane)
-                if lane.max_len <= IDLE_MAX_LEN_FACTOR * self.min_len:  # long lanes give their memory back
+                if lane.reusable(IDLE_MAX_LEN_FACTOR * self.min_len):  # long lanes give their memory back
                     self.idle.append(lane)
                     del self.idle[: max(0, len(self.idle) - self.idle_lanes)]
         self._settle(ended)
@@ -330,7 +341,15 @@ class Scheduler:
             i = req._waiting[0]
             prompt = req.prompt_ids[i]
             max_new = min(req.params.max_new_tokens, self.engine.context_len - len(prompt))
-            lane = self._lane_for(req, len(prompt) + max_new)
+            try:
+                lane = self._lane_for(req, len(prompt) + max_new)
+            except Exception as e:  # noqa: BLE001 -- e.g. no memory for its lane's KV cache: this request fails
+                log.exception("no lane for a %s request", req.mode)
+                req.error = req.error or e
+                req.cancel()
+                req._waiting.clear()
+                self.requests = deque(r for r in self.requests if r is not req)
+                continue
             if lane is None:  # every lane of its kind is full: the next request's turn
                 skipped += 1
                 continue
@@ -354,10 +373,14 @@ class Scheduler:
                 self.idle.remove(lane)
                 self.lanes.append(lane)
                 return lane
+        if len(self.lanes) >= self.max_lanes:
+            return None  # its turn comes when a lane empties
         _, headroom = self.engine.stepper_factory(req.mode, req.spec)
         max_len = self.min_len
         while max_len < row_len + headroom:
             max_len *= 2
+        while self.idle and len(self.lanes) + len(self.idle) >= self.max_lanes:
+            self.idle.pop(0)  # the oldest idle lane's memory first
         lane = Lane(self.engine, key, req, self.max_rows, max_len)
         self.lanes.append(lane)
         return lane
@@ -443,14 +466,17 @@ class Runner(Watchdog):
         then = request.on_done
 
         def done(r: Request) -> None:
-            if then is not None:
-                then(r)
-            if fut.done():  # cancelled by the caller (asyncio.wrap_future cancels it when the awaiting task is)
-                return
-            if r.error is not None:
-                fut.set_exception(r.error)
-            else:
-                fut.set_result(r.results)
+            try:
+                if then is not None:
+                    then(r)
+            finally:
+                try:
+                    if r.error is not None:
+                        fut.set_exception(r.error)
+                    else:
+                        fut.set_result(r.results)
+                except InvalidStateError:  # cancelled by the caller (asyncio.wrap_future does, with its task)
+                    pass
 
         request.on_done = done
         self.scheduler.submit(request)  # raises here for a request that cannot run
@@ -467,7 +493,7 @@ class Runner(Watchdog):
                     self.scheduler.step()
                 except BaseException as e:  # noqa: BLE001 -- a bug or out of memory: fail what is running, go on
                     log.exception("continuous batching step failed; failing %d requests", len(self.scheduler.active))
-                    if isinstance(e, MemoryError):
+                    if isinstance(e, (MemoryError, torch.OutOfMemoryError)):
                         self._fatal = repr(e)
                     try:
                         self.scheduler.fail_all(e)

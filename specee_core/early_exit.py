@@ -257,7 +257,8 @@ class Stepper:
         self.t_draft = self.t_pred = self.t_total = 0.0
         self.step_no = 0
         t0 = time.perf_counter()
-        ee.speculator.start(batch.prompt_ids, m.final_norm(prefill_hidden), lens, cache.max_len)
+        self.speculator = ee.speculator.fork()  # its own draft cache: batches may run side by side
+        self.speculator.start(batch.prompt_ids, m.final_norm(prefill_hidden), lens, cache.max_len)
         self.t_draft += time.perf_counter() - t0
 
     def admit(self, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
@@ -270,7 +271,7 @@ class Stepper:
         idx = torch.tensor(rows, device=m.device)
         self.features[idx] = m.final_norm(batch.last_hidden[idx])
         t0 = time.perf_counter()
-        self.ee.speculator.admit([batch.prompt_ids[b] for b in rows], m.final_norm(prefill_hidden), lens, rows)
+        self.speculator.admit([batch.prompt_ids[b] for b in rows], m.final_norm(prefill_hidden), lens, rows)
         self.t_draft += time.perf_counter() - t0
 
     def _predictor_layers(self, alive: list[int], explore: bool) -> list[frozenset[int]]:
@@ -305,7 +306,7 @@ class Stepper:
             self.histories[b].extend(batch.generated[b][len(self.histories[b]) - len(batch.prompt_ids[b]):])
         idx = None if rows is None else torch.tensor(alive, device=self.model.device)  # rows None: all alive
         toks = batch.next_tokens if idx is None else batch.next_tokens[idx]
-        cand = self.ee.speculator.propose(alive, self.histories, toks,
+        cand = self.speculator.propose(alive, self.histories, toks,
                                           self.features if idx is None else self.features[idx])
         explore = opts.explore_every > 0 and self.step_no % opts.explore_every == 0
         self.step_no += 1

@@ -179,7 +179,8 @@ class DraftHeadProposer:
                  lookup_first: bool = False):
         # lookup: its chain joins the tree; lookup_first: a row whose lookup finds a continuation takes that
         # chain alone (no draft forward: the row's pairs stay pending), the others the draft head's
-        self.spec, self.shape, self.lookup, self.lookup_first = speculator, shape, lookup, lookup_first
+        # its own fork: the draft cache is per proposer (per batch), the weights are shared
+        self.spec, self.shape, self.lookup, self.lookup_first = speculator.fork(), shape, lookup, lookup_first
 
     def start(self, engine, batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
         m = engine.model
@@ -264,7 +265,7 @@ class DraftHeadProposer:
 
     def _cache_rows(self, rows: list[int]) -> torch.Tensor | None:
         dev = self.spec.model_base.device
-        return torch.tensor(rows, device=dev) if len(rows) < self.spec.cache.batch else None
+        return None if rows == list(range(self.spec.cache.batch)) else torch.tensor(rows, device=dev)
 
     def _tree(self, rows, roots, depths, f, base, max_nodes: int) -> Draft:
         """EAGLE-2 expansion. Level 1 = the root's `width` best children; each further level feeds the

@@ -11,6 +11,8 @@ token x_t with f_{t-1} and regresses f_t, whose LM-head top-k are the candidates
 """
 from __future__ import annotations
 
+import copy
+
 import json
 import logging
 from collections import Counter
@@ -154,6 +156,12 @@ class Speculator:
     def admit(self, prompt_ids: list[list[int]], features: torch.Tensor, lens: torch.Tensor, rows: list[int]) -> None:
         """Continuous batching: batch rows `rows` start new prompts (features and lens as in start)."""
 
+    def fork(self) -> Speculator:
+        """A speculator sharing this one's weights with per-batch state of its own (its cache): each
+        stepper drafts with its own, so batches that run side by side (continuous batching's lanes)
+        never touch each other's rows."""
+        return copy.copy(self)
+
     def propose(self, rows: list[int], history: list[list[int]], tokens: torch.Tensor,
                 features: torch.Tensor) -> torch.Tensor:
         """rows: batch rows; history[b]: every token of row b so far (prompt + generated, the fed
@@ -191,7 +199,8 @@ class DraftSpeculator(Speculator):
 
     def admit(self, prompt_ids, features, lens, rows) -> None:
         self.cache.truncate(torch.tensor(rows), torch.zeros(len(rows), dtype=torch.int64))
-        sub = torch.tensor(rows, device=features.device) if len(rows) < self.cache.batch else None
+        # rows come in any order: index them unless they are exactly the cache's rows in order
+        sub = None if rows == list(range(self.cache.batch)) else torch.tensor(rows, device=features.device)
         self._prefill(prompt_ids, features, lens, sub)
 
     def _prefill(self, prompt_ids, features, lens, rows) -> None:
@@ -261,6 +270,11 @@ class PromptLookupSpeculator(Speculator):
     def admit(self, prompt_ids, features, lens, rows) -> None:
         if self.fallback is not None:
             self.fallback.admit(prompt_ids, features, lens, rows)
+
+    def fork(self) -> PromptLookupSpeculator:
+        twin = copy.copy(self)
+        twin.fallback = None if self.fallback is None else self.fallback.fork()
+        return twin
 
     def lookup(self, hist: list[int]) -> list[int]:
         found: list[int] = []

@@ -179,3 +179,19 @@ def test_emptied_lanes_are_reused_unless_long(engine, ids):
     assert sch.idle == [lane]  # the same lane (and KV cache) served the second request
     sch.run(Request([ids[2]], SamplingParams(max_new_tokens=200), "dense"))  # needs a 256-slot lane: 8 x min_len
     assert sch.idle == [lane] and not sch.lanes  # the long lane's memory went back
+
+
+@pytest.mark.parametrize("mode", ["spec", "specee"])
+def test_lanes_side_by_side_keep_their_own_draft_state(engine, ids, mode):
+    """Two lanes of one mode at once (two length buckets): each stepper drafts with its own draft
+    cache (Speculator.fork), so both give their solo results."""
+    sch = Scheduler(engine, max_rows=2, min_len=32)
+    short = sch.submit(Request([ids[0], ids[1]], SamplingParams(max_new_tokens=10), mode))
+    long = sch.submit(Request([ids[2], ids[3]], SamplingParams(max_new_tokens=60), mode))  # a 128-slot lane
+    sch.step()
+    assert len(sch.lanes) == 2
+    while not (short.done and long.done):
+        sch.step()
+    for req in (short, long):
+        for p, got in zip(req.prompt_ids, req.results):
+            assert got.token_ids == alone(engine, p, req.params, mode, None).token_ids

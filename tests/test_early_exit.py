@@ -125,10 +125,10 @@ def test_candidate_scorer_equals_kernel_reference(ee_model_dir):
     assert torch.equal(ours[2], ref[2])
 
 
-def test_draft_vocab_subset_limits_candidates(tmp_path, ee_model_dir):
+def test_draft_vocab_subset_limits_candidates(tmp_path, ee_model_dir, monkeypatch):
     import shutil
 
-    from specee_core.speculators import DraftHead
+    from specee_core.speculators import DraftHead, DraftSpeculator
 
     shutil.copytree(ee_model_dir, tmp_path, dirs_exist_ok=True)
     head = DraftHead.load(tmp_path / "draft", SpecEEEngine.from_pretrained(tmp_path).config)
@@ -136,9 +136,9 @@ def test_draft_vocab_subset_limits_candidates(tmp_path, ee_model_dir):
     head.save(tmp_path / "draft", vocab_subset=subset)
     engine = SpecEEEngine.from_pretrained(tmp_path, speculator="draft", threshold=0.0)
     seen = []
-    spec = engine.early_exit.speculator
-    original = spec.propose
-    spec.propose = lambda *a: seen.append(original(*a)) or seen[-1]  # record the candidates
+    assert isinstance(engine.early_exit.speculator, DraftSpeculator)
+    original = DraftSpeculator.propose  # steppers draft with forks of it: record at the class
+    monkeypatch.setattr(DraftSpeculator, "propose", lambda self, *a: seen.append(original(self, *a)) or seen[-1])
     engine.generate(PROMPTS[:2], max_new_tokens=6, mode="specee")
     cands = torch.cat(seen)
     assert ((cands >= 100) & (cands < 400)).all() and cands.shape[1] == 4

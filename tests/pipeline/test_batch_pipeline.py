@@ -16,7 +16,7 @@ import ray
 from pipeline.batch import BatchConfig, run
 from pipeline.local_ray import init_ray
 from pipeline.prompts import read_prompts
-from pipeline.stage import CRASH_ONCE_ENV, OUTPUT_SCHEMA, StageConfig
+from pipeline.stage import CRASH_ON_ENV, CRASH_ONCE_ENV, OUTPUT_SCHEMA, StageConfig
 from tests.conftest import BUNDLED, make_hf_model
 
 MAX_NEW = 4
@@ -170,6 +170,19 @@ def test_killed_actor_loses_and_duplicates_nothing(tmp_path, model_dir, capfd):
     actors = df["worker"].str.split(":").str[0]
     assert actors.nunique() == 1  # one actor, restarted in place, not a second one
     assert "constructor arguments in the object store" not in capfd.readouterr().err
+
+
+def test_a_row_that_always_kills_its_actor_becomes_an_error_row(tmp_path, model_dir):
+    """A prompt that kills the engine process every time: its batch is retried, then split into single
+    rows; the poisonous row ends as an error row, its neighbours and the rest of the job succeed."""
+    rows = [{"id": f"r{i}", "prompt": p} for i, p in enumerate(GOOD[:6])] + [{"id": "bad", "prompt": "POISON"}]
+    src = write_jsonl(tmp_path / "p.jsonl", rows)
+    cfg = config(model_dir, src, tmp_path / "out", num_actors=1, runtime_env={"env_vars": {CRASH_ON_ENV: "POISON"}})
+    summary = run(cfg)
+    df = read_output(tmp_path / "out").set_index("id")
+    assert sorted(df.index) == sorted(r["id"] for r in rows) and df.index.is_unique
+    assert df.loc["bad", "error"].startswith("WorkerDied: the engine process died 3 times on this row")
+    assert df.drop(index="bad")["error"].isna().all() and summary["errors"] == 1
 
 
 @pytest.mark.parametrize("mode_args, mode", [([], "dense"), (["--mode", "spec", "--spec-depth", "3"], "spec"),
