@@ -306,26 +306,32 @@ def stream(actors: list, batches: Iterator[pa.Table], writer: Writer, stats: Row
     """Keep every actor CALLS_PER_ACTOR batches busy until the input runs out; write rows as they return.
 
     A batch whose actor died 1 + TASK_RETRIES times (Ray restarts the actor and reruns the call) is
-    split into its rows, run one by one; a row that still kills its actor becomes an error row
-    (failed(batch, error)), so one poisonous prompt costs its own row, not the job or its neighbours."""
+    split into its rows, run one by one with nothing else in flight; a row that still kills its actor
+    becomes an error row (failed(batch, error)), so one poisonous prompt costs its own row, not the
+    job or its neighbours."""
     free = deque(a for _ in range(CALLS_PER_ACTOR) for a in actors)  # round robin first: a1, a2, a1, a2
     in_flight: dict = {}
     singles: deque[pa.Table] = deque()  # rows of batches that killed their actor, to run alone
     exhausted = False
     try:
         while True:
-            while free and (singles or not exhausted):
-                batch = singles.popleft() if singles else next(batches, None)
+            # suspects (rows of a batch that killed its actor) run alone, one at a time: a poisonous row
+            # must not take the calls queued beside it down with it
+            while free and not any(alone for _, _, alone in in_flight.values()) and (singles or not exhausted):
+                if singles and in_flight:
+                    break  # let the pool drain first
+                alone = bool(singles)
+                batch = singles.popleft() if alone else next(batches, None)
                 if batch is None:
                     exhausted = True
                     break
                 actor = free.popleft()
-                in_flight[actor.generate_batch.remote(batch)] = (actor, batch)
+                in_flight[actor.generate_batch.remote(batch)] = (actor, batch, alone)
             if not in_flight:
                 break
             ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=1.0)
             for ref in ready:
-                actor, batch = in_flight.pop(ref)
+                actor, batch, _ = in_flight.pop(ref)
                 free.append(actor)
                 try:
                     rows = ray.get(ref).cast(OUTPUT_SCHEMA)
