@@ -282,6 +282,19 @@ async def _server_error(request: Request, e: Exception) -> JSONResponse:
     return JSONResponse(error_body("internal server error", type="server_error"), status_code=500)
 
 
+class EventStream(StreamingResponse):
+    """Server-sent events whose client may hang up. Under Serve, receive() reports the hang-up as a
+    TaskCancelledError rather than an http.disconnect message; taken as the disconnect it is, the
+    stream ends quietly (its generator logs the hang-up at info) instead of as a failed request."""
+
+    async def listen_for_disconnect(self, receive) -> None:
+        try:
+            await super().listen_for_disconnect(receive)
+        except Exception as e:  # noqa: BLE001 -- only a hang-up is swallowed
+            if not hung_up(e):
+                raise
+
+
 def rss_mb() -> float:
     """This process's resident memory in MB (Linux /proc; 0 elsewhere)."""
     try:
@@ -665,8 +678,8 @@ class SpecEEServer:
 
         gen = events()
         weakref.finalize(gen, ticket.release)  # a stream that never ran still gives its place back
-        return StreamingResponse(gen, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return EventStream(gen, media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def app(args: dict) -> Application:

@@ -572,7 +572,7 @@ def test_hang_ups_are_logged_at_info_not_as_errors(server):
 
     import ray
 
-    for _ in range(3):
+    for _ in range(6):
         with httpx.stream("POST", f"{server}/v1/completions", timeout=60,
                           json={"prompt": "go", "max_tokens": MAX_TOKENS_LIMIT, "temperature": 1.0, "stream": True}) as r:
             next(r.iter_lines())
@@ -584,7 +584,7 @@ def test_hang_ups_are_logged_at_info_not_as_errors(server):
     logs = ray._private.worker._global_node.get_logs_dir_path()
     text = "".join(open(f, errors="replace").read() for f in glob.glob(f"{logs}/serve/replica_*.log"))
     assert "hung up" in text
-    assert "unhandled error" not in text and "TaskCancelledError" not in text
+    assert "unhandled error" not in text and "TaskCancelledError" not in text and "Traceback" not in text
 
 
 # ---- continuous batching under traffic -------------------------------------------------------------
