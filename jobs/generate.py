@@ -21,13 +21,6 @@ DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"  # `make model` import
 DEFAULT_INPUT = REPO / "prompts" / "instructions_heldout.jsonl"
 
 
-def has_predictors(model: str | Path) -> bool:
-    """Whether the model ships exit predictors (what turns mode="specee" on)."""
-    from specee_core.early_exit import PREDICTORS_FILE
-
-    return (Path(model) / PREDICTORS_FILE).is_file()
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", default=[str(DEFAULT_INPUT)],
@@ -35,10 +28,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "instruction prompts)")
     p.add_argument("--output", required=True, help="output directory (local or mounted; absolute under ray job submit)")
     p.add_argument("--model", default=str(DEFAULT_MODEL))
-    p.add_argument("--mode", choices=["dense", "specee", "spec"], default=None,
-                   help="dense | specee (early exit, schedule re-tuned while the job runs) | spec (speculative "
-                        "decoding: lossless; --spec-t3 adds early exit inside verification); default: specee "
-                        "when the model has predictors beside it, else dense")
+    p.add_argument("--mode", choices=["auto", "dense", "spec", "specee"], default="auto",
+                   help="auto (default, lossless: per step a dense step or speculative decoding, whichever the "
+                        "plan measured on this machine expects to be faster) | dense | spec (speculative decoding "
+                        "with a fixed shape: lossless; --spec-t3 adds early exit inside verification, lossy) | "
+                        "specee (early exit, lossy: changes outputs; schedule re-tuned while the job runs)")
     p.add_argument("--retune-every-tokens", type=int, default=1024,
                    help="specee: re-tune the predictor schedule after this many generated tokens")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -50,9 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-actors", type=int, default=2, help="engine replicas (one GPU each on a GPU cluster)")
     p.add_argument("--batch-size", type=int, default=16, help="rows per actor call and engine batch")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda: one GPU per actor)")
-    p.add_argument("--dtype", default="bfloat16",
-                   help="float32, bfloat16 or float16 (bf16: the fast path on CPUs with avx512_bf16 and on GPUs; "
-                        "float32 equals transformers token for token)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="auto (default: bf16 where the hardware computes it natively, CUDA or CPUs with "
+                        "avx512_bf16/AMX, else float32) | float32 (equals transformers token for token) | bfloat16 | "
+                        "float16")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="each prompt is a user message, run through the model's chat template "
                         "(default: when the model has one)")
@@ -68,8 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the current schedule would miss (0: never; re-tuning then sees a biased histogram)")
     p.add_argument("--threshold", type=float, default=None, help="specee: exit probability threshold")
     p.add_argument("--spec-proposer", choices=["auto", "draft", "lookup"], default=None,
-                   help="spec: draft head, prompt lookup, or auto (the draft head when the model has one)")
-    p.add_argument("--spec-depth", type=int, default=None, help="spec: tokens drafted per step (default 4)")
+                   help="spec, auto: draft head, prompt lookup, or auto (the draft head when the model has one)")
+    p.add_argument("--spec-depth", type=int, default=None,
+                   help="spec: tokens drafted per step; auto: the deepest chain the plan may choose (default 4)")
     p.add_argument("--spec-width", type=int, default=None,
                    help="spec with the draft head: nodes expanded per level (1: a chain, >1: a tree)")
     p.add_argument("--spec-t3", action="store_true",
@@ -91,7 +87,7 @@ def build_config(args: argparse.Namespace):
     from pipeline.batch import BatchConfig
     from pipeline.stage import StageConfig
 
-    mode = args.mode or ("specee" if has_predictors(args.model) else "dense")
+    mode = args.mode
     early_exit = {"explore_every": args.explore_every} if mode == "specee" else {}
     if args.threshold is not None:
         early_exit["threshold"] = args.threshold

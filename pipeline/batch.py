@@ -283,12 +283,21 @@ def run(cfg: BatchConfig) -> dict:
         total = count_to_do(inputs, done)
         log.info("run %s: %d rows to do (%d already in %s); %d actors with %s; mode %s", run_id, total, len(done),
                  out.root, cfg.num_actors, resources, cfg.stage.mode)
+        try:  # waits for the first actor to load (and measure)
+            first = ray.get(actors[0].describe.remote())
+        except ray.exceptions.RayActorError as e:
+            if "creation task" in str(e):
+                reason = [line for line in str(e).splitlines() if line.strip()][-1]
+                raise RuntimeError(f"an engine actor could not start: {reason}") from e
+            raise
+        log.info("engine: %s (%s)%s", first["dtype"], first["dtype_reason"], plan_line(first.get("plan")))
         progress = Progress(total, cfg.show_progress)
         stream(actors, batches_to_do(inputs, done, cfg.stage.batch_size), Writer(out, run_id, cfg.rows_per_file,
                cfg.flush_every_s), stats, progress, versions,
                lambda batch, error: error_rows(batch, error, cfg.stage.mode, run_id))
         versions.poll(wait=True)
         store_state = ray.get(store.state.remote()) if versions.store is not None else None
+        engine_info = ray.get([a.describe.remote() for a in actors])
     finally:
         if progress is not None:
             progress.close()
@@ -296,7 +305,7 @@ def run(cfg: BatchConfig) -> dict:
             ray.kill(a)
     if stats.rows != total:  # each call's rows come back once; anything else is a bug worth stopping for
         raise RuntimeError(f"expected {total} rows, got {stats.rows}")
-    summary = summarize(cfg, out, run_id, stats, store_state, time.time() - t0)
+    summary = summarize(cfg, out, run_id, stats, store_state, time.time() - t0, engine_info)
     out.write_summary(summary)
     return summary
 
@@ -364,8 +373,18 @@ def error_rows(batch: pa.Table, error: str, mode: str, run_id: str) -> pa.Table:
                                 schema=OUTPUT_SCHEMA)
 
 
+def plan_line(plan: dict | None) -> str:
+    """One line of what mode auto will do at the job's batch size, for the log."""
+    if not plan:
+        return ""
+    (b, p), = list(plan["by_batch"].items())[-1:]
+    return (f"; plan at batch {b}: dense {p['dense_tokens_per_s']} tok/s by the table; rows with a lookup hit: "
+            f"{p['lookup_hit']['step']}, without: {p['no_lookup_hit']['step']} (at acceptance "
+            f"{plan['at_prior_acceptance']}, learned per row while decoding)")
+
+
 def summarize(cfg: BatchConfig, out: OutputDir, run_id: str, this_run: RowStats, store_state: dict | None,
-              wall_s: float) -> dict:
+              wall_s: float, engine_info: list[dict] | None = None) -> dict:
     """Totals over every row in the output, plus this run's throughput on the job's one clock."""
     everything = RowStats()
     table = out.read_rows(columns=["error", "completion_tokens", "avg_layers", "num_layers", "batch_started_at",
@@ -399,4 +418,6 @@ def summarize(cfg: BatchConfig, out: OutputDir, run_id: str, this_run: RowStats,
                             "predictors, so real speed-up is lower",
         "final_schedule": None if cfg.stage.mode != "specee" or latest is None else asdict(latest),
         "schedule_store": store_state,
+        "dtype": engine_info[0]["dtype"] if engine_info else None,
+        "engines": engine_info,  # per actor: dtype and why, the machine, in mode auto the plan and its choices
     }

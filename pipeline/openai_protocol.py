@@ -90,7 +90,7 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
     user: str | None = None
-    mode: Literal["dense", "specee", "spec"] | None = None  # extension: override the server's decode mode
+    mode: Literal["auto", "dense", "specee", "spec"] | None = None  # extension: override the server's decode mode
 
     @field_validator("stop")
     @classmethod

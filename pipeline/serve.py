@@ -48,6 +48,7 @@ from specee_core import PromptError, SpecEEEngine
 from specee_core.continuous import Request as EngineRequest
 from specee_core.continuous import Runner, Scheduler, Watchdog
 from specee_core.engine import MODES
+from specee_core.plan import machine_facts
 from specee_core.sampling import SamplingParams
 from specee_core.stops import cut_at_stop
 from pipeline.openai_protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRequest, CompletionRequest, chat_chunk,
@@ -73,10 +74,12 @@ class ServeArgs(BaseModel):
 
     model: str = Field(default_factory=lambda: os.environ.get("SPECEE_MODEL", "models/smollm2-135m-instruct"))
     model_name: str | None = None  # the name clients send; default: the model directory's name
-    mode: Literal["dense", "specee", "spec"] | None = Field(  # None: the best the model can run (pick_mode)
-        default_factory=lambda: os.environ.get("SPECEE_MODE") or None)
+    # auto (lossless: dense or speculative steps, whichever the plan measured here expects to be faster)
+    mode: Literal["auto", "dense", "specee", "spec"] = Field(
+        default_factory=lambda: os.environ.get("SPECEE_MODE") or "auto")
     device: str = "cpu"
-    dtype: str | None = "bfloat16"  # float32 | bfloat16 | float16 (bf16: the fast path on CPUs with avx512_bf16)
+    # auto: bf16 where the hardware computes it natively (CUDA, CPUs with avx512_bf16/AMX), else float32
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     engine_options: dict = Field(default_factory=dict)  # more SpecEEEngine.from_pretrained options
     batching: Literal["continuous", "request"] = "continuous"  # see the module's docstring
     max_batch_size: int = Field(8, ge=1)  # rows decoding at once (continuous); prompts per engine call (request)
@@ -141,14 +144,13 @@ class Work:
         return (self.mode, *sorted(p.items()))
 
 
-def pick_mode(requested: str | None, *, has_draft: bool, has_predictors: bool) -> str:
-    """The decode mode to run: `requested` when given, else spec with a draft head beside the model,
-    specee with predictors, dense otherwise. ValueError for a requested mode the model cannot run
-    (spec runs on any model: without a draft head it proposes by prompt lookup)."""
+def pick_mode(requested: str | None, *, has_predictors: bool) -> str:
+    """The decode mode to run: `requested` when given, else auto (lossless on every model: without a
+    draft head it drafts by prompt lookup). ValueError for a requested mode the model cannot run."""
     if requested is None:
-        return "spec" if has_draft else "specee" if has_predictors else "dense"
+        return "auto"
     if requested not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {requested!r}")
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {requested!r}")
     if requested == "specee" and not has_predictors:
         raise ValueError("mode 'specee' is not available: this model has no predictors")
     return requested
@@ -374,8 +376,9 @@ class SpecEEServer:
         self._generate_batch.set_max_batch_size(args.max_batch_size)
         self._generate_batch.set_batch_wait_timeout_s(args.batch_wait_timeout_s)
         self.engine.generate(["Hello"], max_new_tokens=1, mode=self.mode)  # warm up; fail here, not on a request
-        for mode in {"spec", self.mode}:  # build what each mode drafts with now, not on a request's thread
+        for mode in {"spec", "auto", self.mode}:  # build what each mode drafts with now, not on a request's thread
             self.engine.stepper_factory(mode)
+        self.engine.prepare_plan([args.max_batch_size])  # auto's costs, measured or read from the cache
         if self._runner is not None:  # and the batching thread, with a lane for greedy requests in the default mode
             self._runner.submit(EngineRequest([self.engine.encode_prompt("Hello")], SamplingParams(max_new_tokens=2),
                                               self.mode)).result(timeout=600)
@@ -403,7 +406,11 @@ class SpecEEServer:
             self.check_health()
         except RuntimeError as e:
             return JSONResponse({"status": "unhealthy", "reason": str(e)}, status_code=503)
+        plan = self.engine.spec_plan()
         return JSONResponse({"status": "ok", "model": self.model_name, "mode": self.mode,
+                             "dtype": plan.dtype, "dtype_reason": plan.dtype_reason,
+                             "machine": machine_facts(self.engine.device),
+                             "plan": plan.to_json([1, self.max_batch_size]),
                              "replica": self.replica_id, "batching": self.args.batching, "rss_mb": rss_mb()})
 
     @api.get("/v1/models")
@@ -556,8 +563,7 @@ class SpecEEServer:
         return ids
 
     def _pick_mode(self, requested: str | None) -> str:
-        return pick_mode(requested, has_draft=self.engine.draft_head is not None,
-                         has_predictors=self.engine.early_exit is not None)
+        return pick_mode(requested, has_predictors=self.engine.early_exit is not None)
 
     async def _render_chat(self, req: ChatCompletionRequest) -> str:
         messages = req.template_messages()

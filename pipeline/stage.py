@@ -11,7 +11,9 @@ import pyarrow as pa
 import ray
 
 from specee_core import PromptError, SpecEEEngine
+from specee_core.config import resolve_dtype
 from specee_core.engine import MODES
+from specee_core.plan import machine_facts
 from specee_core.scheduler import Schedule
 from specee_core.spec_decode import SpecOptions
 
@@ -55,9 +57,9 @@ CRASH_ON_ENV = "SPECEE_PIPELINE_CRASH_ON"
 class StageConfig:
     """How each actor loads its engine and generates."""
     model: str
-    mode: str = "dense"
+    mode: str = "auto"  # lossless: dense or speculative decoding per step, by the measured plan
     device: str = "cpu"
-    dtype: str | None = None  # float32 | bfloat16 | float16; None: float32
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16; auto: bf16 where the hardware computes it natively
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
@@ -68,14 +70,16 @@ class StageConfig:
     torch_threads: int | None = None  # None: the CPUs Ray gave the actor, at least 1
     chat: bool | None = None  # prompt = a user message through the chat template; None: when the model has one
     engine_options: dict = field(default_factory=dict)  # early-exit options (EarlyExitOptions), specee only
-    spec: dict = field(default_factory=dict)  # speculative decoding options (SpecOptions: proposer, depth), spec only
+    spec: dict = field(default_factory=dict)  # speculative decoding options (SpecOptions: proposer, depth): spec, auto
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.dtype != "auto":
+            resolve_dtype(self.dtype)  # a bad name fails here, naming the choices
         if self.spec:
-            if self.mode != "spec":
-                raise ValueError(f"spec options {self.spec} apply to mode='spec' only, mode is {self.mode!r}")
+            if self.mode not in ("spec", "auto"):
+                raise ValueError(f"spec options {self.spec} apply to mode='spec' or 'auto' only, mode is {self.mode!r}")
             SpecOptions(**self.spec)  # bad names and values fail here, not in every actor
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
@@ -109,6 +113,9 @@ class GenerateRows:
         self.engine = SpecEEEngine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype,
                                                    max_batch_size=cfg.batch_size, **early_exit)
         self.engine.stepper_factory(cfg.mode, dict(cfg.spec) or None)  # a mode it cannot run fails here, not per row
+        if cfg.mode == "auto":  # measured (or read from the cache) now, not in the first batch
+            self.engine.prepare_plan([cfg.batch_size], dict(cfg.spec) or None)
+        self.plan_steps: dict[str, int] = {}  # mode auto: the planner's choices over every batch
         self.num_layers = self.engine.config.num_hidden_layers
         self.chat = self.engine.has_chat_template if cfg.chat is None else cfg.chat
         if self.chat and not self.engine.has_chat_template:
@@ -159,6 +166,16 @@ class GenerateRows:
         layer_tokens = sum(r["avg_layers"] * r["completion_tokens"] for r in ok)
         self.store.report.remote(self.schedule_version, len(rows), tokens, layer_tokens, hist)
 
+    def describe(self) -> dict:
+        """What this engine runs with: dtype (and why) and, in mode auto, the measured plan and its choices."""
+        e = self.engine
+        out = {"dtype": str(e.model.dtype).removeprefix("torch."), "dtype_reason": e.dtype_reason,
+               "machine": machine_facts(e.device), "worker": self.worker}
+        if self.cfg.mode == "auto":
+            out["plan"] = {**e.spec_plan(dict(self.cfg.spec) or None).to_json([self.cfg.batch_size]),
+                           "steps_chosen": dict(self.plan_steps)}
+        return out
+
     def generate_batch(self, batch: pa.Table) -> pa.Table:
         """One output row per input row of batch (the actor method the driver calls)."""
         return self(batch)
@@ -187,7 +204,12 @@ class GenerateRows:
                 runnable.append(i)
             except PromptError as e:
                 rows[i] = self._error_row(ids[i], prompt, f"PromptError: {e}")
-        for i, result in zip(runnable, self._generate([texts[i] for i in runnable])):
+        results = self._generate([texts[i] for i in runnable])
+        for steps in {id(r.stats.get("plan_steps")): r.stats.get("plan_steps") for r in results
+                      if not isinstance(r, Exception)}.values():  # one planner per engine batch
+            for k, v in (steps or {}).items():
+                self.plan_steps[k] = self.plan_steps.get(k, 0) + v
+        for i, result in zip(runnable, results):
             if isinstance(result, Exception):
                 rows[i] = self._error_row(ids[i], prompts[i], f"{type(result).__name__}: {result}")
             else:

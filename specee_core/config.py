@@ -22,7 +22,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype = torch.
             return dtype
     elif isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.removeprefix("torch.")]
-    raise ValueError(f"unknown dtype {dtype!r}: expected one of float32, bfloat16, float16")
+    raise ValueError(f"unknown dtype {dtype!r}: expected one of auto, float32, bfloat16, float16")
 
 
 @dataclass

@@ -53,7 +53,7 @@ class Request:
     raises, the request is cancelled with that error."""
     prompt_ids: list[list[int]]
     params: SamplingParams
-    mode: str = "dense"
+    mode: str = "auto"
     spec: dict | None = None
     on_token: Callable[[int, int], None] | None = None
     on_done: Callable[[Request], None] | None = None  # on the engine thread, once, when results or error are set

@@ -15,13 +15,15 @@ import torch
 from specee_core.config import ModelConfig
 from specee_core.loader import find_model_dir, load_model, load_tokenizer
 from specee_core.model import LlamaModel
+from specee_core.plan import Planner, SpecPlan, choose_dtype, cost_key, could_pay, load_costs
 from specee_core.sampling import SamplingParams, sample
 from specee_core.stepper import StepOutput, StepperFactory
 from specee_core.stops import StopMatcher
 
 log = logging.getLogger(__name__)
 
-MODES = ("dense", "specee", "spec")
+MODES = ("auto", "dense", "specee", "spec")
+LOSSLESS_MODES = ("auto", "dense", "spec")  # greedy output equals dense (fp32); sampling keeps its distribution
 
 
 class PromptError(ValueError):
@@ -84,6 +86,8 @@ class SpecEEEngine:
         self.early_exit = early_exit  # specee_core.early_exit.EarlyExit, when draft/predictors are present
         self.draft_head = draft_head  # specee_core.speculators.DraftHead, when draft/ is present
         self._draft_runner = None  # its DraftSpeculator for mode="spec", built on first use
+        self._plans: dict[int, SpecPlan] = {}  # mode="auto": per deepest chain, the measured plan
+        self.dtype_reason = ""  # why the model's dtype was chosen (from_pretrained with dtype="auto")
         c = model.config
         self.context_len = self.options.context_len or default_context_len(c)
         eos = set(c.eos_token_id)
@@ -111,8 +115,10 @@ class SpecEEEngine:
         (threshold, verify, kv_mode, ...: see specee_core.early_exit.EarlyExitOptions)."""
         if self.early_exit is None:
             raise ValueError("this engine has no predictors: early-exit options do not apply")
-        return SpecEEEngine(self.model, self.tokenizer, self.options, self.early_exit.with_options(**early_exit_options),
+        twin = SpecEEEngine(self.model, self.tokenizer, self.options, self.early_exit.with_options(**early_exit_options),
                             self.draft_head)
+        twin.dtype_reason = self.dtype_reason
+        return twin
 
     def set_schedule(self, schedule) -> None:
         """Switch to another predictor schedule (the Ray pipeline does this between batches)."""
@@ -123,10 +129,15 @@ class SpecEEEngine:
         self.early_exit.schedule = schedule
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype=None, **options) -> SpecEEEngine:
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype="auto", **options) -> SpecEEEngine:
         """Load the model and tokenizer from a local HF-layout directory, plus the draft head,
-        predictors and schedule stored beside it when present. options: EngineOptions fields and
-        early-exit options (see specee_core.early_exit.EarlyExitOptions)."""
+        predictors and schedule stored beside it when present. dtype "auto": bf16 where the hardware
+        computes it natively (CUDA, CPUs with avx512_bf16/AMX), else fp32 (specee_core.plan.choose_dtype);
+        float32 equals transformers token for token. options: EngineOptions fields and early-exit options
+        (see specee_core.early_exit.EarlyExitOptions)."""
+        reason = ""
+        if dtype == "auto":
+            dtype, reason = choose_dtype(device)
         model = load_model(path, device=device, dtype=dtype)
         tokenizer = load_tokenizer(path)
         engine_opts = {k: options.pop(k) for k in list(options) if k in EngineOptions.__dataclass_fields__}
@@ -135,7 +146,9 @@ class SpecEEEngine:
         model_dir = find_model_dir(path)
         draft_head = load_draft_head(model_dir, model)
         early_exit = load_early_exit(model_dir, model, tokenizer, draft_head, **options)
-        return cls(model, tokenizer, EngineOptions(**engine_opts), early_exit, draft_head)
+        engine = cls(model, tokenizer, EngineOptions(**engine_opts), early_exit, draft_head)
+        engine.dtype_reason = reason or f"{str(model.dtype).removeprefix('torch.')}: asked for"
+        return engine
 
     # ---- input checks -----------------------------------------------------------------------
     @property
@@ -178,10 +191,14 @@ class SpecEEEngine:
     # ---- generation -------------------------------------------------------------------------
     def generate(self, prompts: list[str], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, stop: list[str] | str | None = None,
-                 seed: int | None = None, mode: str = "dense", ignore_eos: bool = False,
+                 seed: int | None = None, mode: str = "auto", ignore_eos: bool = False,
                  on_token: Callable[[int, int], None] | None = None, spec: dict | None = None,
                  ) -> list[GenerationResult]:
         """Generate a completion for each prompt, in batches of options.max_batch_size.
+
+        mode: "auto" (default; lossless: per step a dense step or speculative decoding, whichever the
+        measured plan expects to be faster), "dense", "spec" (speculative decoding with a fixed shape:
+        spec options) or "specee" (early exit: lossy, only when asked for).
 
         on_token(prompt_index, token_id) is called for every generated token as it is chosen
         (streaming); tokens after a stop string are still reported, the final text is cut. An
@@ -200,38 +217,75 @@ class SpecEEEngine:
                 raise PromptError(f"prompt {i}: {e}") from None
         return self.run(ids, params, factory, on_token, mode=mode, cache_headroom=headroom)
 
-    def stepper_factory(self, mode: str = "dense", spec: dict | None = None):
+    def stepper_factory(self, mode: str = "auto", spec: dict | None = None):
         """The stepper factory of a mode (None: dense) and the KV slots it needs past a row's last token.
         Raises ValueError for a mode or options this engine cannot run, before any prompt is."""
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if mode == "specee" and self.early_exit is None:
             raise ValueError("mode='specee' needs predictors and a speculator: none were found beside the model")
-        if spec and mode != "spec":
-            raise ValueError("spec options apply to mode='spec' only")
+        if spec and mode not in ("spec", "auto"):
+            raise ValueError(f"spec options apply to mode='spec' or 'auto' only, mode is {mode!r}")
         if mode == "specee":
             return self.early_exit.new_stepper, 0
-        if mode == "spec":
-            return self._spec_factory(spec or {})
+        if mode in ("spec", "auto"):
+            return self._spec_factory(spec or {}, planned=mode == "auto")
         return None, 0
 
-    def _spec_factory(self, spec: dict):
-        """The stepper factory of mode="spec" (options: specee_core.spec_decode.SpecOptions fields) and
-        the cache slots a verify chunk may need past a row's last token (rows are padded to one width)."""
-        from specee_core.spec_decode import DraftHeadProposer, LookupProposer, SpecOptions, SpecStepper
-        from specee_core.speculators import DraftSpeculator
+    def spec_plan(self, spec: dict | None = None) -> SpecPlan:
+        """mode="auto"'s plan (the measured cost table and the limits of its shapes) for spec options
+        `spec` (depth: the deepest chain; proposer). Costs are measured when a batch size first needs them
+        (prepare_plan measures ahead) and cached per machine, model, dtype, torch version and threads."""
+        opts = self._spec_options(spec or {}, planned=True)
+        has_draft = self._uses_draft(opts)
+        key = (opts.depth, has_draft)
+        if key not in self._plans:
+            ck = cost_key(self.model, self.model.dtype, self.device)
+            self._plans[key] = SpecPlan(dtype=str(self.model.dtype).removeprefix("torch."),
+                                        dtype_reason=self.dtype_reason, max_depth=opts.depth, has_draft=has_draft,
+                                        costs=load_costs(ck))
+        return self._plans[key]
+
+    def prepare_plan(self, batch_sizes: list[int], spec: dict | None = None) -> SpecPlan:
+        """Measure (or load) mode="auto"'s costs for these batch sizes now rather than on the first batch."""
+        plan = self.spec_plan(spec)
+        for b in batch_sizes:
+            plan.ensure(self.model, self._draft_speculator() if plan.has_draft else None, b)
+        return plan
+
+    def _spec_options(self, spec: dict, planned: bool):
+        from specee_core.spec_decode import SpecOptions
 
         unknown = set(spec) - set(SpecOptions.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown spec options {sorted(unknown)}: expected {sorted(SpecOptions.__dataclass_fields__)}")
         opts = SpecOptions(**spec)
-        head = self.draft_head
-        if opts.proposer == "draft" and head is None:
+        if opts.proposer == "draft" and self.draft_head is None:
             raise ValueError("spec proposer 'draft' needs a draft head beside the model (draft/)")
-        use_draft = opts.proposer == "draft" or (opts.proposer == "auto" and head is not None)
-        if use_draft and self._draft_runner is None:  # the draft layer's weights, prepared once
-            self._draft_runner = DraftSpeculator(head, self.model, k=1)
+        if planned and (opts.t3 or opts.width > 1):
+            raise ValueError("mode='auto' plans chains and stays lossless: t3 and width > 1 need mode='spec'")
+        return opts
 
+    def _uses_draft(self, opts) -> bool:
+        return opts.proposer == "draft" or (opts.proposer == "auto" and self.draft_head is not None)
+
+    def _draft_speculator(self):
+        from specee_core.speculators import DraftSpeculator
+
+        if self._draft_runner is None:  # the draft layer's weights, prepared once
+            self._draft_runner = DraftSpeculator(self.draft_head, self.model, k=1)
+        return self._draft_runner
+
+    def _spec_factory(self, spec: dict, planned: bool):
+        """The stepper factory of mode="spec" (options: specee_core.spec_decode.SpecOptions fields) or,
+        planned, of mode="auto", and the cache slots a verify chunk may need past a row's last token (rows
+        are padded to one width)."""
+        from specee_core.spec_decode import DraftHeadProposer, LookupProposer, SpecStepper
+
+        opts = self._spec_options(spec, planned)
+        use_draft = self._uses_draft(opts)
+        if use_draft:
+            self._draft_speculator()
         if not use_draft:
             opts.nodes = opts.depth  # prompt lookup drafts chains
         t3 = None
@@ -241,15 +295,25 @@ class SpecEEEngine:
             from specee_core.t3 import T3
 
             t3 = T3.of(self.early_exit, opts.width)
+        plan = self.spec_plan(spec) if planned else None
 
         def factory(engine, batch, cache, prefill_hidden, lens):
+            if planned:
+                n = len(batch.prompt_ids)
+                plan.ensure(self.model, self._draft_runner if use_draft else None, n)
+                if not could_pay(plan.costs, 1, opts.depth, use_draft):  # not even one row could gain: dense
+                    return DenseStepper(engine, batch, cache, prefill_hidden, lens)
+                lookup = None if opts.lookup == "off" else LookupProposer()
+                proposer = DraftHeadProposer(self._draft_runner, opts.tree) if use_draft else LookupProposer()
+                return SpecStepper(proposer, engine, batch, cache, prefill_hidden, lens, depth=opts.depth,
+                                   planner=Planner(plan.costs, n, opts.depth, use_draft, plan.times), lookup=lookup)
             if use_draft:
                 lookup = None if opts.lookup == "off" else LookupProposer()
                 proposer = DraftHeadProposer(self._draft_runner, opts.tree, lookup, lookup_first=opts.lookup == "first")
             else:
                 proposer = LookupProposer()
             return SpecStepper(proposer, engine, batch, cache, prefill_hidden, lens, depth=opts.depth, t3=t3,
-                               step_budget=opts.budget_on(self.device))
+                               step_budget=opts.step_budget)
 
         return factory, opts.nodes + (opts.depth if use_draft and opts.lookup == "merge" else 0) + 1
 
@@ -261,7 +325,7 @@ class SpecEEEngine:
         decided for the alive rows. mode names
         the results' stats["mode"] (default: "dense" without a stepper, else "specee"); cache_headroom:
         KV slots allocated past each batch's longest row."""
-        mode = mode or ("dense" if new_stepper is None else "specee")
+        mode = mode or ("dense" if new_stepper is None else "specee")  # the name results carry
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)

@@ -138,10 +138,14 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin:
 def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: str | torch.dtype | None = None) -> LlamaModel:
     """Load config and weights from a local HF-layout directory. dtype None: fp32 on CPU, the
-    checkpoint's own dtype on CUDA."""
+    checkpoint's own dtype on CUDA; "auto": bf16 where the hardware computes it natively, else fp32."""
     model_dir = find_model_dir(path)
     config = ModelConfig.from_file(model_dir / "config.json")
     device = torch.device(device)
+    if dtype == "auto":
+        from specee_core.plan import choose_dtype
+
+        dtype = choose_dtype(device)[0]
     if dtype is None:
         dtype = resolve_dtype(config.torch_dtype) if device.type == "cuda" and config.torch_dtype else torch.float32
     dtype = resolve_dtype(dtype)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specee_core.acceptance import Verdict, accept_greedy, accept_sampled
+from specee_core.plan import Planner, StepPlan
 from specee_core.proposers import Draft, DraftHeadProposer, LookupProposer, Proposer, TreeShape
 from specee_core.sampling import probabilities, sample
 from specee_core.stepper import StepOutput
@@ -39,11 +40,10 @@ class SpecOptions:
     # SmolLM2 bf16 batch 1, 1.77x dense against 1.31x for the draft's chain alone, 1.55x for lookup alone)
     lookup: str = "first"
     t3: bool = False  # SpecEE T3: exit predictors may end the verify forward early (lossy; greedy only)
-    # nodes a step verifies across the batch, roots included: each row drafts at most budget // rows - 1
-    # (a verify forward's cost grows with its rows once the GEMMs stop being weight-bound). "auto": 8 on
-    # a CPU, where batch 8 with even one drafted token per row ran at 0.79-0.92x dense, 256 elsewhere;
-    # None: no limit
-    step_budget: int | str | None = "auto"
+    # nodes a fixed-shape step verifies across the batch, roots included: each row drafts at most
+    # budget // rows - 1. None: no limit. mode="auto" ignores it: its planner sizes every step from
+    # measured costs (specee_core.plan)
+    step_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.proposer not in ("auto", "draft", "lookup"):
@@ -56,18 +56,10 @@ class SpecOptions:
             self.nodes = self.depth * self.width
         if not self.depth <= self.nodes <= 128:
             raise ValueError(f"nodes must be in depth..128 ({self.depth}..128), got {self.nodes}")
-        if self.lookup is True or self.lookup is False:  # the boolean of earlier versions
-            self.lookup = "merge" if self.lookup else "off"
         if self.lookup not in ("off", "merge", "first"):
             raise ValueError(f"lookup must be off, merge or first, got {self.lookup!r}")
-        if self.step_budget != "auto" and self.step_budget is not None and not (
-                isinstance(self.step_budget, int) and self.step_budget >= 1):
-            raise ValueError(f"step_budget must be an int >= 1, 'auto' or None, got {self.step_budget!r}")
-
-    def budget_on(self, device: torch.device) -> int | None:
-        if self.step_budget == "auto":
-            return 8 if device.type == "cpu" else 256
-        return self.step_budget
+        if self.step_budget is not None and not (isinstance(self.step_budget, int) and self.step_budget >= 1):
+            raise ValueError(f"step_budget must be an int >= 1 or None, got {self.step_budget!r}")
 
     @property
     def tree(self) -> TreeShape:
@@ -88,10 +80,15 @@ class SpecStepper:
     sampling otherwise."""
 
     def __init__(self, proposer: Proposer, engine, batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor,
-                 depth: int, t3: T3 | None = None, step_budget: int | None = None):
+                 depth: int, t3: T3 | None = None, step_budget: int | None = None, planner: Planner | None = None,
+                 lookup: LookupProposer | None = None):
+        """planner: size each step from measured costs and acceptance (mode="auto"; then `lookup`, when
+        given, offers its chains row by row beside the proposer's, and `depth` is the deepest chain);
+        without one every step drafts the proposer's fixed shape."""
         self.proposer, self.batch, self.cache = proposer, batch, cache
         self.model = engine.model
         self.depth, self.t3, self.step_budget = depth, t3, step_budget
+        self.planner, self.lookup = planner, lookup
         n = len(batch.prompt_ids)
         self.stats = SpecStats(per_row_steps=[0] * n, per_row_accepted=[0] * n)
         t0 = time.perf_counter()
@@ -102,22 +99,71 @@ class SpecStepper:
         for b in rows:
             self.stats.per_row_steps[b] = self.stats.per_row_accepted[b] = 0
         self.proposer.admit(self.batch, rows, prefill_hidden, lens)
+        if self.planner is not None:
+            self.planner.admit(rows)
 
     def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
+        if self.planner is not None:
+            return self._planned_step(alive, rows, generator)
         t0 = time.perf_counter()
         draft = self.propose(alive, generator)
         t1 = time.perf_counter()
         if draft.size == 1:  # nothing drafted (the step budget): a dense step
             return self._dense_step(alive, rows, draft, generator, t1 - t0)
+        return self._verify_step(alive, rows, draft, generator, t1 - t0)
+
+    def _verify_step(self, alive: list[int], rows: torch.Tensor | None, draft: Draft, generator,
+                     t_draft: float) -> StepOutput:
+        t1 = time.perf_counter()
         start = self.batch.positions[torch.tensor(alive)].clone()  # [N] host: the root's position = cache length
         v = self.verify(draft, start, rows, generator)
         t2 = time.perf_counter()
         out = self.commit(alive, rows, start, v)
         s = self.stats
-        s.t_draft += t1 - t0
+        s.t_draft += t_draft
         s.t_verify += t2 - t1
         s.t_commit += time.perf_counter() - t2
         return out
+
+    def _planned_step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
+        """mode="auto": the planner picks dense or a chain depth, and per row lookup's chain or the draft
+        head's, from measured costs and the acceptance seen so far; the step's outcome updates it."""
+        t0 = time.perf_counter()
+        batch, greedy = self.batch, self.batch.params.greedy
+        use_lookup = self.lookup is not None and (greedy or not isinstance(self.proposer, DraftHeadProposer))
+        conts = [self.lookup.continuation(batch.prompt_ids[b] + batch.generated[b], self.depth) if use_lookup else []
+                 for b in alive]
+        rooms = [max(0, min(self.depth, batch.max_new[b] - len(batch.generated[b]) - 1)) for b in alive]
+        plan = self.planner.choose(alive, [len(c) for c in conts], rooms)
+        if plan.depth == 0:
+            draft = Draft.chains([batch.generated[b][-1] for b in alive], [[] for _ in alive])
+            out = self._dense_step(alive, rows, draft, generator, time.perf_counter() - t0)
+            accepted = [0] * len(alive)
+        else:
+            draft = self._planned_draft(alive, plan, conts, generator)
+            out = self._verify_step(alive, rows, draft, generator, time.perf_counter() - t0)
+            accepted = [len(t) - 1 for t in out.tokens]
+        self.planner.timed(plan, time.perf_counter() - t0)
+        shadow = [None if not c or k == "lookup" else int(c[0] == t[0]) for c, k, t in zip(conts, plan.kinds, out.tokens)]
+        self.planner.observe(alive, plan, accepted, shadow)
+        return out
+
+    def _planned_draft(self, alive: list[int], plan: StepPlan, conts: list[list[int]], generator) -> Draft:
+        """The plan's draft: lookup rows verify their lookup chain, draft rows the proposer's chain, the
+        others their root alone."""
+        batch = self.batch
+        drafted = [r for r, k in enumerate(plan.kinds) if k == "draft"]
+        if len(drafted) == len(alive) or (drafted and not batch.params.greedy):  # sampled drafts carry q: one call
+            return self.proposer.propose(alive, batch, list(plan.depths), batch.params, generator)
+        roots = [batch.generated[b][-1] for b in alive]
+        chains = [conts[r][: plan.depths[r]] if k == "lookup" else [] for r, k in enumerate(plan.kinds)]
+        if not drafted:
+            return Draft.chains(roots, chains)
+        rest = [r for r in range(len(alive)) if r not in set(drafted)]
+        tree = self.proposer.propose([alive[r] for r in drafted], batch, [plan.depths[r] for r in drafted],
+                                     batch.params, generator)
+        return Draft.by_rows(len(alive), [(rest, Draft.chains([roots[r] for r in rest], [chains[r] for r in rest])),
+                                          (drafted, tree)])
 
     def _dense_step(self, alive: list[int], rows: torch.Tensor | None, draft: Draft, generator,
                     t_draft: float) -> StepOutput:
@@ -205,7 +251,8 @@ class SpecStepper:
         s = self.stats
         total = max(s.t_draft + s.t_verify + s.t_commit, 1e-9)
         steps = max(s.per_row_steps[b], 1)
-        return {"spec_steps": s.per_row_steps[b], "mean_accepted": s.per_row_accepted[b] / steps,
+        plan = {} if self.planner is None else self.planner.summary()
+        return {**plan, "spec_steps": s.per_row_steps[b], "mean_accepted": s.per_row_accepted[b] / steps,
                 "mean_tokens_per_step": (s.per_row_accepted[b] + s.per_row_steps[b]) / steps,
                 "draft_time_share": s.t_draft / total, "verify_time_share": s.t_verify / total,
                 "commit_time_share": s.t_commit / total}

@@ -119,24 +119,24 @@ def test_builder_args(dirs, monkeypatch):
         ServeArgs.model_validate({"model": str(dirs[0]), "max_batch_sise": 4})  # typos are errors
 
 
-@pytest.mark.parametrize("requested, has_draft, has_predictors, mode", [
-    (None, True, True, "spec"), (None, True, False, "spec"), (None, False, True, "specee"),
-    (None, False, False, "dense"), ("dense", True, True, "dense"), ("specee", True, True, "specee"),
-    ("spec", False, False, "spec"),  # without a draft head spec proposes by prompt lookup
+@pytest.mark.parametrize("requested, has_predictors, mode", [
+    (None, True, "auto"), (None, False, "auto"),  # lossless by default, even with predictors beside the model
+    ("dense", True, "dense"), ("specee", True, "specee"),
+    ("spec", False, "spec"),  # without a draft head spec proposes by prompt lookup
 ])
-def test_pick_mode(requested, has_draft, has_predictors, mode):
+def test_pick_mode(requested, has_predictors, mode):
     from pipeline.serve import pick_mode
 
-    assert pick_mode(requested, has_draft=has_draft, has_predictors=has_predictors) == mode
+    assert pick_mode(requested, has_predictors=has_predictors) == mode
 
 
 def test_pick_mode_refuses_what_the_model_cannot_run():
     from pipeline.serve import pick_mode
 
     with pytest.raises(ValueError, match="no predictors"):
-        pick_mode("specee", has_draft=True, has_predictors=False)
-    with pytest.raises(ValueError, match="mode must be one of"):
-        pick_mode("fast", has_draft=True, has_predictors=True)
+        pick_mode("specee", has_predictors=False)
+    with pytest.raises(ValueError, match="mode must be one of auto, dense, specee, spec"):
+        pick_mode("fast", has_predictors=True)
 
 
 def test_run_grouped_splits_by_params_and_isolates_failures():

@@ -1,0 +1,530 @@
+"""The measured plan: which dtype and how much speculation pay on the machine at hand.
+
+Speculative decoding is lossless, but whether it is *faster* depends on the machine: a verify
+forward over T draft tokens costs about one dense step where the GEMMs are weight-bound (bf16 on
+CPUs with native bf16, GPUs) and about T dense steps where they are compute-bound (fp32 on a
+2-core AVX2 CPU, large batches). So the engine measures what a forward of T rows costs here, once
+per machine, model, dtype, torch version and thread count (cached under $SPECEE_CACHE/plans), and
+chooses each decode step from that table and the acceptance seen so far:
+
+    rate(shape) = expected tokens committed by the batch / (verify ms(B, T) + draft ms)
+
+over dense (T = 1) and chains of every depth up to the limit, with prompt lookup or the draft
+head per row. When no shape beats a dense step, the step is a plain dense step. SpecEE's own idea,
+spend work where it pays, applied to speculation.
+
+The choice is a pure function (`best_step`) of a CostTable and per-row acceptance estimates
+(`Acceptance`), so it is unit-testable on synthetic tables; `Planner` keeps the per-row estimates
+of one batch and `measure_costs` fills a table.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+T_GRID = (1, 2, 3, 4, 5, 7, 9, 13, 17)  # verify rows per sequence that are measured; others interpolated
+PLAN_VERSION = 1  # bump when what is measured changes: older cache files are then measured again
+
+
+# ---- dtype ------------------------------------------------------------------------------------
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether the hardware computes bf16 natively: CUDA with bf16 support, or a CPU whose oneDNN
+    has a bf16 path (avx512_bf16 / AMX). Without it bf16 GEMMs are emulated and slower than fp32."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def choose_dtype(device: torch.device | str) -> tuple[torch.dtype, str]:
+    """dtype "auto": bf16 where the hardware computes it natively, else fp32; with the reason."""
+    device = torch.device(device)
+    if native_bf16(device):
+        return torch.bfloat16, f"bfloat16: {machine_name(device)} computes bf16 natively"
+    return torch.float32, f"float32: {machine_name(device)} has no native bf16 (bf16 would be emulated, slower)"
+
+
+def machine_name(device: torch.device) -> str:
+    """What the costs depend on: the GPU's name, or the CPU's SIMD capability and model."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {torch.backends.cpu.get_cpu_capability()} ({cpu_model()})"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_facts(device: torch.device | str = "cpu") -> dict:
+    """The facts every speed figure is published with."""
+    device = torch.device(device)
+    facts = {"device": str(device), "machine": machine_name(device), "torch": torch.__version__,
+             "threads": torch.get_num_threads(), "native_bf16": native_bf16(device)}
+    if device.type == "cpu":
+        facts["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    return facts
+
+
+# ---- the cost table ---------------------------------------------------------------------------
+
+@dataclass
+class CostTable:
+    """Milliseconds measured on one machine. verify[b][i]: one base forward (every layer, final norm,
+    LM head, argmax) over b rows of T_GRID[i] tokens each, with a tree mask when T > 1 (T = 1 is a dense
+    step); draft[b]: one draft-head level over b rows (the draft layer and its LM head)."""
+    key: dict  # machine, model, dtype, torch, threads: what the numbers are valid for
+    verify: dict[int, list[float]] = field(default_factory=dict)
+    draft: dict[int, float] = field(default_factory=dict)
+    tokens: tuple[int, ...] = T_GRID
+
+    def verify_ms(self, b: int, t: int) -> float:
+        """Cost of a forward over b rows of t tokens: linear between measured t, beyond the largest
+        measured t and between measured batch sizes; proportional beyond the largest measured b."""
+        return _interp_batch(self.verify, b, lambda row: _interp(self.tokens[: len(row)], row, t))
+
+    def draft_ms(self, b: int) -> float:
+        if b <= 0 or not self.draft:
+            return 0.0
+        return _interp_batch({k: [v] for k, v in self.draft.items()}, b, lambda row: row[0])
+
+    def has(self, b: int) -> bool:
+        return b in self.verify
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "tokens": list(self.tokens),
+                "verify_ms": {str(b): [round(x, 3) for x in v] for b, v in sorted(self.verify.items())},
+                "draft_ms": {str(b): round(v, 3) for b, v in sorted(self.draft.items())}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> CostTable:
+        return cls(key=d["key"], tokens=tuple(d["tokens"]),
+                   verify={int(b): list(v) for b, v in d["verify_ms"].items()},
+                   draft={int(b): float(v) for b, v in d["draft_ms"].items()})
+
+
+def _interp(xs, ys, x: float) -> float:
+    """Piecewise-linear through (xs, ys), extended linearly past both ends (ys >= 0)."""
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    for i in range(1, len(xs)):
+        if x <= xs[i] or i == len(xs) - 1:
+            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+            return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    raise AssertionError("unreachable")
+
+
+def _interp_batch(table: dict[int, list[float]], b: int, at) -> float:
+    sizes = sorted(table)
+    if not sizes:
+        raise ValueError("the cost table holds no measurements")
+    if b in table:
+        return at(table[b])
+    if b > sizes[-1]:
+        return at(table[sizes[-1]]) * b / sizes[-1]
+    lo = max((s for s in sizes if s < b), default=None)
+    hi = min(s for s in sizes if s > b)
+    if lo is None:
+        return at(table[hi])
+    return at(table[lo]) + (at(table[hi]) - at(table[lo])) * (b - lo) / (hi - lo)
+
+
+def monotone(ys: list[float]) -> list[float]:
+    """The closest non-decreasing sequence (pool adjacent violators): more rows never cost less, so a
+    dip in the timings is noise."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    return [s / c for s, c in blocks for _ in range(int(c))]
+
+
+# ---- acceptance -------------------------------------------------------------------------------
+
+@dataclass
+class Acceptance:
+    """How deep one proposer's drafts get accepted on one row, as a geometric model: each drafted
+    level is accepted with probability alpha = accepted / (accepted + stops), where a stop is a step
+    whose draft was rejected before its end. Old evidence decays by `decay` per observation, so a
+    collapse shows within a few steps, and by `idle_decay` per step without one, so an estimate
+    returns to the prior and the planner tries the proposer again now and then."""
+    prior: float = 0.6
+    prior_weight: float = 2.0
+    decay: float = 0.85
+    idle_decay: float = 0.97
+    accepted: float = 0.0
+    stops: float = 0.0
+
+    @property
+    def alpha(self) -> float:
+        w = self.prior_weight
+        return (self.prior * w + self.accepted) / (w + self.accepted + self.stops)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self.accepted = self.accepted * self.decay + accepted
+        self.stops = self.stops * self.decay + (1.0 if accepted < drafted else 0.0)
+
+    def idle(self) -> None:
+        self.accepted *= self.idle_decay
+        self.stops *= self.idle_decay
+
+
+def expected_tokens(alpha: float, depth: int) -> float:
+    """Tokens a verify step commits from a chain of `depth` drafted tokens: the bonus token plus each
+    drafted one while every one before it was accepted (sum of alpha^i, i = 0..depth)."""
+    return sum(alpha ** i for i in range(depth + 1))
+
+
+# ---- the choice -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RowView:
+    """What the planner knows of one row at a step."""
+    room: int  # drafted tokens the row may still use (tokens left minus the bonus token)
+    lookup: int  # length of prompt lookup's continuation found now (0: none)
+    alpha_lookup: float
+    alpha_draft: float  # 0 without a draft head
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One decode step: depth 0 is a dense step. Per row: "lookup" (its lookup chain), "draft" (the
+    draft head's chain) or "" (the root alone), and the depth it drafts."""
+    depth: int
+    kinds: tuple[str, ...]
+    depths: tuple[int, ...]
+    expected_tokens: float  # over the batch
+    est_ms: float
+    dense_ms: float
+
+    @property
+    def rate_gain(self) -> float:
+        """Expected tokens/s of this step over a dense step's."""
+        n = len(self.kinds)
+        return (self.expected_tokens / self.est_ms) / (n / self.dense_ms) if self.est_ms > 0 else 1.0
+
+
+def best_step(costs: CostTable, rows: list[RowView], max_depth: int, has_draft: bool,
+              margin: float = 1.02, overhead: float = 1.0) -> StepPlan:
+    """The step shape with the most expected tokens per millisecond for these rows: a dense step, or
+    for each depth d <= max_depth, every row's better chain (lookup's or the draft head's, each no
+    longer than the row's room), verified in one forward of 1 + (longest chain) tokens per row, after
+    d draft-head levels when any row drafts with it. overhead: what a drafted step really costs over
+    the table's estimate, relative to a dense step's (bookkeeping the table does not time). A shape
+    must beat dense by `margin` (the model is an estimate; ties go to the step with fewer moving parts)."""
+    n = len(rows)
+    dense_ms = costs.verify_ms(n, 1)
+    best = StepPlan(0, ("",) * n, (0,) * n, float(n), dense_ms, dense_ms)
+    best_rate = n / dense_ms * margin
+    for d in range(1, max_depth + 1):
+        for use_draft in ((False, True) if has_draft else (False,)):
+            kinds, depths, tokens = [], [], 0.0
+            for r in rows:
+                dl = min(d, r.lookup, r.room)
+                dd = min(d, r.room) if use_draft else 0
+                el = expected_tokens(r.alpha_lookup, dl)
+                ed = expected_tokens(r.alpha_draft, dd)
+                if dl > 0 and el >= ed:
+                    kinds.append("lookup"), depths.append(dl)
+                    tokens += el
+                elif dd > 0:
+                    kinds.append("draft"), depths.append(dd)
+                    tokens += ed
+                else:
+                    kinds.append(""), depths.append(0)
+                    tokens += 1.0
+            if max(depths) == 0:
+                continue
+            drafting = kinds.count("draft")
+            ms = (costs.verify_ms(n, 1 + max(depths)) + (d * costs.draft_ms(drafting) if drafting else 0.0)) * overhead
+            if tokens / ms > best_rate:
+                best = StepPlan(d, tuple(kinds), tuple(depths), tokens, ms, dense_ms)
+                best_rate = tokens / ms
+    return best
+
+
+def could_pay(costs: CostTable, b: int, max_depth: int, has_draft: bool, alpha: float = 0.9) -> bool:
+    """Whether speculation could beat dense decoding at batch size b even if drafts were accepted
+    with probability alpha (an optimistic bound: False means never draft at this size)."""
+    rows = [RowView(room=max_depth, lookup=max_depth, alpha_lookup=alpha, alpha_draft=alpha if has_draft else 0.0)] * b
+    return best_step(costs, rows, max_depth, has_draft).depth > 0
+
+
+class StepTimes:
+    """What steps really take against the cost table's estimate, per kind ("dense", "spec") and batch-size
+    bucket: exponentially weighted ratios. Drafted steps carry bookkeeping the table does not time
+    (drafting's host work, acceptance, KV compaction), which grows with the batch; their ratio over the
+    dense steps' is the overhead best_step charges. Shared by every batch of an engine's plan."""
+
+    def __init__(self, decay: float = 0.8):
+        self.decay = decay
+        self.ratio: dict[tuple[str, int], float] = {}
+
+    def record(self, kind: str, b: int, est_ms: float, ms: float) -> None:
+        key = (kind, batch_bucket(b))
+        r = ms / max(est_ms, 1e-6)
+        old = self.ratio.get(key)
+        self.ratio[key] = r if old is None else old * self.decay + r * (1 - self.decay)
+
+    def overhead(self, b: int) -> float:
+        k = batch_bucket(b)
+        return self.ratio.get(("spec", k), 1.0) / self.ratio.get(("dense", k), 1.0)
+
+    def to_json(self) -> dict:
+        return {f"{kind}@{b}": round(r, 3) for (kind, b), r in sorted(self.ratio.items())}
+
+
+class Planner:
+    """Per-row acceptance of one batch and the step choices made from it (owned by its SpecStepper)."""
+
+    def __init__(self, costs: CostTable, rows: int, max_depth: int, has_draft: bool, times: StepTimes | None = None):
+        self.costs, self.max_depth, self.has_draft = costs, max_depth, has_draft
+        self.times = times or StepTimes()
+        self.lookup = [Acceptance() for _ in range(rows)]
+        self.draft = [Acceptance() for _ in range(rows)]
+        self.steps: dict[int, int] = {}  # depth chosen -> steps (0: dense)
+        self.lookup_hits = self.lookup_tries = 0
+
+    def admit(self, rows: list[int]) -> None:
+        for b in rows:
+            self.lookup[b], self.draft[b] = Acceptance(), Acceptance()
+
+    def choose(self, alive: list[int], lookup_lens: list[int], rooms: list[int]) -> StepPlan:
+        views = [RowView(room=room, lookup=ln, alpha_lookup=self.lookup[b].alpha,
+                         alpha_draft=self.draft[b].alpha if self.has_draft else 0.0)
+                 for b, ln, room in zip(alive, lookup_lens, rooms)]
+        plan = best_step(self.costs, views, self.max_depth, self.has_draft, overhead=self.times.overhead(len(alive)))
+        self.steps[plan.depth] = self.steps.get(plan.depth, 0) + 1
+        return plan
+
+    def timed(self, plan: StepPlan, seconds: float) -> None:
+        """The wall time the planned step took, drafting and commit included."""
+        n = len(plan.kinds)
+        if plan.depth == 0:
+            self.times.record("dense", n, plan.dense_ms, seconds * 1e3)
+        else:  # against the table's own estimate, before the overhead was applied
+            self.times.record("spec", n, plan.est_ms / self.times.overhead(n), seconds * 1e3)
+
+    def observe(self, alive: list[int], plan: StepPlan, accepted: list[int], shadow: list[int | None]) -> None:
+        """After a step: accepted[r] of row r's drafted tokens were accepted. shadow[r]: for a row that did
+        not verify lookup's chain although lookup had one, whether its first token was the one committed
+        (1/0; None: no such chain), free evidence that keeps lookup's estimate current during dense steps."""
+        for r, b in enumerate(alive):
+            kind, depth = plan.kinds[r], plan.depths[r]
+            if kind == "lookup":
+                self.lookup[b].observe(depth, accepted[r])
+            elif shadow[r] is not None:
+                self.lookup[b].observe(1, shadow[r])
+            else:
+                self.lookup[b].idle()
+            if kind == "draft":
+                self.draft[b].observe(depth, accepted[r])
+            else:
+                self.draft[b].idle()
+            if kind == "lookup" or shadow[r] is not None:
+                self.lookup_tries += 1
+                self.lookup_hits += int(accepted[r] > 0) if kind == "lookup" else shadow[r]
+
+    def summary(self) -> dict:
+        total = max(sum(self.steps.values()), 1)
+        return {"plan_steps": {("dense" if d == 0 else f"depth_{d}"): n for d, n in sorted(self.steps.items())},
+                "plan_dense_share": self.steps.get(0, 0) / total,
+                "lookup_hit_rate": self.lookup_hits / max(self.lookup_tries, 1)}
+
+
+# ---- measuring --------------------------------------------------------------------------------
+
+def cost_key(model, dtype: torch.dtype, device: torch.device) -> dict:
+    """What a table's numbers depend on; its hash names the cache file."""
+    c = model.config
+    shape = (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+             c.vocab_size)
+    return {"plan_version": PLAN_VERSION, "machine": machine_name(device), "torch": torch.__version__,
+            "threads": torch.get_num_threads() if device.type == "cpu" else None, "dtype": str(dtype).removeprefix("torch."),
+            "model_shape": list(shape)}
+
+
+def cache_path(key: dict, root: str | Path | None = None) -> Path:
+    root = Path(root or os.environ.get("SPECEE_CACHE") or Path.home() / ".cache" / "specee").expanduser()
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return root / "plans" / f"{digest}.json"
+
+
+def load_costs(key: dict, root: str | Path | None = None) -> CostTable:
+    """The cached table for key, or an empty one (also when the cache file is unreadable)."""
+    path = cache_path(key, root)
+    if path.is_file():
+        try:
+            table = CostTable.from_json(json.loads(path.read_text()))
+            if table.key == key:
+                return table
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("%s: unreadable cost table (%s); measuring again", path, e)
+    return CostTable(key=key)
+
+
+def save_costs(table: CostTable, root: str | Path | None = None) -> Path:
+    path = cache_path(table.key, root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table.to_json(), indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+@torch.inference_mode()
+def measure_costs(table: CostTable, model, draft_runner, batch: int, max_tokens: int, prefix: int = 192,
+                  repeats: int = 3) -> None:
+    """Measure verify forwards of `batch` rows for T_GRID up to max_tokens (rounds interleaved over T so
+    drift hits every T alike; the median of each, made non-decreasing in T) and one draft-head level,
+    into table. Seconds on a CPU."""
+    tokens = tuple(t for t in T_GRID if t <= max(max_tokens, 2))
+    dev = model.device
+    prefix = max(1, min(prefix, model.config.max_position_embeddings - tokens[-1] - 1))
+    cache = model.new_cache(batch, prefix + tokens[-1])
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (batch, prefix + tokens[-1]), generator=gen)
+    model.forward(ids[:, :prefix].to(dev), torch.arange(prefix).expand(batch, prefix).to(dev), cache)
+    rows = torch.arange(batch)
+    base = torch.full((batch,), prefix)
+
+    def verify(t: int) -> None:
+        x = ids[:, prefix : prefix + t].to(dev)
+        pos = (prefix + torch.arange(t)).expand(batch, t).to(dev)
+        tree = None if t == 1 else torch.tril(torch.ones(t, t, dtype=torch.bool)).expand(batch, t, t)
+        h = model.forward(x, pos, cache, None, tree=tree)
+        model.lm_head(model.final_norm(h)).max(-1).indices.cpu()
+        cache.truncate(rows, base)
+
+    samples: dict[int, list[float]] = {t: [] for t in tokens}
+    for rnd in range(repeats + 1):  # round 0 warms up
+        for t in (tokens if rnd % 2 else tokens[::-1]):
+            _sync(dev)
+            t0 = time.perf_counter()
+            verify(t)
+            _sync(dev)
+            if rnd:
+                samples[t].append((time.perf_counter() - t0) * 1e3)
+    table.verify[batch] = monotone([statistics.median(samples[t]) for t in tokens])
+    if len(tokens) > len(table.tokens):
+        table.tokens = tokens
+    if draft_runner is not None:
+        table.draft[batch] = _measure_draft(draft_runner, model, batch, prefix, ids, repeats)
+
+
+def _measure_draft(runner, model, batch: int, prefix: int, ids: torch.Tensor, repeats: int) -> float:
+    spec, dev = runner.fork(), model.device
+    spec.cache = spec.draft.new_cache(batch, prefix + 1)
+    feats = torch.zeros(batch, prefix, model.config.hidden_size, dtype=model.dtype, device=dev)
+    spec._step(ids[:, :prefix].to(dev), feats, torch.arange(prefix).expand(batch, prefix).to(dev), None)
+    tok, f = ids[:, prefix : prefix + 1].to(dev), feats[:, :1]
+    pos = torch.full((batch, 1), prefix, device=dev)
+    rows, base = torch.arange(batch), torch.full((batch,), prefix)
+    times = []
+    for rnd in range(repeats + 2):
+        _sync(dev)
+        t0 = time.perf_counter()
+        out = spec._step(tok, f, pos, None)
+        spec.top_log_probs(out, 1)[1].cpu()
+        _sync(dev)
+        spec.cache.truncate(rows, base)
+        if rnd >= 2:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def batch_bucket(b: int) -> int:
+    """The measured batch size that stands for b: the next power of two."""
+    return 1 << max(0, (b - 1).bit_length())
+
+
+# ---- the engine's plan -----------------------------------------------------------------------
+
+@dataclass
+class SpecPlan:
+    """What the engine knows and decided about speculation on this machine: the cost table (measured
+    lazily per batch-size bucket, cached on disk) and the limits of the planned shape."""
+    dtype: str
+    dtype_reason: str
+    max_depth: int
+    has_draft: bool
+    costs: CostTable
+    cache_root: str | None = None
+    times: StepTimes = field(default_factory=StepTimes)  # learned while decoding, not cached
+
+    def ensure(self, model, draft_runner, batch: int) -> None:
+        """Measure the buckets up to batch (power-of-two sizes) that the table lacks, and save it."""
+        need = [s for s in (batch_bucket(x) for x in (1, batch)) if not self.costs.has(s)]
+        need += [1 << i for i in range(batch_bucket(batch).bit_length()) if not self.costs.has(1 << i)]
+        need = sorted(set(need))
+        if not need:
+            return
+        t0 = time.perf_counter()
+        for b in need:
+            measure_costs(self.costs, model, draft_runner if self.has_draft else None, b, self.max_depth + 1)
+        path = save_costs(self.costs, self.cache_root)
+        log.info("measured verify and draft costs for batch sizes %s in %.1f s (%s)", need,
+                 time.perf_counter() - t0, path)
+
+    def describe(self, batch_sizes: list[int], alpha: float = Acceptance().prior) -> dict:
+        """Per batch size: dense tokens/s, and the best speculative shape at acceptance alpha with its
+        tokens/s, from the table (what the planner would do with rows it knows nothing about yet)."""
+        out = {}
+        for b in batch_sizes:
+            rows = [RowView(room=self.max_depth, lookup=0, alpha_lookup=alpha,
+                            alpha_draft=alpha if self.has_draft else 0.0)] * b
+            hit = [RowView(room=self.max_depth, lookup=self.max_depth, alpha_lookup=alpha,
+                           alpha_draft=alpha if self.has_draft else 0.0)] * b
+            p, q = best_step(self.costs, rows, self.max_depth, self.has_draft), \
+                best_step(self.costs, hit, self.max_depth, self.has_draft)
+            out[str(b)] = {
+                "dense_tokens_per_s": round(b / p.dense_ms * 1e3, 1),
+                "no_lookup_hit": _describe_step(p), "lookup_hit": _describe_step(q),
+                "could_pay": could_pay(self.costs, b, self.max_depth, self.has_draft)}
+        return out
+
+    def to_json(self, batch_sizes: list[int] | None = None) -> dict:
+        sizes = batch_sizes or sorted(self.costs.verify)
+        return {"dtype": self.dtype, "dtype_reason": self.dtype_reason, "max_depth": self.max_depth,
+                "draft_head": self.has_draft, "costs": self.costs.to_json(),
+                "measured_over_table": self.times.to_json(),
+                "at_prior_acceptance": Acceptance().prior, "by_batch": self.describe(sizes)}
+
+
+def _describe_step(p: StepPlan) -> dict:
+    if p.depth == 0:
+        return {"step": "dense", "why": "no drafted shape beats a dense step's tokens/s"}
+    kind = sorted(set(k for k in p.kinds if k))
+    return {"step": f"{'+'.join(kind)} chains of {p.depth}", "expected_tokens_per_step": round(p.expected_tokens / len(p.kinds), 2),
+            "est_gain_over_dense": round(p.rate_gain, 2)}
+
+
+__all__ = ["Acceptance", "CostTable", "Planner", "RowView", "SpecPlan", "StepPlan", "best_step",
+           "choose_dtype", "could_pay", "expected_tokens", "machine_facts", "measure_costs", "monotone",
+           "native_bf16"]
