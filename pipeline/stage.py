@@ -204,12 +204,7 @@ class GenerateRows:
                 runnable.append(i)
             except PromptError as e:
                 rows[i] = self._error_row(ids[i], prompt, f"PromptError: {e}")
-        results = self._generate([texts[i] for i in runnable])
-        for steps in {id(r.stats.get("plan_steps")): r.stats.get("plan_steps") for r in results
-                      if not isinstance(r, Exception)}.values():  # one planner per engine batch
-            for k, v in (steps or {}).items():
-                self.plan_steps[k] = self.plan_steps.get(k, 0) + v
-        for i, result in zip(runnable, results):
+        for i, result in zip(runnable, self._generate([texts[i] for i in runnable])):
             if isinstance(result, Exception):
                 rows[i] = self._error_row(ids[i], prompts[i], f"{type(result).__name__}: {result}")
             else:
@@ -237,7 +232,10 @@ class GenerateRows:
         if not prompts:
             return []
         try:
-            return self.engine.generate(prompts, **self._sampling())
+            results = self.engine.generate(prompts, **self._sampling())
+            for k, v in results[0].stats.get("plan_steps", {}).items():  # one planner per engine batch
+                self.plan_steps[k] = self.plan_steps.get(k, 0) + v
+            return results
         except Exception as e:  # noqa: BLE001 -- an engine failure must cost its rows, not the job
             if len(prompts) == 1:
                 return [e]

@@ -44,6 +44,11 @@ def native_bf16(device: torch.device) -> bool:
     has a bf16 path (avx512_bf16 / AMX). Without it bf16 GEMMs are emulated and slower than fp32."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
+    return cpu_has_native_bf16()
+
+
+def cpu_has_native_bf16() -> bool:
+    """oneDNN's own check: avx512_bf16, AMX or (on Arm) bf16 dot products."""
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
@@ -163,31 +168,37 @@ def monotone(ys: list[float]) -> list[float]:
 @dataclass
 class Acceptance:
     """How deep one proposer's drafts get accepted on one row, as a geometric model: each drafted
-    level is accepted with probability alpha = accepted / (accepted + stops), where a stop is a step
-    whose draft was rejected before its end. Old evidence decays by `decay` per observation, so a
-    collapse shows within a few steps, and by `idle_decay` per step without one, so an estimate
-    returns to the prior and the planner tries the proposer again now and then."""
+    level is accepted with probability alpha = accepted / (accepted + stops) over the levels tried,
+    where a stop is the level that was rejected. It starts from `prior` worth `prior_weight` levels;
+    every level tried since weighs `decay` times less per level after it, so a collapse shows within a
+    few steps; a step that tries nothing moves the estimate back toward the prior by `idle_decay`, so
+    the planner tries a proposer again now and then."""
     prior: float = 0.6
     prior_weight: float = 2.0
-    decay: float = 0.85
+    decay: float = 0.75
     idle_decay: float = 0.97
-    accepted: float = 0.0
-    stops: float = 0.0
+    accepted: float = field(init=False)
+    stops: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.accepted, self.stops = self.prior * self.prior_weight, (1 - self.prior) * self.prior_weight
 
     @property
     def alpha(self) -> float:
-        w = self.prior_weight
-        return (self.prior * w + self.accepted) / (w + self.accepted + self.stops)
+        return self.accepted / max(self.accepted + self.stops, 1e-9)
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
             return
-        self.accepted = self.accepted * self.decay + accepted
-        self.stops = self.stops * self.decay + (1.0 if accepted < drafted else 0.0)
+        stop = accepted < drafted
+        f = self.decay ** (accepted + stop)  # levels tried this step
+        self.accepted = self.accepted * f + accepted
+        self.stops = self.stops * f + stop
 
     def idle(self) -> None:
-        self.accepted *= self.idle_decay
-        self.stops *= self.idle_decay
+        i, w = self.idle_decay, self.prior_weight
+        self.accepted = self.accepted * i + self.prior * w * (1 - i)
+        self.stops = self.stops * i + (1 - self.prior) * w * (1 - i)
 
 
 def expected_tokens(alpha: float, depth: int) -> float:
@@ -277,15 +288,14 @@ class StepTimes:
     (drafting's host work, acceptance, KV compaction), which grows with the batch; their ratio over the
     dense steps' is the overhead best_step charges. Shared by every batch of an engine's plan."""
 
-    def __init__(self, decay: float = 0.8):
+    def __init__(self, decay: float = 0.8):  # decay 1: never learns (synthetic tables in tests)
         self.decay = decay
         self.ratio: dict[tuple[str, int], float] = {}
 
     def record(self, kind: str, b: int, est_ms: float, ms: float) -> None:
         key = (kind, batch_bucket(b))
         r = ms / max(est_ms, 1e-6)
-        old = self.ratio.get(key)
-        self.ratio[key] = r if old is None else old * self.decay + r * (1 - self.decay)
+        self.ratio[key] = self.ratio.get(key, 1.0) * self.decay + r * (1 - self.decay)
 
     def overhead(self, b: int) -> float:
         k = batch_bucket(b)

@@ -24,7 +24,7 @@ PROMPTS = ["import os\nimport sys\n\n\ndef main(argv=None):\n", "class Point:\n 
 
 @pytest.fixture(scope="module")
 def engine():
-    return SpecEEEngine.from_pretrained(BUNDLED)
+    return SpecEEEngine.from_pretrained(BUNDLED, dtype="float32")
 
 
 def heldout_windows(tokenizer, n: int = 8, t: int = 256) -> torch.Tensor:
@@ -74,7 +74,7 @@ def python_tokens(text: str) -> list[tokenize.TokenInfo]:
 
 
 def test_greedy_completions_look_like_python(engine):
-    for prompt, r in zip(PROMPTS, engine.generate(PROMPTS, max_new_tokens=40)):
+    for prompt, r in zip(PROMPTS, engine.generate(PROMPTS, max_new_tokens=40, mode="dense")):
         text = prompt + r.text
         # the first lines tokenize as Python, with no stray characters, and the completion uses Python words
         head = "".join(text.splitlines(keepends=True)[:4])
@@ -87,7 +87,7 @@ def test_greedy_completions_look_like_python(engine):
 
 
 def test_specee_with_exits_off_equals_dense(engine):
-    dense = engine.generate(PROMPTS, max_new_tokens=24)
+    dense = engine.generate(PROMPTS, max_new_tokens=24, mode="dense")
     spec = engine.with_options(threshold=2.0).generate(PROMPTS, max_new_tokens=24, mode="specee")
     assert [r.token_ids for r in spec] == [r.token_ids for r in dense]
 
@@ -98,7 +98,7 @@ def test_specee_skips_layers_and_agrees_with_dense(engine):
     from specee_core.sampling import SamplingParams
     from specee_eval.forced import Forcing
 
-    dense = engine.generate(PROMPTS, max_new_tokens=48, ignore_eos=True)
+    dense = engine.generate(PROMPTS, max_new_tokens=48, ignore_eos=True, mode="dense")
     ids = [engine.encode_prompt(p) for p in PROMPTS]
     probe = Forcing([r.token_ids for r in dense])
     probe.register(ids)
@@ -120,7 +120,7 @@ def test_recompute_keeps_the_kv_cache_exact(engine, batch):
     eng = SpecEEEngine(engine.model, engine.tokenizer, engine.options,
                        engine.early_exit.with_options(kv_mode="recompute", skip="row"))
     eng.options = type(engine.options)(max_batch_size=batch)
-    dense = engine.generate(PROMPTS, max_new_tokens=32, ignore_eos=True)
+    dense = engine.generate(PROMPTS, max_new_tokens=32, ignore_eos=True, mode="dense")
     ids = [eng.encode_prompt(p) for p in PROMPTS]
     L = eng.config.num_hidden_layers
     full = []

@@ -21,7 +21,7 @@ PROMPTS = ["def add(a, b):\n", "import os\n", "class Point:\n    def __init__(se
 
 @pytest.fixture(scope="module")
 def engine():
-    return SpecEEEngine.from_pretrained(BUNDLED)
+    return SpecEEEngine.from_pretrained(BUNDLED, dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ PROMPTS = ["def f(x):\n    return x", "import os\n", "class A:\n    pass\n\nclas
                                                      ("lookup", "propagate", "batch"), ("lookup", "gap", "row"),
                                                      ("draft", "recompute", "row"), ("lookup", "recompute", "batch")])
 def test_exits_off_equals_dense(ee_model_dir, speculator, kv_mode, skip):
-    engine = SpecEEEngine.from_pretrained(ee_model_dir, speculator=speculator, kv_mode=kv_mode, threshold=2.0, skip=skip)
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, speculator=speculator, kv_mode=kv_mode, threshold=2.0, skip=skip, dtype="float32")
     dense = engine.generate(PROMPTS, max_new_tokens=12, mode="dense")
     batched = engine.generate(PROMPTS, max_new_tokens=12, mode="specee")
     single = [engine.generate([p], max_new_tokens=12, mode="specee")[0] for p in PROMPTS]
@@ -28,7 +28,7 @@ def test_exits_off_equals_dense(ee_model_dir, speculator, kv_mode, skip):
 @pytest.mark.parametrize("verify", ["local", "full"])
 @pytest.mark.parametrize("kv_mode", ["propagate", "gap", "recompute"])
 def test_always_exit_runs_fewer_layers(ee_model_dir, verify, kv_mode, skip):
-    engine = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.0, verify=verify, kv_mode=kv_mode, skip=skip)
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.0, verify=verify, kv_mode=kv_mode, skip=skip, dtype="float32")
     res = engine.generate(PROMPTS, max_new_tokens=10, mode="specee", ignore_eos=True)
     L = engine.config.num_hidden_layers
     assert all(r.exit_layers[0] == L for r in res)  # prefill's token: full depth, always
@@ -63,8 +63,8 @@ def test_bf16_specee_paths(ee_model_dir, kv_mode):
 def test_batch_skip_keeps_exited_rows_flowing(ee_model_dir):
     """skip='batch': a row that exited keeps running layers (exact KV) until every row has exited;
     skip='row' compacts. Same tokens and exit layers for a row that exits alone."""
-    row = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.55, skip="row", kv_mode="gap")
-    bat = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.55, skip="batch", kv_mode="gap")
+    row = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.55, skip="row", kv_mode="gap", dtype="float32")
+    bat = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.55, skip="batch", kv_mode="gap", dtype="float32")
     a = row.generate(PROMPTS[:1], max_new_tokens=10, mode="specee", ignore_eos=True)[0]
     b = bat.generate(PROMPTS[:1], max_new_tokens=10, mode="specee", ignore_eos=True)[0]
     assert a.token_ids == b.token_ids and a.exit_layers == b.exit_layers  # batch of one: identical
@@ -77,14 +77,14 @@ def test_batch_skip_keeps_exited_rows_flowing(ee_model_dir):
 
 
 def test_sampling_with_exits_is_seeded(ee_model_dir):
-    engine = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.3)
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.3, dtype="float32")
     a = engine.generate(PROMPTS, max_new_tokens=8, mode="specee", temperature=0.9, seed=3)
     b = engine.generate(PROMPTS, max_new_tokens=8, mode="specee", temperature=0.9, seed=3)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
 
 
 def test_explore_steps_fill_the_retune_histogram(ee_model_dir):
-    engine = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.0, explore_every=2)
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.0, explore_every=2, dtype="float32")
     r = engine.generate(PROMPTS[:1], max_new_tokens=10, mode="specee", ignore_eos=True)[0]
     assert sum(r.stats["explore_histogram"]) == 5 == sum(r.stats["retune_histogram"])
     assert r.stats["explore_histogram"][0] == 5  # every predictor runs: the first layer accepts
@@ -102,16 +102,16 @@ def test_schedule_update_rule():
 
 def test_bad_options_are_rejected(ee_model_dir):
     with pytest.raises(ValueError, match="kv_mode must be one of"):
-        SpecEEEngine.from_pretrained(ee_model_dir, kv_mode="copy")
+        SpecEEEngine.from_pretrained(ee_model_dir, kv_mode="copy", dtype="float32")
     with pytest.raises(TypeError, match="unknown engine options"):
-        SpecEEEngine.from_pretrained(ee_model_dir, thresold=0.5)
+        SpecEEEngine.from_pretrained(ee_model_dir, thresold=0.5, dtype="float32")
 
 
 def test_candidate_scorer_equals_kernel_reference(ee_model_dir):
     from kernels import fused_predictor_reference
     from specee_core.early_exit import CandidateScorer
 
-    engine = SpecEEEngine.from_pretrained(ee_model_dir)
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, dtype="float32")
     m, pred = engine.model, engine.early_exit.predictors.layers[1]
     g = torch.Generator().manual_seed(0)
     cand = torch.randint(0, 8192, (5, 4), generator=g)
@@ -131,10 +131,10 @@ def test_draft_vocab_subset_limits_candidates(tmp_path, ee_model_dir, monkeypatc
     from specee_core.speculators import DraftHead, DraftSpeculator
 
     shutil.copytree(ee_model_dir, tmp_path, dirs_exist_ok=True)
-    head = DraftHead.load(tmp_path / "draft", SpecEEEngine.from_pretrained(tmp_path).config)
+    head = DraftHead.load(tmp_path / "draft", SpecEEEngine.from_pretrained(tmp_path, dtype="float32").config)
     subset = torch.arange(100, 400)
     head.save(tmp_path / "draft", vocab_subset=subset)
-    engine = SpecEEEngine.from_pretrained(tmp_path, speculator="draft", threshold=0.0)
+    engine = SpecEEEngine.from_pretrained(tmp_path, speculator="draft", threshold=0.0, dtype="float32")
     seen = []
     assert isinstance(engine.early_exit.speculator, DraftSpeculator)
     original = DraftSpeculator.propose  # steppers draft with forks of it: record at the class
@@ -152,7 +152,7 @@ out = {}
 for backend in ("triton", "torch"):
     for skip in ("row", "batch"):
         e = SpecEEEngine.from_pretrained(sys.argv[1], device=sys.argv[3], predictor_backend=backend, threshold=0.0,
-                                         skip=skip)
+                                         skip=skip, dtype="float32")
         res = e.generate(prompts, max_new_tokens=6, mode="specee", ignore_eos=True)
         out[backend + "-" + skip] = [[r.token_ids, r.exit_layers] for r in res]
 print(json.dumps(out))

@@ -157,7 +157,7 @@ def test_loader_accepts_a_gguf_file_or_a_directory_holding_one(tmp_path, monkeyp
     holder = tmp_path / "holder"
     holder.mkdir()
     shutil.copy(tiny_gguf, holder / "model.gguf")
-    engine = SpecEEEngine.from_pretrained(holder)
+    engine = SpecEEEngine.from_pretrained(holder, dtype="float32")
     torch.testing.assert_close(logits_of(engine.model, ids), ref, atol=1e-5, rtol=1e-5)
     assert engine.tokenizer.chat_template == CHAT_TEMPLATE
 

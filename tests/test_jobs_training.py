@@ -45,9 +45,9 @@ def test_distill_rows_are_the_engines_greedy_answers(tiny_model_dir, tmp_path):
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "d.jsonl"
     write_prompts(prompts, 2)
     distill(DistillConfig(model=tiny_model_dir, prompts=prompts, out=out, max_new_tokens=6, batch_size=2, dtype="float32"))
-    engine = SpecEEEngine.from_pretrained(tiny_model_dir)
+    engine = SpecEEEngine.from_pretrained(tiny_model_dir, dtype="float32")
     for r in read_jsonl(out):
-        want = engine.generate([f"def f{r['id'].split(':')[1]}(x):"], max_new_tokens=6)[0]
+        want = engine.generate([f"def f{r['id'].split(':')[1]}(x):"], max_new_tokens=6, mode="dense")[0]
         assert r["answer_ids"] == want.token_ids
 
 

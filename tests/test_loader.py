@@ -37,7 +37,7 @@ def test_checkpoint_formats_load_the_same_weights(tmp_path, reference, fmt):
 
 def test_missing_directory_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="model directory not found: .*nope"):
-        SpecEEEngine.from_pretrained(tmp_path / "nope")
+        SpecEEEngine.from_pretrained(tmp_path / "nope", dtype="float32")
 
 
 def test_missing_config_and_weights_are_named(tmp_path, reference):
@@ -89,34 +89,34 @@ def test_corrupt_weights_are_named(tmp_path, reference):
 def test_bad_prompts_raise_clear_errors(reference):
     from specee_core import PromptError
 
-    engine = SpecEEEngine.from_pretrained(reference)
+    engine = SpecEEEngine.from_pretrained(reference, dtype="float32")
     with pytest.raises(PromptError, match="prompt 1: prompt is empty"):
-        engine.generate(["ok", ""], max_new_tokens=2)
+        engine.generate(["ok", ""], max_new_tokens=2, mode="dense")
     with pytest.raises(PromptError, match="must be a string"):
-        engine.generate([3], max_new_tokens=2)
+        engine.generate([3], max_new_tokens=2, mode="dense")
     with pytest.raises(PromptError, match="context holds 256"):
-        engine.generate(["x " * 400], max_new_tokens=2)
+        engine.generate(["x " * 400], max_new_tokens=2, mode="dense")
     with pytest.raises(ValueError, match="max_new_tokens"):
-        engine.generate(["ok"], max_new_tokens=0)
+        engine.generate(["ok"], max_new_tokens=0, mode="dense")
     with pytest.raises(ValueError, match="mode must be one of"):
         engine.generate(["ok"], mode="fast")
 
 
 def test_sampling_is_seeded_and_stops(reference):
-    engine = SpecEEEngine.from_pretrained(reference)
+    engine = SpecEEEngine.from_pretrained(reference, dtype="float32")
     kw = dict(max_new_tokens=8, temperature=0.8, top_p=0.9, top_k=50)
-    a = engine.generate(["def f():", "class A:"], seed=7, **kw)
-    b = engine.generate(["def f():", "class A:"], seed=7, **kw)
+    a = engine.generate(["def f():", "class A:"], seed=7, **kw, mode="dense")
+    b = engine.generate(["def f():", "class A:"], seed=7, **kw, mode="dense")
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
-    greedy = engine.generate(["def f():"], max_new_tokens=8)[0]
+    greedy = engine.generate(["def f():"], max_new_tokens=8, mode="dense")[0]
     stop = greedy.text[2:4] if len(greedy.text) >= 4 else None
     if stop:
-        cut = engine.generate(["def f():"], max_new_tokens=8, stop=[stop])[0]
+        cut = engine.generate(["def f():"], max_new_tokens=8, stop=[stop], mode="dense")[0]
         assert cut.finish_reason == "stop" and cut.text == greedy.text[: greedy.text.find(stop)]
-    at_start = engine.generate(["def f():"], max_new_tokens=8, stop=[greedy.text[:2]])[0]
+    at_start = engine.generate(["def f():"], max_new_tokens=8, stop=[greedy.text[:2]], mode="dense")[0]
     assert at_start.text == "" and at_start.finish_reason == "stop"
     streamed = []
-    res = engine.generate(["def f():", "x"], max_new_tokens=5, on_token=lambda i, t: streamed.append((i, t)))
+    res = engine.generate(["def f():", "x"], max_new_tokens=5, on_token=lambda i, t: streamed.append((i, t)), mode="dense")
     assert sorted(streamed) == sorted((i, t) for i, r in enumerate(res) for t in r.token_ids)
     for r in res:
         assert r.finish_reason in ("stop", "length") and r.metrics["ttft_s"] > 0

@@ -25,7 +25,7 @@ CONFIGS = {
 def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf = make_hf_model(path, layers=3, hidden=64, **CONFIGS[request.param])
-    return hf, SpecEEEngine.from_pretrained(path)
+    return hf, SpecEEEngine.from_pretrained(path, dtype="float32")
 
 
 def test_logits_match_transformers(pair):
@@ -45,16 +45,16 @@ def test_greedy_tokens_match_transformers(pair):
         ids = torch.tensor([engine.tokenizer(prompt)["input_ids"]])
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                           eos_token_id=None, pad_token_id=1)[0, ids.shape[1]:]
-        ours = engine.generate([prompt], max_new_tokens=12)[0]
+        ours = engine.generate([prompt], max_new_tokens=12, mode="dense")[0]
         n = len(ours.token_ids)
         assert ours.token_ids == ref.tolist()[:n]
         assert n == 12 or ours.finish_reason == "stop"
 
 
 def test_ragged_batch_equals_single_prompts(tiny_model_dir):
-    engine = SpecEEEngine.from_pretrained(tiny_model_dir)
-    singles = [engine.generate([p], max_new_tokens=10)[0] for p in PROMPTS]
-    batched = engine.generate(PROMPTS, max_new_tokens=10)
+    engine = SpecEEEngine.from_pretrained(tiny_model_dir, dtype="float32")
+    singles = [engine.generate([p], max_new_tokens=10, mode="dense")[0] for p in PROMPTS]
+    batched = engine.generate(PROMPTS, max_new_tokens=10, mode="dense")
     for s, b in zip(singles, batched):
         assert s.token_ids == b.token_ids
         assert s.exit_layers == b.exit_layers == [engine.config.num_hidden_layers] * len(b.token_ids)
@@ -130,13 +130,13 @@ def test_uniform_fast_path_equals_per_row_path(tiny_model_dir):
 def test_smaller_batch_reuses_the_cache_memory(tiny_model_dir):
     """A batch smaller than the last one runs on a row view of the same allocation, and its tokens
     equal a fresh engine's."""
-    engine = SpecEEEngine.from_pretrained(tiny_model_dir)
-    engine.generate(PROMPTS, max_new_tokens=6)
+    engine = SpecEEEngine.from_pretrained(tiny_model_dir, dtype="float32")
+    engine.generate(PROMPTS, max_new_tokens=6, mode="dense")
     memory = engine._cache_memory
-    again = engine.generate(PROMPTS[:1], max_new_tokens=6)[0]
+    again = engine.generate(PROMPTS[:1], max_new_tokens=6, mode="dense")[0]
     assert engine._cache_memory is memory and engine._cache.batch == 1
     assert engine._cache.k.data_ptr() == memory.k.data_ptr()
-    fresh = SpecEEEngine.from_pretrained(tiny_model_dir).generate(PROMPTS[:1], max_new_tokens=6)[0]
+    fresh = SpecEEEngine.from_pretrained(tiny_model_dir, dtype="float32").generate(PROMPTS[:1], max_new_tokens=6, mode="dense")[0]
     assert again.token_ids == fresh.token_ids
 
 

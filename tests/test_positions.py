@@ -67,7 +67,7 @@ def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     cfg = dict(CONFIGS[request.param])
     hf = make_hf_model(path, layers=3, qk_scale=6.0, **cfg)
-    return hf, SpecEEEngine.from_pretrained(path)
+    return hf, SpecEEEngine.from_pretrained(path, dtype="float32")
 
 
 def test_every_decode_step_equals_full_sequence_forward(pair):
@@ -75,7 +75,7 @@ def test_every_decode_step_equals_full_sequence_forward(pair):
     steps = record_step_logits(engine)
     prompt_ids = engine.encode_prompt(PROMPT)
     assert len(prompt_ids) > 40
-    out = engine.generate([PROMPT], max_new_tokens=24, ignore_eos=True)[0]
+    out = engine.generate([PROMPT], max_new_tokens=24, ignore_eos=True, mode="dense")[0]
     assert len(out.token_ids) == 24
     assert out.token_ids == [int(s[0].argmax()) for s in steps[:24]]
     assert_steps_match(hf, prompt_ids, out.token_ids, [s[0] for s in steps], atol=1e-4)
@@ -87,6 +87,6 @@ def test_ragged_batch_steps_equal_full_sequence_forward(pair):
     hf, engine = pair
     prompts = [PROMPT, PROMPT[:57], PROMPT[:120] + "return"]
     steps = record_step_logits(engine)
-    outs = engine.generate(prompts, max_new_tokens=12, ignore_eos=True)
+    outs = engine.generate(prompts, max_new_tokens=12, ignore_eos=True, mode="dense")
     for b, (p, out) in enumerate(zip(prompts, outs)):
         assert_steps_match(hf, engine.encode_prompt(p), out.token_ids, [s[b] for s in steps], atol=1e-4)

@@ -34,7 +34,7 @@ def need_model() -> Path:
 def prompts() -> list[str]:
     need_model()
     rows = [json.loads(l) for l in open(REPO / "prompts" / "instructions_heldout.jsonl")][:N_PROMPTS]
-    engine = SpecEEEngine.from_pretrained(MODEL)
+    engine = SpecEEEngine.from_pretrained(MODEL, dtype="float32")
     return [engine.chat_prompt([{"role": "user", "content": r["prompt"]}]) for r in rows]
 
 
@@ -58,7 +58,7 @@ def test_fp32_greedy_equals_transformers_and_every_step_equals_full_forward(hf32
     steps = record_step_logits(engine)
     for p in prompts:
         steps.clear()
-        ours = engine.generate([p], max_new_tokens=N_TOKENS)[0]
+        ours = engine.generate([p], max_new_tokens=N_TOKENS, mode="dense")[0]
         ref = hf_greedy(hf32, engine, p, N_TOKENS)
         assert ours.token_ids == ref[: len(ours.token_ids)], p
         assert len(ours.token_ids) == N_TOKENS or ours.finish_reason == "stop"
@@ -70,9 +70,9 @@ def test_fp32_ragged_batch_equals_single_runs(prompts):
     engine = SpecEEEngine.from_pretrained(MODEL, dtype="float32")
     lengths = {len(engine.encode_prompt(p)) for p in prompts}
     assert len(lengths) > 1, "the prompts should be ragged"
-    batched = engine.generate(prompts, max_new_tokens=32)
+    batched = engine.generate(prompts, max_new_tokens=32, mode="dense")
     for p, b in zip(prompts, batched):
-        single = engine.generate([p], max_new_tokens=32)[0]
+        single = engine.generate([p], max_new_tokens=32, mode="dense")[0]
         assert b.token_ids == single.token_ids
 
 
@@ -88,7 +88,7 @@ def test_bf16_agreement_with_transformers_bf16_is_bounded(prompts):
     same = total = 0
     firsts = []
     for p in prompts:
-        ours = engine.generate([p], max_new_tokens=N_TOKENS, ignore_eos=True)[0].token_ids
+        ours = engine.generate([p], max_new_tokens=N_TOKENS, ignore_eos=True, mode="dense")[0].token_ids
         ref = hf_greedy(hf, engine, p, N_TOKENS)
         m = min(len(ours), len(ref))
         first = next((i for i in range(m) if ours[i] != ref[i]), m)
@@ -113,7 +113,7 @@ def test_fp32_spec_equals_dense_at_batch_1_and_8(fp32_engine, prompts, shape):
     """Speculative decoding with the trained draft head is lossless: the same tokens as dense, for a
     ragged batch of 8 and one prompt at a time; the draft was right often enough that multi-token
     blocks were committed (a verifier that accepted nothing would pass the equality trivially)."""
-    dense = fp32_engine.generate(prompts, max_new_tokens=48)
+    dense = fp32_engine.generate(prompts, max_new_tokens=48, mode="dense")
     shape = {**shape, "step_budget": None}  # all 8 rows draft in full
     spec = fp32_engine.generate(prompts, max_new_tokens=48, mode="spec", spec={"proposer": "draft", **shape})
     assert [r.token_ids for r in spec] == [r.token_ids for r in dense]
@@ -129,7 +129,7 @@ def test_bf16_spec_agreement_with_dense_is_bounded(prompts):
     paths may part; bounded like bf16 against transformers: every prompt agrees on its first 8 tokens
     and the median first divergence is at least 16."""
     engine = SpecEEEngine.from_pretrained(need_model(), dtype="bfloat16")
-    dense = engine.generate(prompts, max_new_tokens=N_TOKENS)
+    dense = engine.generate(prompts, max_new_tokens=N_TOKENS, mode="dense")
     spec = engine.generate(prompts, max_new_tokens=N_TOKENS, mode="spec",
                            spec={"proposer": "draft", "depth": 5, "width": 4, "nodes": 16, "step_budget": None})
     first = []

@@ -36,7 +36,7 @@ def sharp_model_dir(tmp_path_factory):
     ("draft", {"depth": 4, "width": 2, "nodes": 6, "lookup": "merge"}), ("draft", {"depth": 4, "lookup": "first"}),
     ("lookup", {"depth": 1}), ("lookup", {"depth": 4})])
 def test_greedy_spec_equals_dense_on_the_bundled_model(tiny, proposer, shape):
-    dense = tiny.generate(CODE, max_new_tokens=40, ignore_eos=True)
+    dense = tiny.generate(CODE, max_new_tokens=40, ignore_eos=True, mode="dense")
     shape = {**shape, "step_budget": None}  # every row drafts in full, however many rows
     spec = tiny.generate(CODE, max_new_tokens=40, ignore_eos=True, mode="spec", spec={"proposer": proposer, **shape})
     single = [tiny.generate([p], max_new_tokens=40, ignore_eos=True, mode="spec",
@@ -49,15 +49,15 @@ def test_greedy_spec_equals_dense_on_the_bundled_model(tiny, proposer, shape):
 
 
 def test_greedy_spec_equals_dense_on_a_position_sensitive_random_model(sharp_model_dir):
-    engine = SpecEEEngine.from_pretrained(sharp_model_dir)
+    engine = SpecEEEngine.from_pretrained(sharp_model_dir, dtype="float32")
     prompts = [p * 3 for p in CODE]  # repetitive: prompt lookup finds continuations
-    dense = engine.generate(prompts, max_new_tokens=24, ignore_eos=True)
+    dense = engine.generate(prompts, max_new_tokens=24, ignore_eos=True, mode="dense")
     spec = engine.generate(prompts, max_new_tokens=24, ignore_eos=True, mode="spec", spec={"depth": 5})
     assert [r.token_ids for r in spec] == [r.token_ids for r in dense]
 
 
 def test_stops_hold_inside_an_accepted_block(tiny):
-    dense = tiny.generate(CODE, max_new_tokens=40, ignore_eos=True)
+    dense = tiny.generate(CODE, max_new_tokens=40, ignore_eos=True, mode="dense")
     # max_new_tokens not a multiple of a block, EOS and a stop string in the middle of blocks
     for n in (1, 2, 7):
         spec = tiny.generate(CODE, max_new_tokens=n, ignore_eos=True, mode="spec", spec={"depth": 4})
@@ -66,14 +66,14 @@ def test_stops_hold_inside_an_accepted_block(tiny):
     saved = tiny.eos_ids
     tiny.eos_ids = saved | {eos}
     try:
-        d = tiny.generate(CODE, max_new_tokens=40)
+        d = tiny.generate(CODE, max_new_tokens=40, mode="dense")
         s = tiny.generate(CODE, max_new_tokens=40, mode="spec", spec={"depth": 4})
     finally:
         tiny.eos_ids = saved
     assert [r.token_ids for r in s] == [r.token_ids for r in d]
     assert s[0].finish_reason == "stop" and s[0].token_ids[-1] == eos and len(s[0].token_ids) <= 10
     stop = dense[1].text[8:11]
-    d = tiny.generate(CODE, max_new_tokens=40, stop=[stop])
+    d = tiny.generate(CODE, max_new_tokens=40, stop=[stop], mode="dense")
     s = tiny.generate(CODE, max_new_tokens=40, stop=[stop], mode="spec", spec={"depth": 4})
     assert [(r.text, r.finish_reason, r.token_ids) for r in s] == [(r.text, r.finish_reason, r.token_ids) for r in d]
 
@@ -131,11 +131,11 @@ def test_spec_rejects_what_it_cannot_do(tiny, tmp_path):
         tiny.generate(CODE[:1], max_new_tokens=4, mode="spec", spec={"depth": 0})
     with pytest.raises(ValueError, match="unknown spec options"):
         tiny.generate(CODE[:1], max_new_tokens=4, mode="spec", spec={"depht": 3})
-    with pytest.raises(ValueError, match="mode='spec' only"):
-        tiny.generate(CODE[:1], max_new_tokens=4, spec={"depth": 3})
+    with pytest.raises(ValueError, match="mode='spec' or 'auto' only"):
+        tiny.generate(CODE[:1], max_new_tokens=4, spec={"depth": 3}, mode="dense")
     make_hf_model(tmp_path, layers=2, hidden=64, heads=4, kv_heads=2)
     with pytest.raises(ValueError, match="draft head"):
-        SpecEEEngine.from_pretrained(tmp_path).generate(CODE[:1], max_new_tokens=4, mode="spec",
+        SpecEEEngine.from_pretrained(tmp_path, dtype="float32").generate(CODE[:1], max_new_tokens=4, mode="spec",
                                                          spec={"proposer": "draft"})
 
 
@@ -243,7 +243,7 @@ def test_t3_switched_off_equals_dense_and_switched_on_exits_inside_verification(
     L = tiny.model.num_layers
     shape = {"proposer": "draft", "depth": 3, "width": ee.predictors.k, "nodes": 8, "t3": True, "step_budget": None,
              "lookup": "off"}
-    dense = tiny.generate(CODE, max_new_tokens=24, ignore_eos=True)
+    dense = tiny.generate(CODE, max_new_tokens=24, ignore_eos=True, mode="dense")
     try:
         tiny.early_exit = ee.with_options(threshold=2.0)
         off = tiny.generate(CODE, max_new_tokens=24, ignore_eos=True, mode="spec", spec=shape)
@@ -264,13 +264,13 @@ def test_the_step_budget_trims_drafts_for_large_batches_and_drafting_resumes_as_
     """step_budget 6 over 5 rows leaves no draft (dense steps, pairs pending in the draft head); when
     EOS has ended three rows, the two left may draft 2 nodes each again, from the pending pairs. The
     output stays dense's; a budget of 1 never drafts."""
-    dense = tiny.generate(CODE, max_new_tokens=40, ignore_eos=True)
+    dense = tiny.generate(CODE, max_new_tokens=40, ignore_eos=True, mode="dense")
     running = set(dense[3].token_ids) | set(dense[4].token_ids)
     eos = {next(t for t in r.token_ids[4:] if t not in running) for r in dense[:3]}  # rows 0-2 end early
     saved = tiny.eos_ids
     tiny.eos_ids = saved | eos
     try:
-        d = tiny.generate(CODE, max_new_tokens=40)
+        d = tiny.generate(CODE, max_new_tokens=40, mode="dense")
         s = tiny.generate(CODE, max_new_tokens=40, mode="spec", spec={"proposer": "draft", "depth": 4, "step_budget": 6, "lookup": "off"})
         none = tiny.generate(CODE, max_new_tokens=40, mode="spec", spec={"proposer": "draft", "depth": 4, "step_budget": 1})
     finally:

@@ -105,12 +105,12 @@ def test_decoded_prefixes_of_multibyte_text(tiny, stop):
 
 def test_engine_cuts_before_the_earliest_stop_and_emits_no_token_past_it(tiny):
     prompt = ["def add(a, b):\n"]
-    full = tiny.generate(prompt, max_new_tokens=24, ignore_eos=True)[0]
+    full = tiny.generate(prompt, max_new_tokens=24, ignore_eos=True, mode="dense")[0]
     text = full.text
     assert len(text) > 12, text
     mid = len(text) // 2
     for stops in ([text[mid : mid + 3]], [text[:2]], [text[mid + 2 : mid + 4], text[mid : mid + 3]], [text[-1]]):
-        r = tiny.generate(prompt, max_new_tokens=24, ignore_eos=True, stop=stops)[0]
+        r = tiny.generate(prompt, max_new_tokens=24, ignore_eos=True, stop=stops, mode="dense")[0]
         cut = find_stop(text, stops)
         assert r.text == text[:cut] and r.finish_reason == "stop", (stops, r.text)
         n = len(r.token_ids)

@@ -44,7 +44,7 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 def config(model_dir: Path, input, output: Path, **kw) -> BatchConfig:
-    stage = StageConfig(model=str(model_dir), mode="dense", max_new_tokens=MAX_NEW, batch_size=4)
+    stage = StageConfig(model=str(model_dir), mode="dense", dtype="float32", max_new_tokens=MAX_NEW, batch_size=4)
     return BatchConfig(input=[str(p) for p in (input if isinstance(input, list) else [input])], output=str(output),
                        stage=stage, show_progress=False, **kw)
 
@@ -185,7 +185,7 @@ def test_a_row_that_always_kills_its_actor_becomes_an_error_row(tmp_path, model_
     assert df.drop(index="bad")["error"].isna().all() and summary["errors"] == 1
 
 
-@pytest.mark.parametrize("mode_args, mode", [([], "dense"), (["--mode", "spec", "--spec-depth", "3"], "spec"),
+@pytest.mark.parametrize("mode_args, mode", [([], "auto"), (["--mode", "spec", "--spec-depth", "3"], "spec"),
                                              (["--mode", "spec", "--spec-proposer", "lookup"], "spec")])
 def test_generate_cli(tmp_path, model_dir, capsys, mode_args, mode):
     from jobs import generate
@@ -203,7 +203,7 @@ def test_generate_cli(tmp_path, model_dir, capsys, mode_args, mode):
     assert list(df["id"]) == [f"in.csv:{i}" for i in range(6)]
     assert (df["mode"] == mode).all() and df["schedule_version"].isna().all()
     # greedy in fp32: spec answers exactly what dense decoding does
-    dense = SpecEEEngine.from_pretrained(model_dir).generate(list(df["prompt"]), max_new_tokens=6)
+    dense = SpecEEEngine.from_pretrained(model_dir, dtype="float32").generate(list(df["prompt"]), max_new_tokens=6, mode="dense")
     assert list(df["completion"]) == [r.text for r in dense]
 
 

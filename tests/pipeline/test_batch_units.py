@@ -146,10 +146,13 @@ def test_output_reads_back_with_pandas_and_part_files_are_atomic(tmp_path):
 
 
 def test_config_validation(tmp_path):
-    with pytest.raises(ValueError, match="mode"):
+    with pytest.raises(ValueError, match="mode must be one of auto, dense, specee, spec"):
         StageConfig(model="m", mode="fast")
+    with pytest.raises(ValueError, match="unknown dtype 'fp8': expected one of auto, float32, bfloat16, float16"):
+        StageConfig(model="m", dtype="fp8")
+    assert (StageConfig(model="m").mode, StageConfig(model="m").dtype) == ("auto", "auto")
     assert StageConfig(model="m", mode="spec", spec={"proposer": "lookup", "depth": 2}).spec["depth"] == 2
-    with pytest.raises(ValueError, match="apply to mode='spec' only"):
+    with pytest.raises(ValueError, match="apply to mode='spec' or 'auto' only"):
         StageConfig(model="m", mode="dense", spec={"depth": 2})
     with pytest.raises(ValueError, match="depth"):
         StageConfig(model="m", mode="spec", spec={"depth": 0})
@@ -184,15 +187,26 @@ def test_cluster_yaml_passes_the_launcher_schema():
     assert any("pip install -q -e ~/specee" in c for c in cfg["worker_setup_commands"])
 
 
-def test_default_mode_follows_the_model(tmp_path):
+def test_the_job_is_lossless_by_default_even_with_predictors(tmp_path):
     from jobs.generate import build_config, parse_args
 
-    args = parse_args(["--output", str(tmp_path / "out"), "--model", str(tmp_path)])
-    assert build_config(args).stage.mode == "dense"
     (tmp_path / "predictors.safetensors").write_bytes(b"")
+    args = parse_args(["--output", str(tmp_path / "out"), "--model", str(tmp_path)])
     cfg = build_config(args)
-    assert cfg.stage.mode == "specee" and cfg.stage.engine_options == {"explore_every": 8}
+    assert (cfg.stage.mode, cfg.stage.dtype, cfg.stage.engine_options) == ("auto", "auto", {})
+    specee = build_config(parse_args(["--output", "o", "--model", str(tmp_path), "--mode", "specee"]))
+    assert specee.stage.mode == "specee" and specee.stage.engine_options == {"explore_every": 8}
     assert parse_args(["--output", "o"]).input == [str(REPO / "prompts" / "instructions_heldout.jsonl")]
+
+
+@pytest.mark.parametrize("flag, value, choices", [("--mode", "fast", "'auto', 'dense', 'spec', 'specee'"),
+                                                  ("--dtype", "fp8", "'auto', 'float32', 'bfloat16', 'float16'")])
+def test_a_bad_mode_or_dtype_names_the_choices(flag, value, choices, capsys):
+    from jobs.generate import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--output", "o", flag, value])
+    assert f"invalid choice: '{value}' (choose from {choices})" in capsys.readouterr().err
 
 
 class FakeEngine:
@@ -282,16 +296,16 @@ def test_stage_runs_prompts_through_the_chat_template(tmp_path):
     template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
-    stage = GenerateRows(StageConfig(model=str(tmp_path), max_new_tokens=6), "run-1")
+    stage = GenerateRows(StageConfig(model=str(tmp_path), max_new_tokens=6, dtype="float32"), "run-1")
     assert stage.chat
     batch = pa.table({"id": ["a", "b"], "prompt": ["Reverse a string.", ""], "input_error": [None, None]})
     rows = {r["id"]: r for r in stage(batch).to_pylist()}
-    engine = SpecEEEngine.from_pretrained(tmp_path)
+    engine = SpecEEEngine.from_pretrained(tmp_path, dtype="float32")
     rendered = engine.chat_prompt([{"role": "user", "content": "Reverse a string."}])
     assert rendered.startswith("<|user|>\nReverse a string.") and rendered.endswith("<|assistant|>\n")
-    expect = engine.generate([rendered], max_new_tokens=6)[0]
+    expect = engine.generate([rendered], max_new_tokens=6, mode="dense")[0]
     assert rows["a"]["prompt"] == "Reverse a string." and rows["a"]["completion"] == expect.text
     assert rows["a"]["prompt_tokens"] == len(engine.encode_prompt(rendered))
     assert rows["b"]["error"].startswith("PromptError")
-    plain = GenerateRows(StageConfig(model=str(tmp_path), max_new_tokens=6, chat=False), "run-2")
+    plain = GenerateRows(StageConfig(model=str(tmp_path), max_new_tokens=6, chat=False, dtype="float32"), "run-2")
     assert plain(batch).to_pylist()[0]["prompt_tokens"] == len(engine.encode_prompt("Reverse a string."))

@@ -84,7 +84,7 @@ def engine(dirs):
     """The same model in this process: the reference for what the server must answer."""
     from specee_core import SpecEEEngine
 
-    return SpecEEEngine.from_pretrained(dirs[0])
+    return SpecEEEngine.from_pretrained(dirs[0], dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +202,7 @@ def test_models_and_health(server, client):
 
 
 def test_completion_matches_engine(client, engine):
-    ref = engine.generate([PROMPTS[0]], max_new_tokens=8)[0]
+    ref = engine.generate([PROMPTS[0]], max_new_tokens=8, mode="dense")[0]
     out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0)
     assert out.object == "text_completion" and len(out.choices) == 1
     assert out.choices[0].text == ref.text and out.choices[0].finish_reason == ref.finish_reason
@@ -214,7 +214,7 @@ def test_completion_matches_engine(client, engine):
 
 
 def test_prompt_list(client, engine):
-    refs = engine.generate(PROMPTS[:3], max_new_tokens=6)
+    refs = engine.generate(PROMPTS[:3], max_new_tokens=6, mode="dense")
     out = client.completions.create(model="tiny", prompt=PROMPTS[:3], max_tokens=6, temperature=0)
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert [c.text for c in out.choices] == [r.text for r in refs]
@@ -222,7 +222,7 @@ def test_prompt_list(client, engine):
 
 
 def test_stream_equals_plain(client, engine):
-    ref = engine.generate([PROMPTS[7]], max_new_tokens=24)[0]
+    ref = engine.generate([PROMPTS[7]], max_new_tokens=24, mode="dense")[0]
     chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[7], max_tokens=24, temperature=0,
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks) == ref.text
@@ -232,7 +232,7 @@ def test_stream_equals_plain(client, engine):
 
 
 def test_stream_with_stop_string(client, engine):
-    full = engine.generate([PROMPTS[1]], max_new_tokens=24)[0].text
+    full = engine.generate([PROMPTS[1]], max_new_tokens=24, mode="dense")[0].text
     stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert stop.strip(), full
     expected = full[: full.find(stop)]  # greedy: the same tokens, cut before the first stop string
@@ -428,8 +428,8 @@ async def _burst(server: str, bodies: list[dict], concurrency: int,
 
 def test_concurrent_requests_are_batched_and_match(server, engine):
     # two parameter groups arriving together: each must get exactly what it would get alone
-    refs6 = engine.generate(PROMPTS, max_new_tokens=6)
-    refs3 = engine.generate(PROMPTS, max_new_tokens=3)
+    refs6 = engine.generate(PROMPTS, max_new_tokens=6, mode="dense")
+    refs3 = engine.generate(PROMPTS, max_new_tokens=3, mode="dense")
     bodies = [{"prompt": p, "max_tokens": n, "temperature": 0} for p in PROMPTS for n in (6, 3)]
     out = asyncio.run(_burst(server, bodies, concurrency=len(bodies)))
     assert all(r.status_code == 200 for r, _ in out), [r.text for r, _ in out if r.status_code != 200]
@@ -441,7 +441,7 @@ def test_concurrent_requests_are_batched_and_match(server, engine):
 
 def test_seeded_sampling_is_reproducible(server, engine):
     body = {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 1.0, "seed": 1234}
-    ref = engine.generate([PROMPTS[2]], max_new_tokens=8, temperature=1.0, seed=1234)[0].text
+    ref = engine.generate([PROMPTS[2]], max_new_tokens=8, temperature=1.0, seed=1234, mode="dense")[0].text
     noise = [{"prompt": p, "max_tokens": 8, "temperature": 1.0, "seed": 1234} for p in PROMPTS[3:6]]
     out = asyncio.run(_burst(server, [body, *noise, body], concurrency=5))
     assert out[0][0].json()["choices"][0]["text"] == out[-1][0].json()["choices"][0]["text"] == ref
@@ -608,9 +608,9 @@ def test_a_short_request_finishes_while_a_200_prompt_request_runs(server, engine
     assert rb.status_code == 200 and rs.status_code == 200, (rb.text[:200], rs.text[:200])
     print(f"\n200 prompts: {t_big - t0:.2f} s; 1 prompt sent at 0.3 s: done at {t_small - t0:.2f} s")
     assert t_small - t0 < 0.5 * (t_big - t0)  # it did not wait for the 200 prompts
-    assert rs.json()["choices"][0]["text"] == engine.generate([PROMPTS[1]], max_new_tokens=4)[0].text
+    assert rs.json()["choices"][0]["text"] == engine.generate([PROMPTS[1]], max_new_tokens=4, mode="dense")[0].text
     texts = [c["text"] for c in sorted(rb.json()["choices"], key=lambda c: c["index"])]
-    refs = {p: r.text for p, r in zip(PROMPTS, engine.generate(PROMPTS, max_new_tokens=MAX_TOKENS_LIMIT))}
+    refs = {p: r.text for p, r in zip(PROMPTS, engine.generate(PROMPTS, max_new_tokens=MAX_TOKENS_LIMIT, mode="dense"))}
     assert texts == [refs[PROMPTS[i % len(PROMPTS)]] for i in range(200)]
 
 

@@ -1,0 +1,188 @@
+"""The measured plan (specee_core.plan): the step choice on synthetic cost tables, acceptance that
+collapses, dtype auto both ways, the cost cache, and mode="auto" equal to dense (greedy, fp32)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specee_core import SpecEEEngine
+from specee_core.plan import (T_GRID, Acceptance, CostTable, Planner, RowView, StepTimes, best_step, choose_dtype,
+                              could_pay, expected_tokens, monotone)
+from tests.conftest import BUNDLED, make_hf_model
+
+CODE = ["import os\nimport sys\n\n\ndef main(argv=None):\n", "class Point:\n    def __init__(self, x, y):\n",
+        "    def __repr__(self):\n        return", "for key, value in sorted(items.items()):\n",
+        "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,"]
+SIZES = (1, 2, 4, 8, 16, 32)  # every bucket up to the engine's max batch: nothing is measured into these
+
+
+def table(verify, draft_ms: float = 1.0) -> CostTable:
+    """A synthetic table: verify(b, t) ms for every measured batch size and T."""
+    return CostTable(key={"synthetic": True}, verify={b: [verify(b, t) for t in T_GRID] for b in SIZES},
+                     draft={b: draft_ms for b in SIZES})
+
+
+FLAT = table(lambda b, t: 10.0 + 0.02 * t, draft_ms=0.5)  # weight-bound: bf16 on AVX-512, GPUs
+LINEAR = table(lambda b, t: 10.0 * t * b, draft_ms=1.0)  # compute-bound: fp32 on a 2-core AVX2 CPU
+STEEP = table(lambda b, t: 10.0 * b if t == 1 else 14.0 * b + 0.5 * t * b, draft_ms=1.0)  # a verify step costs 1.5x dense
+
+
+def fresh_rows(n: int, lookup: int = 0) -> list[RowView]:
+    a = Acceptance().alpha
+    return [RowView(room=4, lookup=lookup, alpha_lookup=a, alpha_draft=a)] * n
+
+
+def test_flat_verify_cost_drafts_the_deepest_chains():
+    for b in (1, 8, 16):
+        p = best_step(FLAT, fresh_rows(b), max_depth=4, has_draft=True)
+        assert p.depth == 4 and set(p.kinds) == {"draft"} and p.rate_gain > 1.5, (b, p)
+        q = best_step(FLAT, fresh_rows(b, lookup=3), max_depth=4, has_draft=False)
+        assert q.depth >= 3 and set(q.kinds) == {"lookup"}, (b, q)
+    assert could_pay(FLAT, 16, 4, True)
+
+
+def test_cost_linear_in_t_steps_dense_even_with_perfect_drafts():
+    rows = [RowView(room=4, lookup=4, alpha_lookup=0.99, alpha_draft=0.99)] * 8
+    p = best_step(LINEAR, rows, max_depth=4, has_draft=True)
+    assert p.depth == 0 and p.est_ms == p.dense_ms == LINEAR.verify_ms(8, 1)
+    assert not could_pay(LINEAR, 1, 4, True)
+
+
+def test_a_row_without_room_or_lookup_hit_verifies_its_root_alone():
+    rows = [RowView(room=0, lookup=0, alpha_lookup=0.9, alpha_draft=0.9),
+            RowView(room=4, lookup=4, alpha_lookup=0.9, alpha_draft=0.0)]
+    p = best_step(FLAT, rows, max_depth=4, has_draft=True)
+    assert p.kinds == ("", "lookup") and p.depths == (0, 4)
+
+
+def test_acceptance_collapse_stops_drafting_within_a_few_steps_and_it_probes_again_later():
+    planner = Planner(STEEP, rows=1, max_depth=4, has_draft=True)
+    for _ in range(30):  # the draft head is right every time: it drafts, soon as deep as it may
+        plan = planner.choose([0], [0], [4])
+        assert plan.depth > 0 and plan.kinds == ("draft",)
+        planner.observe([0], plan, [plan.depth], [None])
+    assert plan.depth == 4
+    for step in range(1, 20):  # then never
+        plan = planner.choose([0], [0], [4])
+        if plan.depth == 0:
+            break
+        planner.observe([0], plan, [0], [None])
+    assert step <= 5, f"still drafting {step} steps after acceptance collapsed"
+    probes = 0
+    for _ in range(100):  # dense steps draw the estimate back toward the prior: now and then it tries again
+        plan = planner.choose([0], [0], [4])
+        probes += plan.depth > 0
+        planner.observe([0], plan, [0], [None])
+    assert 1 <= probes <= 5, probes
+
+
+def test_lookup_is_scored_during_dense_steps():
+    planner = Planner(STEEP, rows=1, max_depth=4, has_draft=False)
+    before = planner.lookup[0].alpha
+    dense = best_step(LINEAR, fresh_rows(1, lookup=2), 4, False)
+    for _ in range(5):
+        planner.observe([0], dense, [0], [0])  # lookup's first token was wrong each time
+    assert planner.lookup[0].alpha < before / 2 and planner.summary()["lookup_hit_rate"] == 0
+
+
+def test_expected_tokens_and_the_table_helpers():
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75) and expected_tokens(0.0, 4) == 1.0
+    assert monotone([3.0, 1.0, 2.0, 5.0]) == pytest.approx([2.0, 2.0, 2.0, 5.0])
+    t = CostTable(key={}, verify={1: [10.0, 12.0, 14.0], 4: [20.0, 30.0, 40.0]}, tokens=(1, 2, 3))
+    assert t.verify_ms(1, 2) == 12.0 and t.verify_ms(2, 1) == pytest.approx(10 + 10 / 3)
+    assert t.verify_ms(8, 1) == 40.0 and t.verify_ms(1, 5) == pytest.approx(18.0)  # extrapolated
+    assert CostTable.from_json(json.loads(json.dumps(t.to_json()))).verify == t.verify
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_dtype_auto_is_bf16_only_where_the_cpu_computes_it(monkeypatch, tmp_path, native):
+    monkeypatch.setattr("specee_core.plan.cpu_has_native_bf16", lambda: native)
+    dtype, why = choose_dtype("cpu")
+    assert dtype == (torch.bfloat16 if native else torch.float32)
+    assert why.startswith(str(dtype).removeprefix("torch.")) and (("no native" in why) != native)
+    make_hf_model(tmp_path, layers=2, hidden=64, heads=4, kv_heads=2)
+    engine = SpecEEEngine.from_pretrained(tmp_path)  # dtype="auto" is the default
+    assert engine.model.dtype == dtype and engine.dtype_reason == why
+
+
+def test_a_bad_dtype_or_mode_names_the_choices(tmp_path):
+    make_hf_model(tmp_path, layers=2, hidden=64, heads=4, kv_heads=2)
+    with pytest.raises(ValueError, match="expected one of auto, float32, bfloat16, float16"):
+        SpecEEEngine.from_pretrained(tmp_path, dtype="fp8")
+    engine = SpecEEEngine.from_pretrained(tmp_path, dtype="float32")
+    with pytest.raises(ValueError, match="mode must be one of auto, dense, specee, spec, got 'fast'"):
+        engine.generate(["x"], max_new_tokens=2, mode="fast")
+    with pytest.raises(ValueError, match="lossless"):
+        engine.generate(["x"], max_new_tokens=2, spec={"width": 2})
+
+
+def test_costs_are_measured_once_and_cached_per_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECEE_CACHE", str(tmp_path / "cache"))
+    engine = SpecEEEngine.from_pretrained(BUNDLED, dtype="float32")
+    plan = engine.prepare_plan([3])
+    assert sorted(plan.costs.verify) == [1, 2, 4] and sorted(plan.costs.draft) == [1, 2, 4]
+    assert all(len(v) == T_GRID.index(5) + 1 and v == sorted(v) and v[0] > 0 for v in plan.costs.verify.values())
+    files = list((tmp_path / "cache" / "plans").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["key"]["dtype"] == "float32"
+
+    def no_measuring(*a, **kw):
+        raise AssertionError("measured again although the cache holds the table")
+
+    monkeypatch.setattr("specee_core.plan.measure_costs", no_measuring)
+    again = SpecEEEngine.from_pretrained(BUNDLED, dtype="float32").prepare_plan([4])
+    assert again.costs.to_json() == plan.costs.to_json()
+    described = again.to_json([1, 4])
+    assert described["dtype"] == "float32" and set(described["by_batch"]) == {"1", "4"}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return SpecEEEngine.from_pretrained(BUNDLED, dtype="float32")
+
+
+@pytest.mark.parametrize("costs, drafts", [(FLAT, True), (LINEAR, False), (None, None)],
+                         ids=["flat-table", "linear-table", "measured-here"])
+def test_auto_is_the_default_and_equals_dense_in_fp32(tiny, costs, drafts):
+    """Whatever the plan chooses (forced to draft by a flat table, forced dense by a linear one, or this
+    machine's own measurement), the default mode gives dense's tokens, batched and one by one."""
+    plan = tiny.spec_plan()
+    measured, times = plan.costs, plan.times
+    if costs is not None:  # real steps would not take the synthetic table's times: no learning from them
+        plan.costs, plan.times = costs, StepTimes(decay=1.0)
+    try:
+        dense = tiny.generate(CODE, max_new_tokens=32, ignore_eos=True, mode="dense")
+        auto = tiny.generate(CODE, max_new_tokens=32, ignore_eos=True)
+        single = [tiny.generate([p], max_new_tokens=32, ignore_eos=True)[0] for p in CODE[:2]]
+    finally:
+        plan.costs, plan.times = measured, times
+    assert [r.token_ids for r in auto] == [r.token_ids for r in dense]
+    assert [r.token_ids for r in single] == [r.token_ids for r in dense[:2]]
+    assert all(r.stats["mode"] == "auto" for r in auto)
+    if drafts is True:
+        steps = auto[0].stats["plan_steps"]
+        assert steps.get("depth_4", 0) > steps.get("dense", 0) and auto[0].stats["mean_tokens_per_step"] > 1.5
+    elif drafts is False:  # not even one row could gain: a plain dense stepper, no draft head prefill
+        assert "plan_steps" not in auto[0].stats and "spec_steps" not in auto[0].stats
+
+
+def test_auto_keeps_the_distribution_when_sampling(tiny):
+    """Sampled auto steps draft from the draft head (rejection sampling): the first token after a fixed
+    prompt follows dense sampling's distribution (same seeds do not give the same tokens across modes,
+    so the check is on frequencies)."""
+    plan = tiny.spec_plan()
+    measured, times = plan.costs, plan.times
+    plan.costs, plan.times = FLAT, StepTimes(decay=1.0)
+    try:
+        kw = dict(max_new_tokens=3, temperature=1.0, ignore_eos=True)
+        dense = tiny.generate([CODE[0]] * 600, mode="dense", seed=1, **kw)
+        auto = tiny.generate([CODE[0]] * 600, seed=2, **kw)
+    finally:
+        plan.costs, plan.times = measured, times
+    assert any(k.startswith("depth") for k in auto[0].stats["plan_steps"]) and auto[0].stats["mean_accepted"] > 0
+    for pos in (1, 2):  # positions decided by verify steps
+        a = torch.bincount(torch.tensor([r.token_ids[pos] for r in auto]), minlength=tiny.config.vocab_size).float()
+        d = torch.bincount(torch.tensor([r.token_ids[pos] for r in dense]), minlength=tiny.config.vocab_size).float()
+        tv = 0.5 * (a / a.sum() - d / d.sum()).abs().sum()
+        assert tv < 0.15, f"position {pos}: total variation {tv:.3f} between auto and dense sampling"
