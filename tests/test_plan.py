@@ -168,21 +168,27 @@ def test_auto_is_the_default_and_equals_dense_in_fp32(tiny, costs, drafts):
 
 
 def test_auto_keeps_the_distribution_when_sampling(tiny):
-    """Sampled auto steps draft from the draft head (rejection sampling): the first token after a fixed
-    prompt follows dense sampling's distribution (same seeds do not give the same tokens across modes,
-    so the check is on frequencies)."""
+    """Sampled auto steps draft from the draft head and accept by rejection sampling (exact: the chi-square
+    tests in test_spec_decode cover the rule); here the tokens that verify steps decided are as far from
+    dense sampling's as two dense runs with different seeds are from each other (a greedy or biased
+    acceptance would sit near total variation 1)."""
     plan = tiny.spec_plan()
     measured, times = plan.costs, plan.times
     plan.costs, plan.times = FLAT, StepTimes(decay=1.0)
     try:
-        kw = dict(max_new_tokens=3, temperature=1.0, ignore_eos=True)
+        kw = dict(max_new_tokens=4, temperature=1.0, ignore_eos=True)
         dense = tiny.generate([CODE[0]] * 600, mode="dense", seed=1, **kw)
+        again = tiny.generate([CODE[0]] * 600, mode="dense", seed=3, **kw)
         auto = tiny.generate([CODE[0]] * 600, seed=2, **kw)
     finally:
         plan.costs, plan.times = measured, times
-    assert any(k.startswith("depth") for k in auto[0].stats["plan_steps"]) and auto[0].stats["mean_accepted"] > 0
-    for pos in (1, 2):  # positions decided by verify steps
-        a = torch.bincount(torch.tensor([r.token_ids[pos] for r in auto]), minlength=tiny.config.vocab_size).float()
-        d = torch.bincount(torch.tensor([r.token_ids[pos] for r in dense]), minlength=tiny.config.vocab_size).float()
-        tv = 0.5 * (a / a.sum() - d / d.sum()).abs().sum()
-        assert tv < 0.15, f"position {pos}: total variation {tv:.3f} between auto and dense sampling"
+    assert any(k.startswith("depth") for k in auto[0].stats["plan_steps"])
+    assert sum(r.stats["mean_accepted"] for r in auto) > 30  # drafts were accepted: the sampled path ran
+
+    def tv(x, y, pos: int) -> float:
+        a, b = (torch.bincount(torch.tensor([r.token_ids[pos] for r in z]), minlength=tiny.config.vocab_size).float()
+                for z in (x, y))
+        return float(0.5 * (a / a.sum() - b / b.sum()).abs().sum())
+
+    for pos in (1, 2, 3):  # positions decided by verify steps
+        assert tv(auto, dense, pos) < tv(again, dense, pos) + 0.1, pos
