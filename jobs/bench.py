@@ -2,13 +2,16 @@
 side in one run (interleaved A-B-C-C-B-A so drift hits every variant alike), plus SpecEE's
 quality against dense greedy decoding. Prints one JSON document.
 
-    python -m jobs.bench                                             # SmolLM2 bf16: every variant
+    python -m jobs.bench                                             # SmolLM2, dtype auto: every variant
+    python -m jobs.bench --modes hf,dense,auto,spec_lookup_first --batch-sizes 1,8,16 --thresholds "" \
+        --dtypes float32,bfloat16                                    # the defaults against fixed settings
     python -m jobs.bench --modes hf,dense --batch-sizes 1,8          # the engine-core comparison
     python -m jobs.bench --dtype float32 --modes hf,dense            # fp32, where dense equals transformers
     python -m jobs.bench --model models/specee-tiny --prompts-file "" --chat false
 
 Variants: hf (transformers generate in the same dtype), hf_lookup (transformers prompt lookup
-decoding, prompt_lookup_num_tokens=10), and this engine's dense, specee (early exit, T1+T2) and
+decoding, prompt_lookup_num_tokens=10), and this engine's dense, auto (the default: lossless, each step
+dense or drafted as the plan measured on this machine expects to pay), specee (early exit, T1+T2) and
 speculative decoding: spec_chain (draft head, a chain), spec_chain_lookup (the chain plus the
 prompt-lookup chain), spec_lookup_first (the lookup chain where lookup finds one, else the draft
 head's chain), spec_tree (draft head, EAGLE-2 tree),
@@ -27,6 +30,7 @@ import logging
 import platform
 import statistics
 import subprocess
+from collections import Counter
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +40,7 @@ import torch
 from jobs.cli import parse_config
 from jobs.build_corpus import sample_snippets
 from specee_core import SpecEEEngine
+from specee_core.plan import machine_facts
 from specee_core.sampling import SamplingParams
 from specee_eval import metrics
 from specee_eval.forced import Forcing
@@ -43,7 +48,7 @@ from specee_eval.forced import Forcing
 log = logging.getLogger(__name__)
 
 
-VARIANTS = ("hf", "hf_lookup", "dense", "specee", "spec_chain", "spec_chain_lookup", "spec_lookup_first", "spec_tree",
+VARIANTS = ("hf", "hf_lookup", "dense", "auto", "specee", "spec_chain", "spec_chain_lookup", "spec_lookup_first", "spec_tree",
             "spec_tree_lookup", "spec_t3", "spec_lookup")
 SPEC_VARIANTS = tuple(v for v in VARIANTS if v.startswith("spec_"))
 
@@ -54,8 +59,9 @@ class BenchConfig:
     corpus: Path = Path("data/corpus")  # held-out snippets when there is no prompts file; teacher-forced accuracy
     prompts_file: str = "prompts/instructions_heldout.jsonl"  # JSONL with a "prompt" field; "": corpus snippets
     chat: str = "auto"  # prompts through the chat template: "auto" (when the model has one) | "true" | "false"
-    dtype: str = "bfloat16"  # of the engine and of transformers
-    modes: str = "hf,hf_lookup,dense,specee,spec_chain,spec_tree,spec_tree_lookup,spec_t3,spec_lookup"
+    dtype: str = "auto"  # of the engine and of transformers; auto: bf16 where the hardware computes it natively
+    modes: str = "hf,hf_lookup,dense,auto,specee,spec_chain,spec_lookup_first,spec_tree,spec_tree_lookup,spec_t3,spec_lookup"
+    dtypes: str = ""  # e.g. float32,bfloat16: also time dense in each (interleaved) at batch_sizes, against auto's pick
     spec_depth: int = 4  # chain length of spec_chain and spec_lookup
     tree_depth: int = 5  # the draft tree of spec_tree, spec_tree_lookup and spec_t3: levels,
     tree_width: int = 4  # nodes expanded per level (children per node)
@@ -157,7 +163,7 @@ def time_decode(runner: Runner, variants: list[str], prompts: list[str], batch: 
     for r in range(repeats):
         order += variants if r % 2 == 0 else variants[::-1]
     for v in order:
-        full = first = 0.0
+        full = first = 0.0  # (tokens/s of a variant: decode tokens over the time past the first token)
         for c in chunks:
             t = time.perf_counter()
             runner.call(v, c, 1)
@@ -170,16 +176,52 @@ def time_decode(runner: Runner, variants: list[str], prompts: list[str], batch: 
                 "runs": [round(x, 1) for x in s]} for v, s in samples.items()}
 
 
+def time_dtypes(cfg: BenchConfig, prompts: list[str], auto_engine: SpecEEEngine) -> dict:
+    """Dense decode tokens/s in each of cfg.dtypes at each batch size, the engines interleaved round by
+    round, and how the dtype auto picked compares with the fastest."""
+    names = [d for d in cfg.dtypes.split(",") if d]
+    picked = str(auto_engine.model.dtype).removeprefix("torch.")
+    runners = {d: Runner(auto_engine if d == picked else SpecEEEngine.from_pretrained(cfg.model, dtype=d), None, cfg)
+               for d in names}
+    out = {"auto_picked": picked}
+    for bs in [int(b) for b in cfg.batch_sizes.split(",")]:
+        chunks = [prompts[i : i + bs] for i in range(0, len(prompts), bs)]
+        samples: dict[str, list[float]] = {d: [] for d in names}
+        for r in runners.values():
+            r.call("dense", chunks[0], 2)  # warm-up
+        for rnd in range(cfg.repeats):
+            for d in (names if rnd % 2 == 0 else names[::-1]):
+                full = first = 0.0
+                for c in chunks:
+                    t = time.perf_counter()
+                    runners[d].call("dense", c, 1)
+                    first += time.perf_counter() - t
+                    t = time.perf_counter()
+                    runners[d].call("dense", c, cfg.max_new_tokens)
+                    full += time.perf_counter() - t
+                samples[d].append(len(prompts) * (cfg.max_new_tokens - 1) / max(full - first, 1e-9))
+        speed = {d: statistics.mean(s) for d, s in samples.items()}
+        best = max(speed, key=speed.get)
+        out[f"batch_{bs}"] = {"dense_tokens_per_s": {d: round(v, 1) for d, v in speed.items()},
+                              "runs": {d: [round(x, 1) for x in s] for d, s in samples.items()}, "fastest": best,
+                              "auto_vs_fastest": round(speed[picked] / speed[best], 3) if picked in speed else None}
+    return out
+
+
 def spec_quality(runner: Runner, variant: str, prompts: list[str], batch: int, n: int) -> dict:
     """Tokens per verify step, draft / verify time shares and agreement with dense, one pass."""
     res, dense = [], []
     for i in range(0, len(prompts), batch):
         res += runner.ours(variant, prompts[i : i + batch], n)
         dense += runner.ours("dense", prompts[i : i + batch], n)
-    steps = sum(r.stats["spec_steps"] for r in res)
+    steps = sum(r.stats.get("spec_steps", len(r.token_ids) - 1) for r in res)  # auto may run a dense stepper
     layers = [l for r in res for l in r.exit_layers[1:]]
-    return {"tokens_per_step": sum(len(r.token_ids) - 1 for r in res) / max(steps, 1),
-            "draft_time_share": statistics.mean(r.stats["draft_time_share"] for r in res),
+    plan = {}
+    if variant == "auto":  # one planner per engine batch: its counts are on every row, take the first's
+        plan["plan_steps"] = dict(sum((Counter(res[i].stats.get("plan_steps", {})) for i in range(0, len(res), batch)),
+                                      Counter()))
+    return {"tokens_per_step": sum(len(r.token_ids) - 1 for r in res) / max(steps, 1), **plan,
+            "draft_time_share": statistics.mean(r.stats.get("draft_time_share", 0.0) for r in res),
             "layer_fraction": sum(layers) / max(len(layers), 1) / runner.engine.config.num_hidden_layers,
             **agreement([r.token_ids for r in dense], [r.token_ids for r in res])}
 
@@ -238,7 +280,7 @@ def heldout_accuracy(engine: SpecEEEngine, cfg: BenchConfig, threshold: float) -
 
 def quality(engine: SpecEEEngine, cfg: BenchConfig, thresholds: list[float]) -> dict:
     prompts = load_prompts(cfg, cfg.quality_prompts, engine, offset=cfg.num_prompts)
-    dense = engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
+    dense = engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, ignore_eos=True, mode="dense")
     d_ids = [r.token_ids for r in dense]
     out = {}
     for th in thresholds:
@@ -340,9 +382,12 @@ def run(cfg: BenchConfig) -> dict:
     prompts = load_prompts(cfg, cfg.num_prompts, engine)
     bandwidth = copy_bandwidth_gb_s()
     per_token = weight_bytes_per_token(engine)
+    if "auto" in modes:  # measured (or read from the cache) before any timing
+        engine.prepare_plan([int(b) for b in cfg.batch_sizes.split(",")])
     result: dict = {"config": {k: str(v) for k, v in vars(cfg).items()}, "git_commit": git_commit(),
                     "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
-                    "device": str(engine.device), "dtype": str(engine.model.dtype),
+                    **machine_facts(engine.device), "dtype": str(engine.model.dtype).removeprefix("torch."),
+                    "dtype_reason": engine.dtype_reason,
                     "num_layers": engine.config.num_hidden_layers,
                     "bandwidth": {"copy_gb_s": bandwidth, "weight_mb_per_token": per_token / 1e6,
                                   "batch_1_limit_tokens_per_s": bandwidth / 2 * 1e9 / per_token},
@@ -360,14 +405,18 @@ def run(cfg: BenchConfig) -> dict:
             if bs == 1:
                 speed[v]["share_of_bandwidth_limit"] = (speed[v]["decode_tokens_per_s"]
                                                         / result["bandwidth"]["batch_1_limit_tokens_per_s"])
-        for v in ("specee",) + SPEC_VARIANTS:
+        for v in ("specee", "auto") + SPEC_VARIANTS:
             if v in speed and "dense" in speed:
                 speed[v].update(speedup(speed, v, "dense"))
-                if v in SPEC_VARIANTS:
+                if v in SPEC_VARIANTS + ("auto",):
                     speed[v].update(spec_quality(runner, v, prompts, bs, cfg.max_new_tokens))
-                    speed[v]["options"] = runner.spec[v]
+                    speed[v]["options"] = runner.spec.get(v, "the plan's")
         result["speed"][f"batch_{bs}"] = speed
         log.info("batch %d: %s", bs, json.dumps(speed))
+    if "auto" in modes:
+        result["plan"] = engine.spec_plan().to_json([int(b) for b in cfg.batch_sizes.split(",")])
+    if cfg.dtypes:
+        result["dtypes"] = time_dtypes(cfg, prompts, engine)
     if "specee" in modes:
         ths = [float(t) for t in cfg.thresholds.split(",") if t]
         if ths and cfg.quality_prompts:

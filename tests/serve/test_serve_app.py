@@ -62,7 +62,7 @@ def server(dirs):
                         name="specee", route_prefix="/"),
         serve.RunTarget(app({"model": str(chat), "model_name": "tiny-chat", "num_cpus": 0.5, "dtype": "float32",
                              "mode": "specee"}), name="chat", route_prefix="/chat"),
-        # fp32: greedy speculative decoding is exactly dense; no mode given: spec, since a draft head is there
+        # fp32: greedy speculative decoding is exactly dense; no mode given: auto, lossless
         serve.RunTarget(app({"model": str(BUNDLED), "model_name": "specee-tiny", "num_cpus": 0.5, "dtype": "float32",
                              "max_tokens_limit": MAX_TOKENS_LIMIT}), name="spec", route_prefix="/spec"),
         # small limits and API keys; one request runs, none waits
@@ -198,7 +198,11 @@ def test_engine_thread_health():
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     r = httpx.get(f"{server}/healthz", timeout=10)
-    assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["mode"] == "dense"
+    assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["mode"] == "auto"
+    health = r.json()  # what runs and why: dtype, the machine, the measured plan
+    assert health["dtype"] == "float32" and health["dtype_reason"] == "float32: asked for"
+    assert health["machine"]["cpu_capability"] and set(health["plan"]["by_batch"]) == {"1", "8"}
+    assert health["plan"]["costs"]["verify_ms"]["8"][0] > 0  # measured at start, up to max_batch_size
 
 
 def test_completion_matches_engine(client, engine):
@@ -209,7 +213,7 @@ def test_completion_matches_engine(client, engine):
     assert out.usage.prompt_tokens == ref.prompt_tokens
     assert out.usage.completion_tokens == len(ref.token_ids)
     specee = out.model_extra["specee"]
-    assert specee["mode"] == "dense" and specee["num_layers"] == 2 and specee["avg_layers"] == 2.0
+    assert specee["mode"] == "auto" and specee["num_layers"] == 2 and specee["avg_layers"] == 2.0
     assert sum(specee["exit_histogram"]) == len(ref.token_ids)
 
 
@@ -311,19 +315,19 @@ CODE = ["import os\nimport sys\n\n\ndef main(argv=None):\n", "class Point:\n    
         "for key, value in sorted(items.items()):\n"]
 
 
-def test_spec_mode_equals_dense(server):
-    """The bundled model serves mode="spec" by default; at temperature 0 in fp32 it answers exactly
-    what dense decoding does, plain, streamed and in a ragged batch."""
+def test_auto_and_spec_modes_equal_dense(server):
+    """The bundled model serves mode="auto" by default; at temperature 0 in fp32 it, and mode="spec",
+    answer exactly what dense decoding does, plain, streamed and in a ragged batch."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{server}/spec/v1", api_key="unused", max_retries=0, timeout=60)
-    assert httpx.get(f"{server}/spec/healthz", timeout=10).json()["mode"] == "spec"
+    assert httpx.get(f"{server}/spec/healthz", timeout=10).json()["mode"] == "auto"
     kw = dict(model="specee-tiny", prompt=CODE, max_tokens=24, temperature=0)
     dense = client.completions.create(**kw, extra_body={"mode": "dense"})
     spec = client.completions.create(**kw)  # the default
     explicit = client.completions.create(**kw, extra_body={"mode": "spec"})
     assert dense.model_extra["specee"]["mode"] == "dense"
-    assert spec.model_extra["specee"]["mode"] == explicit.model_extra["specee"]["mode"] == "spec"
+    assert (spec.model_extra["specee"]["mode"], explicit.model_extra["specee"]["mode"]) == ("auto", "spec")
     texts = [c.text for c in dense.choices]
     assert all(len(t) > 20 for t in texts), texts
     assert [c.text for c in spec.choices] == [c.text for c in explicit.choices] == texts
