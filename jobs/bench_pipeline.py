@@ -8,6 +8,7 @@
 
     python -m jobs.bench_pipeline --out docs/bench_pipeline.json
     python -m jobs.bench_pipeline --limit 48 --max-new-tokens 16 --variants stream,bare   # quick
+    python -m jobs.bench_pipeline --variants stream --modes auto,dense   # the default job against dense
 
 tokens_per_s is generated tokens over wall seconds from the variant's start to its end, start-up
 (actors, model loads) included: what a user waits for. generate_tokens_per_s leaves start-up out
@@ -37,20 +38,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--input", default=str(REPO / "prompts" / "sample_prompts.jsonl"))
-    p.add_argument("--mode", default="dense", choices=["dense", "specee", "spec"])
+    p.add_argument("--modes", default="dense",
+                   help="comma-separated decode modes (auto, dense, spec, specee), each run as every variant")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--num-actors", type=int, default=2)
     p.add_argument("--waves", type=int, default=4, help="the waves variant: groups, each with new actors")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--repeats", type=int, default=2, help="rounds, the variant order reversed every other round")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}: choose from {VARIANTS}")
+    bad = set(args.modes.split(",")) - {"auto", "dense", "spec", "specee"}
+    if bad:
+        p.error(f"unknown modes {sorted(bad)}: choose from auto, dense, spec, specee")
     return args
 
 
@@ -59,21 +64,21 @@ def read_rows(path: str, limit: int | None) -> list[dict]:
     return rows[:limit] if limit else rows
 
 
-def stage_config(args):
+def stage_config(args, mode: str):
     from pipeline.stage import StageConfig
 
-    return StageConfig(model=args.model, mode=args.mode, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+    return StageConfig(model=args.model, mode=mode, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
                        batch_size=args.batch_size)
 
 
-def pipeline_run(args, inputs: list[Path], out: Path) -> dict:
+def pipeline_run(args, mode: str, inputs: list[Path], out: Path) -> dict:
     """One run() per input file into one output: a single file is the stream shape, several the waves."""
     import pandas as pd
 
     from pipeline.batch import BatchConfig, run
 
     t0 = time.perf_counter()
-    summaries = [run(BatchConfig(input=[str(f)], output=str(out), stage=stage_config(args),
+    summaries = [run(BatchConfig(input=[str(f)], output=str(out), stage=stage_config(args, mode),
                                  num_actors=args.num_actors, show_progress=False)) for f in inputs]
     wall = time.perf_counter() - t0
     df = pd.read_parquet(out)
@@ -81,11 +86,11 @@ def pipeline_run(args, inputs: list[Path], out: Path) -> dict:
     return {"wall_s": wall, "rows": len(df), "errors": int(df["error"].notna().sum()),
             "tokens": int(ok["completion_tokens"].sum()),
             "generate_s": sum(s["generate_s"] or 0 for s in summaries),
-            "model_loads": int(df["worker"].nunique()), "runs": len(summaries),
+            "model_loads": int(df["worker"].nunique()), "runs": len(summaries), "dtype": summaries[0]["dtype"],
             "completions": dict(zip(df["id"], df["completion"]))}
 
 
-def bare_run(args, rows: list[dict]) -> dict:
+def bare_run(args, mode: str, rows: list[dict]) -> dict:
     import torch
 
     from specee_core import SpecEEEngine
@@ -98,10 +103,11 @@ def bare_run(args, rows: list[dict]) -> dict:
     t_gen = time.perf_counter()
     results = []
     for s in range(0, len(texts), args.batch_size):
-        results += engine.generate(texts[s : s + args.batch_size], max_new_tokens=args.max_new_tokens, mode=args.mode)
+        results += engine.generate(texts[s : s + args.batch_size], max_new_tokens=args.max_new_tokens, mode=mode)
     end = time.perf_counter()
     return {"wall_s": end - t0, "rows": len(results), "errors": 0, "tokens": sum(len(r.token_ids) for r in results),
             "generate_s": end - t_gen, "model_loads": 1, "runs": 1,
+            "dtype": str(engine.model.dtype).removeprefix("torch."),
             "completions": {r_in["id"]: r.text for r_in, r in zip(rows, results)}}
 
 
@@ -110,7 +116,7 @@ def summarize_runs(runs: list[dict], reference: dict) -> dict:
     keys = ("wall_s", "generate_s", "rows_per_s", "tokens_per_s", "generate_tokens_per_s")
     first = runs[0]
     return {
-        **{k: first[k] for k in ("rows", "errors", "tokens", "model_loads", "runs")},
+        **{k: first[k] for k in ("rows", "errors", "tokens", "model_loads", "runs", "dtype")},
         **{k: round(sum(r[k] for r in runs) / len(runs), 3) for k in keys},
         "same_completions_as_first_variant": all(r["completions"] == reference for r in runs),
         "rounds": [{k: round(r[k], 3) for k in keys} for r in runs],
@@ -127,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     from jobs.bench import git_commit
     from jobs.cli import emit_json
     from pipeline.local_ray import init_ray
+    from specee_core.plan import machine_facts
 
     commit = git_commit()
     rows = read_rows(args.input, args.limit)
@@ -138,17 +145,21 @@ def main(argv: list[str] | None = None) -> dict:
         path.write_text("".join(json.dumps(r) + "\n" for r in rows
                                 if zlib.crc32(str(r["id"]).encode()) % args.waves == w))
     init_ray("local", include_dashboard=False, log_to_driver=False)
-    variants = args.variants.split(",")
+    modes = args.modes.split(",")
+    # one name per (variant, mode): the variant alone when there is one mode
+    variants = [v if len(modes) == 1 else f"{v}:{m}" for v in args.variants.split(",") for m in modes]
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     try:
         for rnd in range(args.repeats):  # A B C, C B A, ...: drift hits every variant alike
             for variant in (variants if rnd % 2 == 0 else variants[::-1]):
                 print(f"[bench_pipeline] round {rnd}: {variant} ...", flush=True)
-                if variant == "bare":
-                    r = bare_run(args, rows)
+                shape, _, mode = variant.partition(":")
+                mode = mode or modes[0]
+                if shape == "bare":
+                    r = bare_run(args, mode, rows)
                 else:
-                    out_dir = work / f"out-{variant}-{rnd}"
-                    r = pipeline_run(args, [whole] if variant == "stream" else waves, out_dir)
+                    out_dir = work / f"out-{shape}-{mode}-{rnd}"
+                    r = pipeline_run(args, mode, [whole] if shape == "stream" else waves, out_dir)
                 r["rows_per_s"] = r["rows"] / r["wall_s"]
                 r["tokens_per_s"] = r["tokens"] / r["wall_s"]
                 r["generate_tokens_per_s"] = r["tokens"] / r["generate_s"] if r["generate_s"] else None
@@ -163,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = {
         "benchmark": "jobs.bench_pipeline", "git_commit": commit, "config": vars(args),
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-                    "torch": torch.__version__, "ray": ray.__version__},
+                    **machine_facts("cpu"), "torch": torch.__version__, "ray": ray.__version__},
         "note": "tokens_per_s: generated tokens / wall seconds of the whole variant, start-up included; "
                 "generate_tokens_per_s leaves start-up out. Means over rounds; per-round values in rounds. Batches "
                 "are not made of the same rows across variants (Ray Data's block order, the waves' split), and in "
@@ -171,9 +182,12 @@ def main(argv: list[str] | None = None) -> dict:
                 "in fp32 by the tests, not here.",
         "variants": summary,
     }
-    for a, b in (("stream", "bare"), ("stream", "waves")):
+    pairs = [("stream", "bare"), ("stream", "waves")] + [(f"{v}:{m}", f"{v}:dense") for v in VARIANTS for m in modes
+                                                         if m != "dense"]
+    for a, b in pairs:
         if a in summary and b in summary:
-            out[f"{a}_vs_{b}"] = round(summary[a]["tokens_per_s"] / summary[b]["tokens_per_s"], 3)
+            out[f"{a}_vs_{b}"] = {k: round(summary[a][k] / summary[b][k], 3)
+                                  for k in ("tokens_per_s", "generate_tokens_per_s") if summary[b][k]}
     return emit_json(out, args.out)
 
 
