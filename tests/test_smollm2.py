@@ -124,6 +124,31 @@ def test_fp32_spec_equals_dense_at_batch_1_and_8(fp32_engine, prompts, shape):
     assert sum(per_step) / len(per_step) > 1.4, per_step
 
 
+def test_fp32_default_generate_equals_dense_at_batch_1_and_8(fp32_engine, prompts):
+    """The default mode (auto) is lossless on the real model: whatever this machine's measured plan
+    chooses, and with a plan forced to draft deep on every step (a flat cost table), the tokens are
+    dense's, for a ragged batch of 8 and one prompt at a time."""
+    from specee_core.plan import T_GRID, CostTable, StepTimes
+
+    dense = fp32_engine.generate(prompts, max_new_tokens=40, mode="dense")
+    plan = fp32_engine.spec_plan()
+    flat = CostTable(key={"synthetic": True}, verify={b: [10.0 + 0.01 * t for t in T_GRID] for b in (1, 2, 4, 8)},
+                     draft={b: 0.1 for b in (1, 2, 4, 8)})
+    for costs in (None, flat):
+        measured, times = plan.costs, plan.times
+        if costs is not None:
+            plan.costs, plan.times = costs, StepTimes(decay=1.0)
+        try:
+            auto = fp32_engine.generate(prompts, max_new_tokens=40)
+            single = [fp32_engine.generate([p], max_new_tokens=40)[0] for p in prompts[:2]]
+        finally:
+            plan.costs, plan.times = measured, times
+        assert [r.token_ids for r in auto] == [r.token_ids for r in dense]
+        assert [r.token_ids for r in single] == [r.token_ids for r in dense[:2]]
+        log.info("auto (%s table): %s", "flat" if costs else "measured", auto[0].stats.get("plan_steps"))
+    assert auto[0].stats["plan_steps"].get("depth_4", 0) > 5 and auto[0].stats["mean_tokens_per_step"] > 1.3
+
+
 def test_bf16_spec_agreement_with_dense_is_bounded(prompts):
     """In bf16 a verify forward over several rows rounds differently from one-row decoding, so greedy
     paths may part; bounded like bf16 against transformers: every prompt agrees on its first 8 tokens

@@ -17,7 +17,7 @@ from pipeline.batch import BatchConfig, run
 from pipeline.local_ray import init_ray
 from pipeline.prompts import read_prompts
 from pipeline.stage import CRASH_ON_ENV, CRASH_ONCE_ENV, OUTPUT_SCHEMA, StageConfig
-from tests.conftest import BUNDLED, make_hf_model
+from tests.conftest import BUNDLED, REPO, make_hf_model
 
 MAX_NEW = 4
 GOOD = ["def add(a, b):\n", "import os\n", "class Point:\n    def __init__(self", "for i in range(10):\n",
@@ -204,6 +204,30 @@ def test_generate_cli(tmp_path, model_dir, capsys, mode_args, mode):
     assert (df["mode"] == mode).all() and df["schedule_version"].isna().all()
     # greedy in fp32: spec answers exactly what dense decoding does
     dense = SpecEEEngine.from_pretrained(model_dir, dtype="float32").generate(list(df["prompt"]), max_new_tokens=6, mode="dense")
+    assert list(df["completion"]) == [r.text for r in dense]
+
+
+def test_the_default_job_equals_dense_on_held_out_instructions(tmp_path):
+    """The main job as a user starts it (no --mode: auto), on SmolLM2 in fp32 over held-out instructions
+    none of the project's training prompts share: every completion is dense's; the summary names the
+    dtype and the plan the engine measured, with the steps it chose."""
+    from jobs import generate
+    from specee_core import SpecEEEngine
+    from tests.test_smollm2 import MODEL, need_model
+
+    need_model()
+    rows = [json.loads(line) for line in (REPO / "prompts" / "instructions_heldout.jsonl").read_text().splitlines()]
+    src = write_jsonl(tmp_path / "heldout.jsonl", [{"id": f"h{i}", "prompt": r["prompt"]} for i, r in
+                                                   enumerate(rows[-8:])])
+    summary = generate.main(["--input", str(src), "--output", str(tmp_path / "out"), "--model", str(MODEL),
+                             "--max-new-tokens", "24", "--num-actors", "1", "--dtype", "float32", "--no-progress"])
+    assert summary["mode"] == "auto" and summary["dtype"] == "float32" and summary["errors"] == 0
+    plan = summary["engines"][0]["plan"]
+    assert plan["costs"]["verify_ms"]["16"][0] > 0 and sum(plan["steps_chosen"].values()) > 0
+    df = read_output(tmp_path / "out").sort_values("id")
+    engine = SpecEEEngine.from_pretrained(MODEL, dtype="float32")
+    dense = engine.generate([engine.chat_prompt([{"role": "user", "content": p}]) for p in df["prompt"]],
+                            max_new_tokens=24, mode="dense")
     assert list(df["completion"]) == [r.text for r in dense]
 
 
