@@ -350,7 +350,8 @@ def plot_speed(result: dict, path: Path) -> None:
     ax.set_xticks([j + width * (len(batches) - 1) / 2 for j in range(len(variants))])
     ax.set_xticklabels(variants, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("decode tokens/s")
-    ax.set_title(f"{Path(result['config']['model']).name} {result['dtype']}, {result['threads']} threads, "
+    ax.set_title(f"{Path(result['config']['model']).name} {result['dtype']}, {result['threads']} threads, CPU "
+                 f"{result.get('cpu_capability', '?')} (native bf16: {result.get('native_bf16', '?')}), "
                  f"commit {result['git_commit']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()

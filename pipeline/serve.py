@@ -378,7 +378,8 @@ class SpecEEServer:
         self.engine.generate(["Hello"], max_new_tokens=1, mode=self.mode)  # warm up; fail here, not on a request
         for mode in {"spec", "auto", self.mode}:  # build what each mode drafts with now, not on a request's thread
             self.engine.stepper_factory(mode)
-        self.engine.prepare_plan([args.max_batch_size])  # auto's costs, measured or read from the cache
+        if self.mode == "auto":  # its costs, measured (or read from the cache) now, not on a request
+            self.engine.prepare_plan([args.max_batch_size])
         if self._runner is not None:  # and the batching thread, with a lane for greedy requests in the default mode
             self._runner.submit(EngineRequest([self.engine.encode_prompt("Hello")], SamplingParams(max_new_tokens=2),
                                               self.mode)).result(timeout=600)

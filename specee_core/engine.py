@@ -15,7 +15,7 @@ import torch
 from specee_core.config import ModelConfig
 from specee_core.loader import find_model_dir, load_model, load_tokenizer
 from specee_core.model import LlamaModel
-from specee_core.plan import Planner, SpecPlan, choose_dtype, cost_key, could_pay, load_costs
+from specee_core.plan import CostTable, Planner, SpecPlan, StepTimes, choose_dtype, cost_key, could_pay, load_costs
 from specee_core.sampling import SamplingParams, sample
 from specee_core.stepper import StepOutput, StepperFactory
 from specee_core.stops import StopMatcher
@@ -23,7 +23,6 @@ from specee_core.stops import StopMatcher
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "dense", "specee", "spec")
-LOSSLESS_MODES = ("auto", "dense", "spec")  # greedy output equals dense (fp32); sampling keeps its distribution
 
 
 class PromptError(ValueError):
@@ -85,8 +84,10 @@ class SpecEEEngine:
         self.options = options or EngineOptions()
         self.early_exit = early_exit  # specee_core.early_exit.EarlyExit, when draft/predictors are present
         self.draft_head = draft_head  # specee_core.speculators.DraftHead, when draft/ is present
-        self._draft_runner = None  # its DraftSpeculator for mode="spec", built on first use
-        self._plans: dict[int, SpecPlan] = {}  # mode="auto": per deepest chain, the measured plan
+        self._draft_runner = None  # its DraftSpeculator for modes spec and auto, built on first use
+        self._plans: dict[tuple[int, bool], SpecPlan] = {}  # mode="auto": per (deepest chain, draft head)
+        self._costs: CostTable | None = None  # the plans' measured cost table, loaded on first use
+        self._step_times = StepTimes()  # what steps really take against that table, learned while decoding
         self.dtype_reason = ""  # why the model's dtype was chosen (from_pretrained with dtype="auto")
         c = model.config
         self.context_len = self.options.context_len or default_context_len(c)
@@ -147,7 +148,8 @@ class SpecEEEngine:
         draft_head = load_draft_head(model_dir, model)
         early_exit = load_early_exit(model_dir, model, tokenizer, draft_head, **options)
         engine = cls(model, tokenizer, EngineOptions(**engine_opts), early_exit, draft_head)
-        engine.dtype_reason = reason or f"{str(model.dtype).removeprefix('torch.')}: asked for"
+        name = str(model.dtype).removeprefix("torch.")
+        engine.dtype_reason = reason or (f"{name}: asked for" if dtype is not None else f"{name}: the loader's default")
         return engine
 
     # ---- input checks -----------------------------------------------------------------------
@@ -240,10 +242,11 @@ class SpecEEEngine:
         has_draft = self._uses_draft(opts)
         key = (opts.depth, has_draft)
         if key not in self._plans:
-            ck = cost_key(self.model, self.model.dtype, self.device)
+            if self._costs is None:  # one table for every plan of this engine: they measure the same forwards
+                self._costs = load_costs(cost_key(self.model, self.model.dtype, self.device))
             self._plans[key] = SpecPlan(dtype=str(self.model.dtype).removeprefix("torch."),
                                         dtype_reason=self.dtype_reason, max_depth=opts.depth, has_draft=has_draft,
-                                        costs=load_costs(ck))
+                                        costs=self._costs, times=self._step_times)
         return self._plans[key]
 
     def prepare_plan(self, batch_sizes: list[int], spec: dict | None = None) -> SpecPlan:
@@ -301,8 +304,8 @@ class SpecEEEngine:
             if planned:
                 n = len(batch.prompt_ids)
                 plan.ensure(self.model, self._draft_runner if use_draft else None, n)
-                if not could_pay(plan.costs, 1, opts.depth, use_draft):  # not even one row could gain: dense
-                    return DenseStepper(engine, batch, cache, prefill_hidden, lens)
+                if (not use_draft and opts.lookup == "off") or not could_pay(plan.costs, 1, opts.depth, use_draft):
+                    return DenseStepper(engine, batch, cache, prefill_hidden, lens)  # nothing could gain: dense
                 lookup = None if opts.lookup == "off" else LookupProposer()
                 proposer = DraftHeadProposer(self._draft_runner, opts.tree) if use_draft else LookupProposer()
                 return SpecStepper(proposer, engine, batch, cache, prefill_hidden, lens, depth=opts.depth,
@@ -325,7 +328,7 @@ class SpecEEEngine:
         decided for the alive rows. mode names
         the results' stats["mode"] (default: "dense" without a stepper, else "specee"); cache_headroom:
         KV slots allocated past each batch's longest row."""
-        mode = mode or ("dense" if new_stepper is None else "specee")  # the name results carry
+        mode = mode or ("dense" if new_stepper is None else "specee")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)

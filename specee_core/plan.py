@@ -19,6 +19,8 @@ of one batch and `measure_costs` fills a table.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -43,7 +45,8 @@ def native_bf16(device: torch.device) -> bool:
     """Whether the hardware computes bf16 natively: CUDA with bf16 support, or a CPU whose oneDNN
     has a bf16 path (avx512_bf16 / AMX). Without it bf16 GEMMs are emulated and slower than fp32."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        with torch.cuda.device(device):
+            return torch.cuda.is_bf16_supported(including_emulation=False)  # T4, V100: emulated, not native
     return cpu_has_native_bf16()
 
 
@@ -109,9 +112,6 @@ class CostTable:
             return 0.0
         return _interp_batch({k: [v] for k, v in self.draft.items()}, b, lambda row: row[0])
 
-    def has(self, b: int) -> bool:
-        return b in self.verify
-
     def to_json(self) -> dict:
         return {"key": self.key, "tokens": list(self.tokens),
                 "verify_ms": {str(b): [round(x, 3) for x in v] for b, v in sorted(self.verify.items())},
@@ -119,9 +119,34 @@ class CostTable:
 
     @classmethod
     def from_json(cls, d: dict) -> CostTable:
-        return cls(key=d["key"], tokens=tuple(d["tokens"]),
-                   verify={int(b): list(v) for b, v in d["verify_ms"].items()},
-                   draft={int(b): float(v) for b, v in d["draft_ms"].items()})
+        """ValueError unless d is a table this version wrote: T a prefix of T_GRID, per batch size a
+        non-empty row of positive milliseconds no longer than T, positive draft milliseconds."""
+        tokens = tuple(d["tokens"])
+        if not tokens or tokens != T_GRID[: len(tokens)]:
+            raise ValueError(f"tokens {list(tokens)} is not a prefix of {list(T_GRID)}")
+        verify = {int(b): [float(x) for x in v] for b, v in d["verify_ms"].items()}
+        draft = {int(b): float(v) for b, v in d["draft_ms"].items()}
+        for b, row in verify.items():
+            if b < 1 or not 0 < len(row) <= len(tokens) or not all(0 < x < 1e7 for x in row):
+                raise ValueError(f"verify_ms for batch {b}: {row}")
+        if any(b < 1 or not 0 < v < 1e7 for b, v in draft.items()):
+            raise ValueError(f"draft_ms: {draft}")
+        return cls(key=d["key"], tokens=tokens, verify=verify, draft=draft)
+
+    def lacks(self, b: int, tokens: int, draft: bool) -> bool:
+        """Whether batch size b needs measuring for verify forwards up to `tokens` (and a draft level)."""
+        need = len([t for t in T_GRID if t <= max(tokens, 2)])
+        return len(self.verify.get(b, ())) < need or (draft and b not in self.draft)
+
+    def merge(self, other: CostTable) -> None:
+        """Take other's measurements where they go further than this table's (another process's)."""
+        for b, row in other.verify.items():
+            if len(row) > len(self.verify.get(b, ())):
+                self.verify[b] = row
+        for b, v in other.draft.items():
+            self.draft.setdefault(b, v)
+        if len(other.tokens) > len(self.tokens):
+            self.tokens = other.tokens
 
 
 def _interp(xs, ys, x: float) -> float:
@@ -288,21 +313,30 @@ class StepTimes:
     (drafting's host work, acceptance, KV compaction), which grows with the batch; their ratio over the
     dense steps' is the overhead best_step charges. Shared by every batch of an engine's plan."""
 
-    def __init__(self, decay: float = 0.8):  # decay 1: never learns (synthetic tables in tests)
-        self.decay = decay
+    def __init__(self, decay: float = 0.8, idle_decay: float = 0.98):  # decay 1: never learns (tests)
+        self.decay, self.idle_decay = decay, idle_decay
         self.ratio: dict[tuple[str, int], float] = {}
 
     def record(self, kind: str, b: int, est_ms: float, ms: float) -> None:
-        key = (kind, batch_bucket(b))
-        r = ms / max(est_ms, 1e-6)
+        """One step's wall time against its estimate. A sample counts at most 3x the estimate (a step that
+        first feeds a long backlog of pending pairs to the draft head is not what the next one costs); a
+        dense step also moves the drafted steps' ratio back toward the dense one, so one slow drafted
+        step cannot rule drafting out for good."""
+        bucket = batch_bucket(b)
+        r = min(ms / max(est_ms, 1e-6), 3.0)
+        key = (kind, bucket)
         self.ratio[key] = self.ratio.get(key, 1.0) * self.decay + r * (1 - self.decay)
+        if kind == "dense" and ("spec", bucket) in self.ratio:
+            i = self.idle_decay
+            self.ratio["spec", bucket] = self.ratio["spec", bucket] * i + self.ratio[key] * (1 - i)
 
     def overhead(self, b: int) -> float:
         k = batch_bucket(b)
         return self.ratio.get(("spec", k), 1.0) / self.ratio.get(("dense", k), 1.0)
 
     def to_json(self) -> dict:
-        return {f"{kind}@{b}": round(r, 3) for (kind, b), r in sorted(self.ratio.items())}
+        return {f"{kind}@{b}": round(r, 3) for (kind, b), r in sorted(dict(self.ratio).items())}  # a copy:
+        # the engine thread may add keys while /healthz reads
 
 
 class Planner:
@@ -384,23 +418,48 @@ def cache_path(key: dict, root: str | Path | None = None) -> Path:
 def load_costs(key: dict, root: str | Path | None = None) -> CostTable:
     """The cached table for key, or an empty one (also when the cache file is unreadable)."""
     path = cache_path(key, root)
-    if path.is_file():
-        try:
+    try:
+        if path.is_file():
             table = CostTable.from_json(json.loads(path.read_text()))
             if table.key == key:
                 return table
-        except (ValueError, KeyError, TypeError) as e:
-            log.warning("%s: unreadable cost table (%s); measuring again", path, e)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        log.warning("%s: unreadable cost table (%s: %s); measuring again", path, type(e).__name__, e)
     return CostTable(key=key)
 
 
-def save_costs(table: CostTable, root: str | Path | None = None) -> Path:
+def save_costs(table: CostTable, root: str | Path | None = None) -> Path | None:
+    """Write the table (atomically); None, with a warning, where the cache cannot be written (the plan
+    then lives in this process only)."""
     path = cache_path(table.key, root)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(table.to_json(), indent=1))
-    os.replace(tmp, path)
-    return path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table.to_json(), indent=1))
+        os.replace(tmp, path)
+        return path
+    except OSError as e:
+        log.warning("cannot cache the cost table in %s (%s); it is kept in memory only", path.parent, e)
+        return None
+
+
+@contextlib.contextmanager
+def measuring_lock(key: dict, root: str | Path | None = None):
+    """One process at a time measures a machine's costs (engine actors side by side would time each
+    other's load); the others wait, then read what it saved. No lock where the cache is not writable."""
+    path = cache_path(key, root).with_suffix(".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a")
+    except OSError:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @torch.inference_mode()
@@ -409,7 +468,8 @@ def measure_costs(table: CostTable, model, draft_runner, batch: int, max_tokens:
     """Measure verify forwards of `batch` rows for T_GRID up to max_tokens (rounds interleaved over T so
     drift hits every T alike; the median of each, made non-decreasing in T) and one draft-head level,
     into table. Seconds on a CPU."""
-    tokens = tuple(t for t in T_GRID if t <= max(max_tokens, 2))
+    longest = T_GRID[len(table.verify.get(batch, ())) - 1] if batch in table.verify else 2
+    tokens = tuple(t for t in T_GRID if t <= max(max_tokens, longest, 2))  # never less than measured before
     dev = model.device
     prefix = max(1, min(prefix, model.config.max_position_embeddings - tokens[-1] - 1))
     cache = model.new_cache(batch, prefix + tokens[-1])
@@ -489,16 +549,23 @@ class SpecPlan:
     times: StepTimes = field(default_factory=StepTimes)  # learned while decoding, not cached
 
     def ensure(self, model, draft_runner, batch: int) -> None:
-        """Measure the buckets up to batch (power-of-two sizes) that the table lacks, and save it."""
-        need = [s for s in (batch_bucket(x) for x in (1, batch)) if not self.costs.has(s)]
-        need += [1 << i for i in range(batch_bucket(batch).bit_length()) if not self.costs.has(1 << i)]
-        need = sorted(set(need))
-        if not need:
+        """Measure the power-of-two batch sizes up to batch's that the table lacks (verify forwards up to
+        the deepest chain + 1, a draft level with a draft head), under the machine's lock, and save."""
+        def missing() -> list[int]:
+            sizes = [1 << i for i in range(batch_bucket(batch).bit_length())]
+            return [b for b in sizes if self.costs.lacks(b, self.max_depth + 1, self.has_draft)]
+
+        if not missing():
             return
-        t0 = time.perf_counter()
-        for b in need:
-            measure_costs(self.costs, model, draft_runner if self.has_draft else None, b, self.max_depth + 1)
-        path = save_costs(self.costs, self.cache_root)
+        with measuring_lock(self.costs.key, self.cache_root):
+            self.costs.merge(load_costs(self.costs.key, self.cache_root))  # what another process measured
+            need = missing()
+            if not need:
+                return
+            t0 = time.perf_counter()
+            for b in need:
+                measure_costs(self.costs, model, draft_runner if self.has_draft else None, b, self.max_depth + 1)
+            path = save_costs(self.costs, self.cache_root)
         log.info("measured verify and draft costs for batch sizes %s in %.1f s (%s)", need,
                  time.perf_counter() - t0, path)
 
@@ -511,8 +578,8 @@ class SpecPlan:
                             alpha_draft=alpha if self.has_draft else 0.0)] * b
             hit = [RowView(room=self.max_depth, lookup=self.max_depth, alpha_lookup=alpha,
                            alpha_draft=alpha if self.has_draft else 0.0)] * b
-            p, q = best_step(self.costs, rows, self.max_depth, self.has_draft), \
-                best_step(self.costs, hit, self.max_depth, self.has_draft)
+            over = self.times.overhead(b)  # what drafted steps have really cost over the table, so far
+            p, q = (best_step(self.costs, r, self.max_depth, self.has_draft, overhead=over) for r in (rows, hit))
             out[str(b)] = {
                 "dense_tokens_per_s": round(b / p.dense_ms * 1e3, 1),
                 "no_lookup_hit": _describe_step(p), "lookup_hit": _describe_step(q),

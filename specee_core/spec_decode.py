@@ -1,7 +1,8 @@
-"""Speculative decoding (mode="spec"): per step a proposer drafts a continuation of each row, the base
-model verifies every drafted token in one forward, and the step commits the longest verified path
-plus one token from the base model. Greedy output equals dense decoding token for token; sampled
-output keeps the base model's distribution.
+"""Speculative decoding (mode="spec", and mode="auto" through a planner): per step a proposer drafts a
+continuation of each row, the base model verifies every drafted token in one forward, and the step
+commits the longest verified path plus one token from the base model. Greedy output equals dense
+decoding token for token (fp32); sampled output keeps the base model's distribution. In mode="auto"
+a Planner (specee_core.plan) sizes each step from measured costs, down to a plain dense step.
 
     propose  -> Draft     (specee_core.proposers: the EAGLE-style draft head's tree, or prompt lookup)
     verify   -> Verdict   (one base forward over the tree with an ancestor mask; specee_core.acceptance)
@@ -76,8 +77,8 @@ class SpecStats:
 
 
 class SpecStepper:
-    """Decode steps of one batch in mode="spec". Greedy acceptance at temperature 0, rejection
-    sampling otherwise."""
+    """Decode steps of one batch in mode="spec" (a fixed shape) or "auto" (planned). Greedy acceptance at
+    temperature 0, rejection sampling otherwise."""
 
     def __init__(self, proposer: Proposer, engine, batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor,
                  depth: int, t3: T3 | None = None, step_budget: int | None = None, planner: Planner | None = None,
@@ -159,7 +160,7 @@ class SpecStepper:
         chains = [conts[r][: plan.depths[r]] if k == "lookup" else [] for r, k in enumerate(plan.kinds)]
         if not drafted:
             return Draft.chains(roots, chains)
-        rest = [r for r in range(len(alive)) if r not in set(drafted)]
+        rest = sorted(set(range(len(alive))) - set(drafted))
         tree = self.proposer.propose([alive[r] for r in drafted], batch, [plan.depths[r] for r in drafted],
                                      batch.params, generator)
         return Draft.by_rows(len(alive), [(rest, Draft.chains([roots[r] for r in rest], [chains[r] for r in rest])),
