@@ -127,12 +127,12 @@ class LlamaModel:
 
     @property
     def num_layers(self) -> int:
-        return self.config.num_hidden_layers
+        """The decoder layers this model holds: config.num_hidden_layers, or 1 for a draft head's layer."""
+        return len(self.w.layers)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config
-        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, self.kv_dtype,
-                       self.device)
+        return KVCache(self.num_layers, batch, c.num_key_value_heads, max_len, c.head_dim, self.kv_dtype, self.device)
 
     # ---- the layer-by-layer API -------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -262,13 +262,14 @@ class StepPlan:
 
 
 def best_step(costs: CostTable, rows: list[RowView], max_depth: int, has_draft: bool,
-              margin: float = 1.02, overhead: float = 1.0) -> StepPlan:
+              margin: float = 1.1, overhead: float = 1.0) -> StepPlan:
     """The step shape with the most expected tokens per millisecond for these rows: a dense step, or
     for each depth d <= max_depth, every row's better chain (lookup's or the draft head's, each no
     longer than the row's room), verified in one forward of 1 + (longest chain) tokens per row, after
     d draft-head levels when any row drafts with it. overhead: what a drafted step really costs over
     the table's estimate, relative to a dense step's (bookkeeping the table does not time). A shape
-    must beat dense by `margin` (the model is an estimate; ties go to the step with fewer moving parts)."""
+    must beat dense by `margin`: the model is an estimate, and near a tie a drafted step that misjudged
+    its acceptance or its cost loses more than it could gain."""
     n = len(rows)
     dense_ms = costs.verify_ms(n, 1)
     best = StepPlan(0, ("",) * n, (0,) * n, float(n), dense_ms, dense_ms)

@@ -18,7 +18,7 @@ import torch
 
 from specee_core.acceptance import Verdict, accept_greedy, accept_sampled
 from specee_core.plan import Planner, StepPlan
-from specee_core.proposers import Draft, DraftHeadProposer, LookupProposer, Proposer, TreeShape
+from specee_core.proposers import Draft, DraftHeadProposer, LookupProposer, NgramIndex, Proposer, TreeShape
 from specee_core.sampling import probabilities, sample
 from specee_core.stepper import StepOutput
 from specee_core.t3 import T3, Verified, verify_with_exits
@@ -90,6 +90,7 @@ class SpecStepper:
         self.model = engine.model
         self.depth, self.t3, self.step_budget = depth, t3, step_budget
         self.planner, self.lookup = planner, lookup
+        self.ngrams = None if lookup is None else NgramIndex(lookup.max_ngram)  # the planned path's lookups
         n = len(batch.prompt_ids)
         self.stats = SpecStats(per_row_steps=[0] * n, per_row_accepted=[0] * n)
         t0 = time.perf_counter()
@@ -102,6 +103,9 @@ class SpecStepper:
         self.proposer.admit(self.batch, rows, prefill_hidden, lens)
         if self.planner is not None:
             self.planner.admit(rows)
+        if self.ngrams is not None:
+            for b in rows:
+                self.ngrams.reset(b)
 
     def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
         if self.planner is not None:
@@ -132,8 +136,8 @@ class SpecStepper:
         t0 = time.perf_counter()
         batch, greedy = self.batch, self.batch.params.greedy
         use_lookup = self.lookup is not None and (greedy or not isinstance(self.proposer, DraftHeadProposer))
-        conts = [self.lookup.continuation(batch.prompt_ids[b] + batch.generated[b], self.depth) if use_lookup else []
-                 for b in alive]
+        conts = [self.ngrams.continuation(b, batch.prompt_ids[b] + batch.generated[b], self.depth) if use_lookup
+                 else [] for b in alive]
         rooms = [max(0, min(self.depth, batch.max_new[b] - len(batch.generated[b]) - 1)) for b in alive]
         plan = self.planner.choose(alive, [len(c) for c in conts], rooms)
         if plan.depth == 0:

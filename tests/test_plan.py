@@ -87,6 +87,21 @@ def test_lookup_is_scored_during_dense_steps():
     assert planner.lookup[0].alpha < before / 2 and planner.summary()["lookup_hit_rate"] == 0
 
 
+def test_the_ngram_index_answers_as_the_lookup_scan_does():
+    from specee_core.proposers import LookupProposer, NgramIndex
+
+    gen = torch.Generator().manual_seed(0)
+    scan, index = LookupProposer(), NgramIndex()
+    for row in range(3):
+        hist = torch.randint(0, 6 + 4 * row, (200,), generator=gen).tolist()  # small vocabularies: many repeats
+        size = 1
+        while size < len(hist):  # grows by blocks of 1-5 tokens, as verify steps commit them
+            assert index.continuation(row, hist[:size], 4) == scan.continuation(hist[:size], 4), (row, size)
+            size += 1 + size % 5
+    index.reset(0)
+    assert index.continuation(0, [7, 8, 7], 2) == [8, 7] and index.continuation(0, [9], 2) == []
+
+
 def test_expected_tokens_and_the_table_helpers():
     assert expected_tokens(0.5, 2) == pytest.approx(1.75) and expected_tokens(0.0, 4) == 1.0
     assert monotone([3.0, 1.0, 2.0, 5.0]) == pytest.approx([2.0, 2.0, 2.0, 5.0])
