@@ -297,7 +297,11 @@ def run(cfg: BatchConfig) -> dict:
                lambda batch, error: error_rows(batch, error, cfg.stage.mode, run_id))
         versions.poll(wait=True)
         store_state = ray.get(store.state.remote()) if versions.store is not None else None
-        engine_info = ray.get([a.describe.remote() for a in actors])
+        try:  # for the summary only: an actor lost at the end must not fail a finished job
+            engine_info = ray.get([a.describe.remote() for a in actors], timeout=120)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            log.warning("could not read the engines' plans for the summary: %s", e)
+            engine_info = [first]
     finally:
         if progress is not None:
             progress.close()
