@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -70,7 +71,8 @@ def machine_name(device: torch.device) -> str:
     return f"CPU {torch.backends.cpu.get_cpu_capability()} ({cpu_model()})"
 
 
-def cpu_model() -> str:
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str:  # read once: /healthz asks for the machine facts on every probe
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
