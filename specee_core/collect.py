@@ -41,7 +41,7 @@ class CollectStepper:
         idx = torch.tensor(alive, device=m.device)
         toks = batch.next_tokens[idx]
         cand = self.spec.propose(alive, self.histories, toks, self.features[idx])  # [N, K]
-        w_cand = m.w.lm_head[cand]  # [N, K, D]
+        w_cand = m.head_rows(cand)  # [N, K, D]
         h = m.embed(toks[:, None])
         rope = m.rope_for(batch.positions[idx.cpu()].to(m.device)[:, None])
         zs = []

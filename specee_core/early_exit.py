@@ -149,9 +149,11 @@ class CandidateScorer:
     def __init__(self, model, cand: torch.Tensor, backend: str):
         self.model, self.cand = model, cand
         dev = model.device
-        self.fused = backend == "triton" or (backend == "auto" and dev.type == "cuda")
+        # the fused kernel reads a dense head; a low-bit head's rows are dequantized here instead
+        dense_head = isinstance(model.w.lm_head, torch.Tensor)
+        self.fused = dense_head and (backend == "triton" or (backend == "auto" and dev.type == "cuda"))
         if not self.fused:
-            self.w = (model.w.lm_head[cand] * model.w.norm).float()  # [N, K, D]
+            self.w = (model.head_rows(cand) * model.w.norm).float()  # [N, K, D]
 
     def __call__(self, h: torch.Tensor, sel: torch.Tensor | None, prev: torch.Tensor,
                  pred: LayerPredictor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -130,7 +130,8 @@ class SpecEEEngine:
         self.early_exit.schedule = schedule
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype="auto", **options) -> SpecEEEngine:
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype="auto", weights: str | None = None,
+                        **options) -> SpecEEEngine:
         """Load the model and tokenizer from a local HF-layout directory, plus the draft head,
         predictors and schedule stored beside it when present. dtype "auto": bf16 where the hardware
         computes it natively (CUDA, CPUs with avx512_bf16/AMX), else fp32 (specee_core.plan.choose_dtype);
@@ -139,7 +140,7 @@ class SpecEEEngine:
         reason = ""
         if dtype == "auto":
             dtype, reason = choose_dtype(device)
-        model = load_model(path, device=device, dtype=dtype)
+        model = load_model(path, device=device, dtype=dtype, weights=weights)
         tokenizer = load_tokenizer(path)
         engine_opts = {k: options.pop(k) for k in list(options) if k in EngineOptions.__dataclass_fields__}
         from specee_core.early_exit import load_draft_head, load_early_exit

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from specee_core.config import ModelConfig, resolve_dtype
-from specee_core.model import LayerWeights, LlamaModel, ModelWeights
+from specee_core.model import LayerWeights, LlamaModel, ModelWeights, Weight
+from specee_core.quant import LOW_BIT, QK, quantize
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,9 @@ def read_state_dict(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str,
 
 
 def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin: dict[str, Path],
-                  device: torch.device, dtype: torch.dtype, model_dir: Path) -> ModelWeights:
+                  device: torch.device, dtype: torch.dtype, model_dir: Path, weights: str | None = None) -> ModelWeights:
+    """weights "q4" / "q8": the layers' matrices quantized at load (specee_core.quant), the embedding /
+    LM head in q8; anything else: every tensor in dtype."""
     c = config
     q, kv, d, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.hidden_size, c.intermediate_size
 
@@ -110,6 +113,16 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin:
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         return t.to(device=device, dtype=dtype).contiguous()
 
+    def mat(*parts: torch.Tensor, fmt: str | None = weights) -> Weight:
+        if fmt not in LOW_BIT:
+            return put(*parts)
+        if parts[0].shape[1] % QK:  # llama.cpp too keeps such a tensor in a float type
+            kept_dense.append(f"{tuple(parts[0].shape)}")
+            return put(*parts)
+        return quantize(torch.cat([p.to(device) for p in parts], dim=0), fmt)
+
+    kept_dense: list[str] = []
+
     layers = []
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -117,28 +130,36 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin:
         bias = c.attention_bias
         layers.append(LayerWeights(
             input_norm=put(get(p + "input_layernorm.weight", (d,))),
-            wqkv=put(get(a + "q_proj.weight", (q, d)), get(a + "k_proj.weight", (kv, d)), get(a + "v_proj.weight", (kv, d))),
+            wqkv=mat(get(a + "q_proj.weight", (q, d)), get(a + "k_proj.weight", (kv, d)), get(a + "v_proj.weight", (kv, d))),
             bqkv=put(get(a + "q_proj.bias", (q,)), get(a + "k_proj.bias", (kv,)), get(a + "v_proj.bias", (kv,))) if bias else None,
-            wo=put(get(a + "o_proj.weight", (d, q))),
+            wo=mat(get(a + "o_proj.weight", (d, q))),
             bo=put(get(a + "o_proj.bias", (d,))) if bias else None,
             post_norm=put(get(p + "post_attention_layernorm.weight", (d,))),
-            w_gate_up=put(get(m + "gate_proj.weight", (inter, d)), get(m + "up_proj.weight", (inter, d))),
+            w_gate_up=mat(get(m + "gate_proj.weight", (inter, d)), get(m + "up_proj.weight", (inter, d))),
             b_gate_up=put(get(m + "gate_proj.bias", (inter,)), get(m + "up_proj.bias", (inter,))) if c.mlp_bias else None,
-            w_down=put(get(m + "down_proj.weight", (d, inter))),
+            w_down=mat(get(m + "down_proj.weight", (d, inter))),
             b_down=put(get(m + "down_proj.bias", (d,))) if c.mlp_bias else None,
         ))
-    embed = put(get("model.embed_tokens.weight", (c.vocab_size, d)))
+    head_fmt = "q8" if weights in LOW_BIT else None  # llama.cpp's choice for this head too: 4 bits hurt it most
+    embed = mat(get("model.embed_tokens.weight", (c.vocab_size, d)), fmt=head_fmt)
     head = tensors.get("lm_head.weight")
     if head is None and not c.tie_word_embeddings:
         raise ValueError(f"{model_dir}: tensor 'lm_head.weight' missing and tie_word_embeddings is false")
-    lm_head = embed if c.tie_word_embeddings or head is None else put(get("lm_head.weight", (c.vocab_size, d)))
+    lm_head = embed if c.tie_word_embeddings or head is None else mat(get("lm_head.weight", (c.vocab_size, d)), fmt=head_fmt)
+    if kept_dense:
+        log.warning("%s: %d matrices kept in %s, not %s: input dims not a multiple of %d (shapes %s)", model_dir,
+                    len(kept_dense), dtype, weights, QK, ", ".join(sorted(set(kept_dense))))
     return ModelWeights(embed=embed, layers=layers, norm=put(get("model.norm.weight", (d,))), lm_head=lm_head)
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype | None = None) -> LlamaModel:
+               dtype: str | torch.dtype | None = None, weights: str | None = None) -> LlamaModel:
     """Load config and weights from a local HF-layout directory. dtype None: fp32 on CPU, the
-    checkpoint's own dtype on CUDA; "auto": bf16 where the hardware computes it natively, else fp32."""
+    checkpoint's own dtype on CUDA; "auto": bf16 where the hardware computes it natively, else fp32.
+    weights: None (the matrices in dtype) or a low-bit format of specee_core.quant ("q8", "q4"),
+    quantized at load; the activations stay in dtype."""
+    if weights is not None and weights not in LOW_BIT:
+        raise ValueError(f"weights={weights!r}: expected None or one of {LOW_BIT}")
     model_dir = find_model_dir(path)
     config = ModelConfig.from_file(model_dir / "config.json")
     device = torch.device(device)
@@ -150,9 +171,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         dtype = resolve_dtype(config.torch_dtype) if device.type == "cuda" and config.torch_dtype else torch.float32
     dtype = resolve_dtype(dtype)
     tensors, origin = read_state_dict(model_dir)
-    weights = build_weights(config, tensors, origin, device, dtype, model_dir)
-    log.info("loaded %s: %d layers, d=%d, %s on %s", model_dir, config.num_hidden_layers, config.hidden_size, dtype, device)
-    return LlamaModel(config, weights, device, dtype)
+    mw = build_weights(config, tensors, origin, device, dtype, model_dir, weights)
+    log.info("loaded %s: %d layers, d=%d, %s%s on %s", model_dir, config.num_hidden_layers, config.hidden_size, dtype,
+             f", {weights} weights" if weights else "", device)
+    return LlamaModel(config, mw, device, dtype)
 
 
 def load_tokenizer(path: str | Path):

@@ -9,29 +9,33 @@ import torch.nn.functional as F
 
 from specee_core.config import ModelConfig
 from specee_core.kv_cache import KVCache
+from specee_core.quant import QuantLinear, QuantWeight, embedding, take_rows
 from specee_core.rope import RotaryEmbedding, apply_rope
+
+
+Weight = torch.Tensor | QuantWeight  # a matrix in the model dtype, or low-bit blocks (specee_core.quant)
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor | None  # [D]; None = no norm (EAGLE-1's draft layer skips it)
-    wqkv: torch.Tensor  # [(H + 2 Hkv) hd, D]
+    wqkv: Weight  # [(H + 2 Hkv) hd, D]
     bqkv: torch.Tensor | None  # [(H + 2 Hkv) hd]
-    wo: torch.Tensor  # [D, H hd]
+    wo: Weight  # [D, H hd]
     bo: torch.Tensor | None  # [D]
     post_norm: torch.Tensor  # [D]
-    w_gate_up: torch.Tensor  # [2 I, D]
+    w_gate_up: Weight  # [2 I, D]
     b_gate_up: torch.Tensor | None  # [2 I]
-    w_down: torch.Tensor  # [D, I]
+    w_down: Weight  # [D, I]
     b_down: torch.Tensor | None  # [D]
 
 
 @dataclass
 class ModelWeights:
-    embed: torch.Tensor  # [V, D]
+    embed: Weight  # [V, D]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [D]
-    lm_head: torch.Tensor  # [V, D]; the embedding itself when tied
+    lm_head: Weight  # [V, D]; the embedding itself when tied
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -87,17 +91,28 @@ class Linear:
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.b, "none", [], "")
 
 
+def make_linear(w: Weight, b: torch.Tensor | None = None) -> Linear | QuantLinear:
+    """The Linear variant for a weight's format: a plain (or oneDNN-packed) matrix, or low-bit blocks."""
+    return QuantLinear(w, b) if isinstance(w, QuantWeight) else Linear(w, b)
+
+
+def _rows(w: Weight, start: int) -> Weight:
+    return w.rows(slice(start, None)) if isinstance(w, QuantWeight) else w[start:]
+
+
 @dataclass
 class LayerLinears:
-    qkv: Linear
-    o: Linear
-    gate_up: Linear
-    down: Linear
+    qkv: Linear | QuantLinear
+    o: Linear | QuantLinear
+    gate_up: Linear | QuantLinear
+    down: Linear | QuantLinear
+    kv: Linear | QuantLinear  # the K/V rows of qkv alone (write_kv, for layers an exit skipped)
 
     @classmethod
-    def of(cls, lw: LayerWeights) -> LayerLinears:
-        return cls(Linear(lw.wqkv, lw.bqkv), Linear(lw.wo, lw.bo), Linear(lw.w_gate_up, lw.b_gate_up),
-                   Linear(lw.w_down, lw.b_down))
+    def of(cls, lw: LayerWeights, q_size: int) -> LayerLinears:
+        kv_bias = None if lw.bqkv is None else lw.bqkv[q_size:]
+        return cls(make_linear(lw.wqkv, lw.bqkv), make_linear(lw.wo, lw.bo), make_linear(lw.w_gate_up, lw.b_gate_up),
+                   make_linear(lw.w_down, lw.b_down), make_linear(_rows(lw.wqkv, q_size), kv_bias))
 
 
 class LlamaModel:
@@ -115,15 +130,22 @@ class LlamaModel:
         self.input_norms = [None if lw.input_norm is None else RMSNorm(lw.input_norm, eps) for lw in weights.layers]
         self.post_norms = [RMSNorm(lw.post_norm, eps) for lw in weights.layers]
         self.norm = RMSNorm(weights.norm, eps)
-        self.linears = [LayerLinears.of(lw) for lw in weights.layers]
-        self.head = Linear(weights.lm_head)
         c = config
         self.q_size = c.num_attention_heads * c.head_dim
+        self.linears = [LayerLinears.of(lw, self.q_size) for lw in weights.layers]
+        self.head = make_linear(weights.lm_head)
         self.qk_heads = c.num_attention_heads + c.num_key_value_heads  # heads RoPE rotates
         self.all_heads = self.qk_heads + c.num_key_value_heads
         self.qk_split = (c.num_attention_heads, c.num_key_value_heads)
         self.scale = c.head_dim ** -0.5
         self.gqa = c.num_attention_heads != c.num_key_value_heads
+
+    @property
+    def weight_format(self) -> str:
+        """How the layers' matrices are stored: "q4" / "q8" (specee_core.quant) or the dtype ("fp32", "bf16", "fp16")."""
+        w = self.w.layers[0].wqkv
+        return w.fmt if isinstance(w, QuantWeight) else {torch.float32: "fp32", torch.bfloat16: "bf16",
+                                                          torch.float16: "fp16"}[w.dtype]
 
     @property
     def num_layers(self) -> int:
@@ -137,7 +159,11 @@ class LlamaModel:
     # ---- the layer-by-layer API -------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [N, T] -> hidden [N, T, D]."""
-        return F.embedding(input_ids, self.w.embed)
+        return embedding(input_ids, self.w.embed, self.dtype)
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """LM-head rows ids [...] -> [..., D] in the model dtype (dequantized when the head is low-bit)."""
+        return take_rows(self.w.lm_head, ids, self.dtype)
 
     def rope_for(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N, T] -> (cos, sin) [N, 1, T, hd], computed once per step for all layers."""
@@ -165,10 +191,10 @@ class LlamaModel:
                  rows: torch.Tensor | None = None, n_valid: torch.Tensor | None = None) -> None:
         """Store layer i's K/V computed from hidden h [N, T, D] without running the layer
         (the "propagate" mode for layers an early exit skipped); n_valid [N]: see KVCache.append."""
-        c, lw = self.config, self.w.layers[i]
+        c = self.config
         n, t, _ = h.shape
         x = self.input_norms[i](h)
-        kv = F.linear(x, lw.wqkv[self.q_size:], None if lw.bqkv is None else lw.bqkv[self.q_size:])
+        kv = self.linears[i].kv(x)
         k, v = kv.view(n, t, 2 * c.num_key_value_heads, c.head_dim).transpose(1, 2).chunk(2, dim=1)
         cache.append(i, rows, apply_rope(k, *rope), v, n_valid)
 

@@ -25,7 +25,8 @@ from torch import nn
 from specee_core.config import ModelConfig
 from specee_core.kv_cache import KVCache
 from specee_core.loader import read_state_dict
-from specee_core.model import LayerWeights, Linear, LlamaModel, ModelWeights, rms_norm
+from specee_core.model import LayerWeights, Linear, LlamaModel, ModelWeights, make_linear, rms_norm
+from specee_core.quant import select_rows
 from specee_core.rope import apply_rope
 
 log = logging.getLogger(__name__)
@@ -176,7 +177,7 @@ class DraftSpeculator(Speculator):
     def __init__(self, head: DraftHead, model: LlamaModel, k: int = 4, use_subset: bool = True):
         self.k = k
         self.subset = head.vocab_subset.to(model.device) if use_subset and head.vocab_subset is not None else None
-        self.subset_head = None if self.subset is None else Linear(model.w.lm_head[self.subset].contiguous())  # [V', D]
+        self.subset_head = None if self.subset is None else make_linear(select_rows(model.w.lm_head, self.subset))  # [V', D]
         self.model_base = model
         dtype, dev = model.dtype, model.device
         lw = head.to(device=dev, dtype=dtype).layer_weights()

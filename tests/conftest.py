@@ -19,7 +19,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 def make_hf_model(path: Path, *, layers: int = 4, hidden: int = 64, heads: int = 4, kv_heads: int = 4,
                   tied: bool = True, rope_scaling: dict | None = None, max_pos: int = 256, seed: int = 0,
                   dtype=torch.float32, max_shard_size: str | None = None, safe: bool = True,
-                  qk_scale: float = 1.0):
+                  qk_scale: float = 1.0, intermediate: int | None = None):
     """A random LlamaForCausalLM saved in HF layout with the bundled tokenizer beside it.
     qk_scale > 1 sharpens attention (query and key weights scaled), so outputs depend on positions."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -27,7 +27,7 @@ def make_hf_model(path: Path, *, layers: int = 4, hidden: int = 64, heads: int =
     kw = {}
     if rope_scaling is not None:
         kw["rope_scaling"] = rope_scaling
-    cfg = LlamaConfig(vocab_size=8192, hidden_size=hidden, intermediate_size=hidden * 3 - 8,
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=hidden, intermediate_size=intermediate or hidden * 3 - 8,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       max_position_embeddings=max_pos, tie_word_embeddings=tied, rms_norm_eps=1e-5,
                       bos_token_id=0, eos_token_id=1, **kw)

@@ -1,0 +1,62 @@
+"""Builds and loads kernels/lowbit_cpu.cpp, the CPU low-bit GEMV, on first use.
+
+torch.utils.cpp_extension compiles it with the machine's g++ and ninja (~30 s, once; cached under
+$SPECEE_CACHE/torch_extensions, or ~/.cache/specee/torch_extensions, keyed by the source's hash and
+the CPU's capability, so a machine with other SIMD never loads another's build). -march=native: the
+build uses what this CPU has; -ffp-contract=off: dequantize() rounds d*q and then adds m, as gguf's
+reference does, so its values equal transformers' dequantization bit for bit.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("lowbit_cpu.cpp")
+
+
+class CpuKernelUnavailable(RuntimeError):
+    """The C++ kernel cannot be built here (no compiler or ninja); callers fall back to the reference."""
+
+
+def _build_dir() -> Path:
+    root = os.environ.get("SPECEE_CACHE") or str(Path.home() / ".cache" / "specee")
+    return Path(root) / "torch_extensions"
+
+
+@lru_cache(maxsize=1)
+def lowbit_cpu() -> ModuleType:
+    """The compiled module (q4_linear, q8_linear, dequantize, simd). Raises CpuKernelUnavailable."""
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        raise CpuKernelUnavailable("ninja is not installed (pip install ninja)")
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    name = f"specee_lowbit_{torch.backends.cpu.get_cpu_capability().lower()}_{digest}"
+    build = _build_dir() / name
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        mod = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build),
+                                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                                 extra_ldflags=["-fopenmp"], verbose=False)
+    except (OSError, RuntimeError, ImportError) as e:  # no compiler, failed build
+        raise CpuKernelUnavailable(f"building {SOURCE.name} failed: {e}") from e
+    log.info("low-bit CPU kernel %s loaded (%s)", name, mod.simd())
+    return mod
+
+
+def available() -> bool:
+    """Whether the CPU kernel builds and loads here (builds it on the first call)."""
+    try:
+        lowbit_cpu()
+    except CpuKernelUnavailable as e:
+        log.warning("%s; low-bit linears use the plain-torch reference", e)
+        return False
+    return True

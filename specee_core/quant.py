@@ -1,0 +1,213 @@
+"""Weight formats: a format is a Linear variant chosen at load; model.py's layer code does not change.
+
+    fp32, bf16  plain tensors (model.Linear)
+    q8          llama.cpp's Q8_0: int8 in blocks of 32 along the input dim, one fp16 scale per block
+    q4          llama.cpp's Q4_1: 4-bit in blocks of 32, fp16 scale d and minimum m: w = d * q + m
+
+Quantizing is round-to-nearest exactly as llama.cpp's reference (quantize_row_q4_1_ref /
+quantize_row_q8_0_ref). SmolLM2's GGUF holds Q4_1 layers and a Q8_0 embedding; the converted
+directory stores their dequantized values, and quantizing those again gives back the file's own
+blocks bit for bit (tests/test_quant.py checks every block against the file). So `weights="q4"` on
+that directory runs the model itself, not an approximation of it.
+
+In q4 and q8 the embedding / LM head is Q8_0 (as llama.cpp keeps it in this file); the layers take
+the format asked for. Linears compute in fp32 whatever the model dtype: the CPU kernel
+(kernels/lowbit_cpu.cpp) dequantizes in registers and reads each weight once per call; many rows
+(prefill) dequantize the weight and use a dense GEMM; CUDA uses kernels/lowbit_gemv.py.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+WEIGHT_FORMATS = ("fp32", "bf16", "q8", "q4")
+LOW_BIT = ("q8", "q4")
+QK = 32  # weights per block
+# rows at or above which a low-bit linear dequantizes and runs a dense GEMM (prefill); below, the
+# fused kernel (decode, verify). Set from kernel timings on this machine (jobs.bench_kernels).
+DENSE_ROWS = 48
+
+
+@dataclass
+class QuantWeight:
+    """A weight [O, I] in blocks of QK along I. q4: qs uint8 [O, I/2] (block g of a row is bytes
+    16g..16g+15; element j < 16 is the low nibble of byte j, element j + 16 its high nibble),
+    m fp16 [O, I/QK]; q8: qs int8 [O, I], m None. d fp16 [O, I/QK]."""
+
+    fmt: str
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.fmt not in LOW_BIT:
+            raise ValueError(f"QuantWeight format {self.fmt!r}: expected one of {LOW_BIT}")
+        if self.d.dtype != torch.float16 or (self.m is not None and self.m.dtype != torch.float16):
+            raise ValueError("QuantWeight scales must be float16")
+        if (self.fmt == "q4") != (self.m is not None):
+            raise ValueError("q4 needs a minimum m; q8 has none")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qs.shape[0], self.d.shape[1] * QK
+
+    @property
+    def device(self) -> torch.device:
+        return self.qs.device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+    def rows(self, idx: torch.Tensor | slice) -> QuantWeight:
+        """The weight of output rows idx (index tensor or slice); blocks run along I so rows split cleanly."""
+        pick = (lambda t: t[idx].contiguous())
+        return QuantWeight(self.fmt, pick(self.qs), pick(self.d), None if self.m is None else pick(self.m))
+
+    def to(self, device: torch.device | str) -> QuantWeight:
+        move = (lambda t: None if t is None else t.to(device))
+        return QuantWeight(self.fmt, move(self.qs), move(self.d), move(self.m))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[O, I] in dtype; the CPU kernel where it builds, else dequantize_reference (equal bit for bit)."""
+        if self.device.type == "cpu" and _cpu_kernel() is not None:
+            w = _cpu_kernel().dequantize(self.qs, self.d, self.m)
+        else:
+            w = dequantize_reference(self)
+        return w.to(dtype)
+
+
+def quantize(w: torch.Tensor, fmt: str) -> QuantWeight:
+    """Round-to-nearest blocks of w [O, I] (I a multiple of 32), computed in fp32 on w's device."""
+    if fmt not in LOW_BIT:
+        raise ValueError(f"cannot quantize to {fmt!r}: expected one of {LOW_BIT}")
+    if w.dim() != 2 or w.shape[1] % QK:
+        raise ValueError(f"cannot quantize a weight of shape {tuple(w.shape)} to {fmt}: "
+                         f"the input dim must be a multiple of {QK}")
+    o, i = w.shape
+    x = w.detach().float().reshape(o, i // QK, QK)
+    if fmt == "q8":  # quantize_row_q8_0_ref: d = amax / 127, q = round(x / d)
+        d = x.abs().amax(-1) / 127.0
+        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+        q = _round_half_away(x * inv[..., None]).to(torch.int8)
+        return QuantWeight("q8", q.reshape(o, i).contiguous(), d.half().contiguous())
+    # quantize_row_q4_1_ref: d = (max - min) / 15, q = min(15, trunc((x - min) / d + 0.5))
+    lo, hi = x.amin(-1), x.amax(-1)
+    d = (hi - lo) / 15.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = ((x - lo[..., None]) * inv[..., None] + 0.5).to(torch.int8).clamp_(max=15).to(torch.uint8)  # [O, G, 32]
+    qs = q[..., : QK // 2] | (q[..., QK // 2 :] << 4)
+    return QuantWeight("q4", qs.reshape(o, i // 2).contiguous(), d.half().contiguous(), lo.half().contiguous())
+
+
+def _round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """C's roundf (halves away from zero; torch.round rounds them to even). x - trunc(x) is exact in fp32."""
+    r = torch.trunc(x)
+    return r + torch.sign(x) * ((x - r).abs() >= 0.5)
+
+
+def dequantize_reference(qw: QuantWeight) -> torch.Tensor:
+    """fp32 [O, I], computed as gguf's numpy reference does: (d * q) + m, rounded in that order."""
+    o, i = qw.shape
+    d = qw.d.float()[..., None]  # [O, G, 1]
+    if qw.fmt == "q8":
+        return (qw.qs.view(o, i // QK, QK).float() * d).reshape(o, i)
+    qs = qw.qs.view(o, i // QK, QK // 2)
+    q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()  # [O, G, 32]
+    return (q * d + qw.m.float()[..., None]).reshape(o, i)
+
+
+def linear_reference(x: torch.Tensor, qw: QuantWeight, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., I] @ dequantize(qw).T (+ b) in fp32, returned in x's dtype: what every kernel must equal."""
+    y = F.linear(x.float(), dequantize_reference(qw), None if b is None else b.float())
+    return y.to(x.dtype)
+
+
+_KERNEL_STATE: dict[str, object] = {}
+
+
+def _cpu_kernel():
+    """kernels.cpu_ext's module, or None where it cannot be built (warned once)."""
+    if "cpu" not in _KERNEL_STATE:
+        from kernels.cpu_ext import CpuKernelUnavailable, lowbit_cpu
+
+        try:
+            _KERNEL_STATE["cpu"] = lowbit_cpu()
+        except CpuKernelUnavailable as e:
+            log.warning("%s; low-bit linears run the plain-torch reference (slow)", e)
+            _KERNEL_STATE["cpu"] = None
+    return _KERNEL_STATE["cpu"]
+
+
+class QuantLinear:
+    """y = x @ dequant(qw).T (+ b), same call as model.Linear. Few rows: the fused kernel; DENSE_ROWS or
+    more: dequantize once per call and a dense fp32 GEMM (the weight is never kept dequantized)."""
+
+    def __init__(self, qw: QuantWeight, b: torch.Tensor | None = None, dense_rows: int = DENSE_ROWS):
+        self.qw, self.b = qw, b
+        self.dense_rows = dense_rows
+        self.out_features, self.in_features = qw.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead, i = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, i).float().contiguous()
+        n = x2.shape[0]
+        qw = self.qw
+        if n >= self.dense_rows:
+            y = F.linear(x2, qw.dequantize())
+        elif qw.device.type == "cuda":
+            from kernels.lowbit_gemv import lowbit_linear
+
+            y = lowbit_linear(x2, qw.qs, qw.d, qw.m)
+        elif (k := _cpu_kernel()) is not None:
+            y = k.q4_linear(x2, qw.qs, qw.d, qw.m) if qw.fmt == "q4" else k.q8_linear(x2, qw.qs, qw.d)
+        else:
+            y = F.linear(x2, dequantize_reference(qw))
+        if self.b is not None:
+            y = y + self.b.float()
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+
+def embedding(ids: torch.Tensor, w: torch.Tensor | QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ids [...] of an embedding table, dequantized if it is low-bit -> [..., D] in dtype."""
+    if isinstance(w, torch.Tensor):
+        return F.embedding(ids, w)
+    flat = ids.reshape(-1)
+    return dequantize_reference(w.rows(flat)).to(dtype).reshape(*ids.shape, -1)
+
+
+def select_rows(w: torch.Tensor | QuantWeight, idx: torch.Tensor) -> torch.Tensor | QuantWeight:
+    """w[idx] kept in w's format (a draft head's vocabulary-subset head stays low-bit)."""
+    return w.rows(idx) if isinstance(w, QuantWeight) else w[idx].contiguous()
+
+
+def take_rows(w: torch.Tensor | QuantWeight, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w[idx] as a dense tensor in dtype (the predictors' LM-head rows, a draft head's vocabulary subset)."""
+    if isinstance(w, torch.Tensor):
+        return w[idx]
+    return embedding(idx, w, dtype)
+
+
+def weight_bytes(weights) -> int:
+    """Resident bytes of a ModelWeights: every tensor and QuantWeight once (a tied head is counted once)."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t) -> None:
+        nonlocal total
+        if t is None or id(t) in seen:
+            return
+        seen.add(id(t))
+        total += t.nbytes if isinstance(t, QuantWeight) else t.numel() * t.element_size()
+
+    for lw in weights.layers:
+        for t in vars(lw).values():
+            add(t)
+    for t in (weights.embed, weights.norm, weights.lm_head):
+        add(t)
+    return total
