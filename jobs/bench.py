@@ -388,7 +388,7 @@ def run(cfg: BenchConfig) -> dict:
     result: dict = {"config": {k: str(v) for k, v in vars(cfg).items()}, "git_commit": git_commit(),
                     "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
                     **machine_facts(engine.device), "dtype": str(engine.model.dtype).removeprefix("torch."),
-                    "dtype_reason": engine.dtype_reason,
+                    "dtype_reason": engine.dtype_reason, **engine.weights_info(),
                     "num_layers": engine.config.num_hidden_layers,
                     "bandwidth": {"copy_gb_s": bandwidth, "weight_mb_per_token": per_token / 1e6,
                                   "batch_1_limit_tokens_per_s": bandwidth / 2 * 1e9 / per_token},

@@ -44,6 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-actors", type=int, default=2, help="engine replicas (one GPU each on a GPU cluster)")
     p.add_argument("--batch-size", type=int, default=16, help="rows per actor call and engine batch")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda: one GPU per actor)")
+    p.add_argument("--weights", choices=["auto", "fp32", "bf16", "q8", "q4"], default="auto",
+                   help="auto (default: with --dtype auto, the checkpoint's own low-bit format, e.g. the Q4_1 of a GGUF, where its "
+                        "kernel is faster here at the batch size; else the dtype) | fp32 | bf16 | q8 | q4 (quantized at load: "
+                        "lossy for a float checkpoint)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="auto (default: bf16 where the hardware computes it natively, CUDA or CPUs with "
                         "avx512_bf16/AMX, else float32) | float32 (equals transformers token for token) | bfloat16 | "
@@ -94,7 +98,7 @@ def build_config(args: argparse.Namespace):
     spec = {k: v for k, v in (("proposer", args.spec_proposer), ("depth", args.spec_depth),
                               ("width", args.spec_width), ("lookup", args.spec_lookup),
                               ("t3", args.spec_t3 or None)) if v is not None}
-    stage = StageConfig(model=args.model, mode=mode, device=args.device, dtype=args.dtype,
+    stage = StageConfig(model=args.model, mode=mode, device=args.device, dtype=args.dtype, weights=args.weights,
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, stop=tuple(args.stop), seed=args.seed, batch_size=args.batch_size,
                         torch_threads=args.torch_threads, chat=args.chat, engine_options=early_exit, spec=spec)

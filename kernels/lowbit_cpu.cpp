@@ -20,6 +20,11 @@
 #else
 #define LOWBIT_AVX2 0
 #endif
+#if LOWBIT_AVX2 && defined(__AVX512F__)
+#define LOWBIT_AVX512 1
+#else
+#define LOWBIT_AVX512 0
+#endif
 
 namespace {
 
@@ -68,124 +73,157 @@ inline float hsum(__m256 v) {
 inline __m256 u8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 inline __m256 i8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
-// one block's q . x for every row r, added (times d) into acc[r]; q = four vectors of 8 floats
-inline void block_fma(const __m256 q[4], const float* x, int64_t in, int64_t b, float dd, __m256* acc) {
-  const __m256 vd = _mm256_set1_ps(dd);
-  for (int64_t r = 0; r < b; ++r) {
-    const float* xr = x + r * in;
-    __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xr));
-    t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xr + 8), t);
-    t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xr + 16), t);
-    t = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xr + 24), t);
-    acc[r] = _mm256_fmadd_ps(t, vd, acc[r]);
+// a block's 32 weights as four vectors of 8 floats (the integers q, before the scale)
+inline void unpack_q4(const uint8_t* blk, __m256 q[4]) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+  const __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+  q[0] = u8x8_to_ps(lo);
+  q[1] = u8x8_to_ps(_mm_srli_si128(lo, 8));
+  q[2] = u8x8_to_ps(hi);
+  q[3] = u8x8_to_ps(_mm_srli_si128(hi, 8));
+}
+
+inline void unpack_q8(const int8_t* blk, __m256 q[4]) {
+  const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+  const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16));
+  q[0] = i8x8_to_ps(r0);
+  q[1] = i8x8_to_ps(_mm_srli_si128(r0, 8));
+  q[2] = i8x8_to_ps(r1);
+  q[3] = i8x8_to_ps(_mm_srli_si128(r1, 8));
+}
+
+// Output rows [o0, o1) for NB activation rows x[0..NB) (stride in); accumulators live in registers.
+// A block's weights are formed once (w = q * d + m, one FMA per vector) and shared by the NB rows;
+// even and odd blocks accumulate separately to hide the FMA latency.
+#if LOWBIT_AVX512
+template <int NB, bool Q4>
+void rows_simd(const float* x, int64_t in, const uint8_t* qp, const at::Half* dp, const at::Half* mp, float* y,
+               int64_t out, int64_t o0, int64_t o1) {
+  const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t o = o0; o < o1; ++o) {
+    __m512 acc[2][NB];
+    for (int r = 0; r < NB; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    const uint8_t* row = qp + o * g * bpb;
+    for (int64_t k = 0; k < g; ++k) {
+      const __m512 vd = _mm512_set1_ps(h2f(dp[o * g + k]));
+      __m512 w0, w1;
+      if (Q4) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k * bpb));
+        const __m512 vm = _mm512_set1_ps(h2f(mp[o * g + k]));
+        w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low))), vd, vm);
+        w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low))),
+                             vd, vm);
+      } else {
+        const __m128i* b = reinterpret_cast<const __m128i*>(row + k * bpb);
+        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b))), vd);
+        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b + 1))), vd);
+      }
+      const int p = k & 1;
+      for (int r = 0; r < NB; ++r) {
+        const float* xr = x + r * in + k * QK;
+        acc[p][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[p][r]);
+        acc[p][r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[p][r]);
+      }
+    }
+    for (int r = 0; r < NB; ++r) y[r * out + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r]));
+  }
+}
+#else
+template <int NB, bool Q4>
+void rows_simd(const float* x, int64_t in, const uint8_t* qp, const at::Half* dp, const at::Half* mp, float* y,
+               int64_t out, int64_t o0, int64_t o1) {
+  const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
+  for (int64_t o = o0; o < o1; ++o) {
+    __m256 acc[2][NB];
+    for (int r = 0; r < NB; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    const uint8_t* row = qp + o * g * bpb;
+    for (int64_t k = 0; k < g; ++k) {
+      __m256 w[4];
+      if (Q4) unpack_q4(row + k * bpb, w); else unpack_q8(reinterpret_cast<const int8_t*>(row + k * bpb), w);
+      const __m256 vd = _mm256_set1_ps(h2f(dp[o * g + k]));
+      const __m256 vm = _mm256_set1_ps(Q4 ? h2f(mp[o * g + k]) : 0.f);
+      for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(w[j], vd, vm);
+      const int p = k & 1;
+      for (int r = 0; r < NB; ++r) {
+        const float* xr = x + r * in + k * QK;
+        for (int j = 0; j < 4; ++j) acc[p][r] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j), acc[p][r]);
+      }
+    }
+    for (int r = 0; r < NB; ++r) y[r * out + o] = hsum(_mm256_add_ps(acc[0][r], acc[1][r]));
   }
 }
 #endif
+#endif
+
+// scalar rows for machines without AVX2 (same math, same order of the d * (q . x) + m * sum(x) split)
+template <bool Q4>
+void rows_scalar(const float* x, const float* xs, int64_t nb, int64_t in, const uint8_t* qp, const at::Half* dp,
+                 const at::Half* mp, float* y, int64_t out, int64_t o0, int64_t o1) {
+  const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
+  for (int64_t o = o0; o < o1; ++o)
+    for (int64_t r = 0; r < nb; ++r) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < g; ++k) {
+        const uint8_t* blk = qp + (o * g + k) * bpb;
+        const float* xr = x + r * in + k * QK;
+        float s = 0.f;
+        if (Q4) {
+          for (int64_t j = 0; j < QK / 2; ++j) s += (blk[j] & 0x0F) * xr[j] + (blk[j] >> 4) * xr[j + QK / 2];
+          acc += h2f(dp[o * g + k]) * s + h2f(mp[o * g + k]) * xs[r * g + k];
+        } else {
+          const int8_t* b8 = reinterpret_cast<const int8_t*>(blk);
+          for (int64_t j = 0; j < QK; ++j) s += b8[j] * xr[j];
+          acc += h2f(dp[o * g + k]) * s;
+        }
+      }
+      y[r * out + o] = acc;
+    }
+}
+
+template <bool Q4>
+torch::Tensor lowbit_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
+                            const at::Half* mp) {
+  const int64_t b = x.size(0), in = x.size(1), out = qs.size(0);
+  auto y = torch::empty({b, out}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qs.data_ptr());
+  const at::Half* dp = d.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
+#if LOWBIT_AVX2
+    int64_t r = 0;  // activation rows in tiles of 4, then the rest
+    for (; r + 4 <= b; r += 4) rows_simd<4, Q4>(xp + r * in, in, qp, dp, mp, yp + r * out, out, o0, o1);
+    const float* xr = xp + r * in;
+    float* yr = yp + r * out;
+    switch (b - r) {
+      case 3: rows_simd<3, Q4>(xr, in, qp, dp, mp, yr, out, o0, o1); break;
+      case 2: rows_simd<2, Q4>(xr, in, qp, dp, mp, yr, out, o0, o1); break;
+      case 1: rows_simd<1, Q4>(xr, in, qp, dp, mp, yr, out, o0, o1); break;
+      default: break;
+    }
+#else
+    const std::vector<float> xs = block_sums(xp, b, in);
+    rows_scalar<Q4>(xp, xs.data(), b, in, qp, dp, mp, yp, out, o0, o1);
+#endif
+  });
+  return y;
+}
 
 }  // namespace
 
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m) {
   check(x, qs, d, QK / 2);
+  TORCH_CHECK(qs.scalar_type() == at::kByte, "q4 qs must be uint8");
   TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == at::kHalf && m.is_contiguous(), "m must match d");
-  const int64_t b = x.size(0), in = x.size(1), out = qs.size(0), g = in / QK;
-  auto y = torch::empty({b, out}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const at::Half* dp = d.data_ptr<at::Half>();
-  const at::Half* mp = m.data_ptr<at::Half>();
-  float* yp = y.data_ptr<float>();
-  const std::vector<float> xs = block_sums(xp, b, in);
-  at::parallel_for(0, out, 16, [&](int64_t o0, int64_t o1) {
-#if LOWBIT_AVX2
-    std::vector<__m256> acc(b);
-    const __m128i low = _mm_set1_epi8(0x0F);
-#endif
-    std::vector<float> accm(b);
-    for (int64_t o = o0; o < o1; ++o) {
-#if LOWBIT_AVX2
-      for (int64_t r = 0; r < b; ++r) acc[r] = _mm256_setzero_ps();
-#endif
-      for (int64_t r = 0; r < b; ++r) accm[r] = 0.f;
-      for (int64_t k = 0; k < g; ++k) {
-        const uint8_t* blk = qp + (o * g + k) * (QK / 2);
-        const float dd = h2f(dp[o * g + k]), mm = h2f(mp[o * g + k]);
-        for (int64_t r = 0; r < b; ++r) accm[r] += mm * xs[r * g + k];
-#if LOWBIT_AVX2
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
-        const __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
-        const __m256 q[4] = {u8x8_to_ps(lo), u8x8_to_ps(_mm_srli_si128(lo, 8)), u8x8_to_ps(hi),
-                             u8x8_to_ps(_mm_srli_si128(hi, 8))};
-        block_fma(q, xp + k * QK, in, b, dd, acc.data());
-#else
-        for (int64_t r = 0; r < b; ++r) {
-          const float* xr = xp + r * in + k * QK;
-          float s = 0.f;
-          for (int64_t j = 0; j < QK / 2; ++j) s += (blk[j] & 0x0F) * xr[j] + (blk[j] >> 4) * xr[j + QK / 2];
-          accm[r] += dd * s;
-        }
-#endif
-      }
-      for (int64_t r = 0; r < b; ++r) {
-#if LOWBIT_AVX2
-        yp[r * out + o] = hsum(acc[r]) + accm[r];
-#else
-        yp[r * out + o] = accm[r];
-#endif
-      }
-    }
-  });
-  return y;
+  return lowbit_linear<true>(x, qs, d, m.data_ptr<at::Half>());
 }
 
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
   TORCH_CHECK(qs.scalar_type() == at::kChar, "q8 qs must be int8");
   check(x, qs, d, QK);
-  const int64_t b = x.size(0), in = x.size(1), out = qs.size(0), g = in / QK;
-  auto y = torch::empty({b, out}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* qp = qs.data_ptr<int8_t>();
-  const at::Half* dp = d.data_ptr<at::Half>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, out, 16, [&](int64_t o0, int64_t o1) {
-#if LOWBIT_AVX2
-    std::vector<__m256> acc(b);
-#else
-    std::vector<float> acc(b);
-#endif
-    for (int64_t o = o0; o < o1; ++o) {
-#if LOWBIT_AVX2
-      for (int64_t r = 0; r < b; ++r) acc[r] = _mm256_setzero_ps();
-#else
-      for (int64_t r = 0; r < b; ++r) acc[r] = 0.f;
-#endif
-      for (int64_t k = 0; k < g; ++k) {
-        const int8_t* blk = qp + (o * g + k) * QK;
-        const float dd = h2f(dp[o * g + k]);
-#if LOWBIT_AVX2
-        const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
-        const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16));
-        const __m256 q[4] = {i8x8_to_ps(r0), i8x8_to_ps(_mm_srli_si128(r0, 8)), i8x8_to_ps(r1),
-                             i8x8_to_ps(_mm_srli_si128(r1, 8))};
-        block_fma(q, xp + k * QK, in, b, dd, acc.data());
-#else
-        for (int64_t r = 0; r < b; ++r) {
-          const float* xr = xp + r * in + k * QK;
-          float s = 0.f;
-          for (int64_t j = 0; j < QK; ++j) s += blk[j] * xr[j];
-          acc[r] += dd * s;
-        }
-#endif
-      }
-      for (int64_t r = 0; r < b; ++r) {
-#if LOWBIT_AVX2
-        yp[r * out + o] = hsum(acc[r]);
-#else
-        yp[r * out + o] = acc[r];
-#endif
-      }
-    }
-  });
-  return y;
+  return lowbit_linear<false>(x, qs, d, nullptr);
 }
 
 // dequantize rows into fp32 [O, I] (prefill: many rows make a dense GEMM cheaper than the kernels above)
@@ -224,5 +262,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q4_linear", &q4_linear, "x [B, I] fp32 @ dequant(Q4_1 planes)^T -> [B, O] fp32");
   mod.def("q8_linear", &q8_linear, "x [B, I] fp32 @ dequant(Q8_0 planes)^T -> [B, O] fp32");
   mod.def("dequantize", &dequantize, "Q4_1 (with m) or Q8_0 planes -> fp32 [O, I]");
-  mod.def("simd", []() { return LOWBIT_AVX2 ? std::string("avx2+fma+f16c") : std::string("scalar"); });
+  mod.def("simd", []() {
+    return std::string(LOWBIT_AVX512 ? "avx512" : LOWBIT_AVX2 ? "avx2+fma+f16c" : "scalar");
+  });
 }

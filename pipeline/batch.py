@@ -290,7 +290,8 @@ def run(cfg: BatchConfig) -> dict:
                 reason = [line for line in str(e).splitlines() if line.strip()][-1]
                 raise RuntimeError(f"an engine actor could not start: {reason}") from e
             raise
-        log.info("engine: %s (%s)%s", first["dtype"], first["dtype_reason"], plan_line(first.get("plan")))
+        log.info("engine: %s (%s), %s weights (%s)%s", first["dtype"], first["dtype_reason"], first["weights"],
+                 first["weights_reason"], plan_line(first.get("plan")))
         progress = Progress(total, cfg.show_progress)
         stream(actors, batches_to_do(inputs, done, cfg.stage.batch_size), Writer(out, run_id, cfg.rows_per_file,
                cfg.flush_every_s), stats, progress, versions,
@@ -423,5 +424,6 @@ def summarize(cfg: BatchConfig, out: OutputDir, run_id: str, this_run: RowStats,
         "final_schedule": None if cfg.stage.mode != "specee" or latest is None else asdict(latest),
         "schedule_store": store_state,
         "dtype": engine_info[0]["dtype"] if engine_info else None,
+        "weights": engine_info[0]["weights"] if engine_info else None,
         "engines": engine_info,  # per actor: dtype and why, the machine, in mode auto the plan and its choices
     }

@@ -80,6 +80,8 @@ class ServeArgs(BaseModel):
     device: str = "cpu"
     # auto: bf16 where the hardware computes it natively (CUDA, CPUs with avx512_bf16/AMX), else float32
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # auto: the checkpoint's own low-bit format (a GGUF's Q4_1) where its kernel is faster here, else the dtype
+    weights: Literal["auto", "fp32", "bf16", "q8", "q4"] = "auto"
     engine_options: dict = Field(default_factory=dict)  # more SpecEEEngine.from_pretrained options
     batching: Literal["continuous", "request"] = "continuous"  # see the module's docstring
     max_batch_size: int = Field(8, ge=1)  # rows decoding at once (continuous); prompts per engine call (request)
@@ -353,7 +355,8 @@ class SpecEEServer:
 
     def __init__(self, args: ServeArgs):
         self.engine = SpecEEEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
-                                                   **args.engine_options)
+                                                   weights=args.weights,
+                                                   **{"max_batch_size": args.max_batch_size, **args.engine_options})
         self.model_name = args.model_name or Path(args.model).name
         try:
             self.mode = self._pick_mode(args.mode)
@@ -409,7 +412,7 @@ class SpecEEServer:
             return JSONResponse({"status": "unhealthy", "reason": str(e)}, status_code=503)
         plan = self.engine.spec_plan()
         return JSONResponse({"status": "ok", "model": self.model_name, "mode": self.mode,
-                             "dtype": plan.dtype, "dtype_reason": plan.dtype_reason,
+                             "dtype": plan.dtype, "dtype_reason": plan.dtype_reason, **self.engine.weights_info(),
                              "machine": machine_facts(self.engine.device),
                              "plan": plan.to_json([1, self.max_batch_size]),
                              "replica": self.replica_id, "batching": self.args.batching, "rss_mb": rss_mb()})

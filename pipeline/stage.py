@@ -12,6 +12,7 @@ import ray
 
 from specee_core import PromptError, SpecEEEngine
 from specee_core.config import resolve_dtype
+from specee_core.quant import WEIGHT_FORMATS
 from specee_core.engine import MODES
 from specee_core.plan import machine_facts
 from specee_core.scheduler import Schedule
@@ -60,6 +61,8 @@ class StageConfig:
     mode: str = "auto"  # lossless: dense or speculative decoding per step, by the measured plan
     device: str = "cpu"
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16; auto: bf16 where the hardware computes it natively
+    weights: str = "auto"  # auto | fp32 | bf16 | q8 | q4 (specee_core.quant); auto: the checkpoint's own low-bit
+    #                        format where it has one and it is faster here at batch_size, else the dtype
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
@@ -77,6 +80,8 @@ class StageConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.dtype != "auto":
             resolve_dtype(self.dtype)  # a bad name fails here, naming the choices
+        if self.weights != "auto" and self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be 'auto' or one of {WEIGHT_FORMATS}, got {self.weights!r}")
         if self.spec:
             if self.mode not in ("spec", "auto"):
                 raise ValueError(f"spec options {self.spec} apply to mode='spec' or 'auto' only, mode is {self.mode!r}")
@@ -110,7 +115,7 @@ class GenerateRows:
         self.worker = worker_name()
         self.batches = 0
         early_exit = cfg.engine_options if cfg.mode == "specee" or cfg.spec.get("t3") else {}
-        self.engine = SpecEEEngine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype,
+        self.engine = SpecEEEngine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype, weights=cfg.weights,
                                                    max_batch_size=cfg.batch_size, **early_exit)
         self.engine.stepper_factory(cfg.mode, dict(cfg.spec) or None)  # a mode it cannot run fails here, not per row
         if cfg.mode == "auto":  # measured (or read from the cache) now, not in the first batch
@@ -170,7 +175,7 @@ class GenerateRows:
         """What this engine runs with: dtype (and why) and, in mode auto, the measured plan and its choices."""
         e = self.engine
         out = {"dtype": str(e.model.dtype).removeprefix("torch."), "dtype_reason": e.dtype_reason,
-               "machine": machine_facts(e.device), "worker": self.worker}
+               **e.weights_info(), "machine": machine_facts(e.device), "worker": self.worker}
         if self.cfg.mode == "auto":
             out["plan"] = {**e.spec_plan(dict(self.cfg.spec) or None).to_json([self.cfg.batch_size]),
                            "steps_chosen": dict(self.plan_steps)}

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from specee_core.config import ModelConfig
+from specee_core.config import ModelConfig, resolve_dtype
 from specee_core.loader import find_model_dir, load_model, load_tokenizer
 from specee_core.model import LlamaModel
 from specee_core.plan import CostTable, Planner, SpecPlan, StepTimes, choose_dtype, cost_key, could_pay, load_costs
@@ -89,6 +89,7 @@ class SpecEEEngine:
         self._costs: CostTable | None = None  # the plans' measured cost table, loaded on first use
         self._step_times = StepTimes()  # what steps really take against that table, learned while decoding
         self.dtype_reason = ""  # why the model's dtype was chosen (from_pretrained with dtype="auto")
+        self.weights_reason = ""  # why its weight format was chosen (from_pretrained with weights="auto")
         c = model.config
         self.context_len = self.options.context_len or default_context_len(c)
         eos = set(c.eos_token_id)
@@ -118,7 +119,7 @@ class SpecEEEngine:
             raise ValueError("this engine has no predictors: early-exit options do not apply")
         twin = SpecEEEngine(self.model, self.tokenizer, self.options, self.early_exit.with_options(**early_exit_options),
                             self.draft_head)
-        twin.dtype_reason = self.dtype_reason
+        twin.dtype_reason, twin.weights_reason = self.dtype_reason, self.weights_reason
         return twin
 
     def set_schedule(self, schedule) -> None:
@@ -130,19 +131,44 @@ class SpecEEEngine:
         self.early_exit.schedule = schedule
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype="auto", weights: str | None = None,
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype="auto", weights: str = "auto",
                         **options) -> SpecEEEngine:
         """Load the model and tokenizer from a local HF-layout directory, plus the draft head,
         predictors and schedule stored beside it when present. dtype "auto": bf16 where the hardware
         computes it natively (CUDA, CPUs with avx512_bf16/AMX), else fp32 (specee_core.plan.choose_dtype);
-        float32 equals transformers token for token. options: EngineOptions fields and early-exit options
-        (see specee_core.early_exit.EarlyExitOptions)."""
-        reason = ""
+        float32 equals transformers token for token. weights (specee_core.quant.WEIGHT_FORMATS): "auto"
+        (with dtype "auto": the checkpoint's own low-bit format where it has one and its kernel is
+        faster here at max_batch_size rows; else the matrices in dtype), "fp32" / "bf16" (sets the
+        dtype), "q8" / "q4" (quantized at load; activations in fp32 unless dtype says otherwise).
+        options: EngineOptions fields and early-exit options (see specee_core.early_exit.EarlyExitOptions)."""
+        from specee_core.quant import LOW_BIT, WEIGHT_FORMATS, choose_weights
+
+        if weights != "auto" and weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights={weights!r}: expected 'auto' or one of {WEIGHT_FORMATS}")
+        engine_opts = {k: options.pop(k) for k in list(options) if k in EngineOptions.__dataclass_fields__}
+        reason = weights_reason = ""
+        chosen = weights
+        if weights in ("fp32", "bf16"):
+            want = torch.float32 if weights == "fp32" else torch.bfloat16
+            if dtype not in ("auto", None) and resolve_dtype(dtype) != want:
+                raise ValueError(f"weights={weights!r} with dtype={dtype!r}: the format is the dtype; pass one")
+            dtype, chosen, weights_reason = want, None, f"{weights}: asked for"
+        elif weights in LOW_BIT:
+            weights_reason = f"{weights}: asked for"
+            if dtype == "auto":
+                dtype, reason = torch.float32, f"float32: the {weights} kernels compute in fp32"
         if dtype == "auto":
             dtype, reason = choose_dtype(device)
-        model = load_model(path, device=device, dtype=dtype, weights=weights)
+            if weights == "auto":
+                batch = EngineOptions(**engine_opts).max_batch_size
+                config = ModelConfig.from_file(find_model_dir(path) / "config.json")
+                chosen, weights_reason = choose_weights(find_model_dir(path), config, torch.device(device), dtype, batch)
+                if chosen is not None:
+                    dtype, reason = torch.float32, f"float32: the {chosen} kernels compute in fp32"
+        elif weights == "auto":
+            chosen, weights_reason = None, "the dtype asked for"
+        model = load_model(path, device=device, dtype=dtype, weights=chosen)
         tokenizer = load_tokenizer(path)
-        engine_opts = {k: options.pop(k) for k in list(options) if k in EngineOptions.__dataclass_fields__}
         from specee_core.early_exit import load_draft_head, load_early_exit
 
         model_dir = find_model_dir(path)
@@ -151,6 +177,8 @@ class SpecEEEngine:
         engine = cls(model, tokenizer, EngineOptions(**engine_opts), early_exit, draft_head)
         name = str(model.dtype).removeprefix("torch.")
         engine.dtype_reason = reason or (f"{name}: asked for" if dtype is not None else f"{name}: the loader's default")
+        engine.weights_reason = f"{model.weight_format}: {weights_reason}" if weights_reason == "the dtype asked for" \
+            else weights_reason
         return engine
 
     # ---- input checks -----------------------------------------------------------------------
@@ -219,6 +247,13 @@ class SpecEEEngine:
             except PromptError as e:
                 raise PromptError(f"prompt {i}: {e}") from None
         return self.run(ids, params, factory, on_token, mode=mode, cache_headroom=headroom)
+
+    def weights_info(self) -> dict:
+        """The weight format in use, why, and its resident bytes (recorded beside the dtype everywhere)."""
+        from specee_core.quant import weight_bytes
+
+        return {"weights": self.model.weight_format, "weights_reason": self.weights_reason,
+                "weight_mb": round(weight_bytes(self.model.w) / 1e6, 1)}
 
     def stepper_factory(self, mode: str = "auto", spec: dict | None = None):
         """The stepper factory of a mode (None: dense) and the KV slots it needs past a row's last token.

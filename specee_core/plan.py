@@ -409,7 +409,7 @@ def cost_key(model, dtype: torch.dtype, device: torch.device) -> dict:
              c.vocab_size)
     return {"plan_version": PLAN_VERSION, "machine": machine_name(device), "torch": torch.__version__,
             "threads": torch.get_num_threads() if device.type == "cpu" else None, "dtype": str(dtype).removeprefix("torch."),
-            "model_shape": list(shape)}
+            "model_shape": list(shape), **({"weights": model.weight_format} if model.weight_format in ("q4", "q8") else {})}
 
 
 def cache_path(key: dict, root: str | Path | None = None) -> Path:

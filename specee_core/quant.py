@@ -211,3 +211,85 @@ def weight_bytes(weights) -> int:
     for t in (weights.embed, weights.norm, weights.lm_head):
         add(t)
     return total
+
+
+# ---- the default format -----------------------------------------------------------------------
+
+def checkpoint_format(model_dir) -> tuple[str | None, str]:
+    """The low-bit format the checkpoint's layer matrices came in: "q4" / "q8" when model_dir is a
+    conversion of a GGUF whose quantized tensors are all Q4_1 / Q8_0 (its import record says so; the
+    values then quantize back into the file's own blocks exactly), else None. With a description."""
+    from specee_core.gguf import ImportRecord
+
+    rec = ImportRecord.read(model_dir)
+    if rec is None:
+        return None, "float checkpoint"
+    quant = {t: n for t, n in rec.quant_types.items() if t not in ("F32", "F16", "BF16")}
+    layer_types = {t for t in quant if t != "Q8_0"} or set(quant)  # the Q8_0 one is the embedding
+    fmt = {frozenset({"Q4_1"}): "q4", frozenset({"Q8_0"}): "q8"}.get(frozenset(layer_types))
+    return fmt, f"{rec.source} ({', '.join(f'{n} {t}' for t, n in sorted(quant.items()))})"
+
+
+def random_weight(o: int, i: int, fmt: str | None, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor | QuantWeight:
+    """A random [o, i] weight stored as fmt (None: a dense tensor in dtype), for timing only."""
+    if fmt is None:
+        return torch.empty(o, i, dtype=dtype).normal_(0, 0.02, generator=gen)
+    g = i // QK
+    d = torch.empty(o, g, dtype=torch.float16).uniform_(0, 0.01, generator=gen)
+    if fmt == "q8":
+        return QuantWeight("q8", torch.randint(-127, 128, (o, i), dtype=torch.int8, generator=gen), d)
+    m = torch.empty(o, g, dtype=torch.float16).uniform_(-0.05, 0, generator=gen)
+    return QuantWeight("q4", torch.randint(0, 256, (o, i // 2), dtype=torch.uint8, generator=gen), d, m)
+
+
+def time_step_linears(config, batch: int, fmt: str | None, dtype: torch.dtype, repeats: int = 3) -> float:
+    """ms of a decode step's linears (every layer's, distinct weights so they stream from memory as in a
+    real step, and the LM head: q8 with a low-bit fmt) over `batch` rows of random weights in fmt / dtype."""
+    import statistics
+    import time
+
+    from specee_core.model import make_linear
+
+    c, gen = config, torch.Generator().manual_seed(0)
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q), (2 * c.intermediate_size, c.hidden_size),
+             (c.hidden_size, c.intermediate_size)]
+    shapes = layer * c.num_hidden_layers + [(c.vocab_size, c.hidden_size)]
+    fmts = [fmt] * (len(shapes) - 1) + ["q8" if fmt else None]
+    lins = [make_linear(random_weight(o, i, f, dtype, gen)) for (o, i), f in zip(shapes, fmts)]
+    act = torch.float32 if fmt else dtype
+    xs = {i: torch.randn(batch, i, generator=gen).to(act) for _, i in shapes}
+    samples = []
+    for rnd in range(repeats + 1):
+        t = time.perf_counter()
+        for lin, (_, i) in zip(lins, shapes):
+            lin(xs[i])
+        if rnd:  # round 0 warms up (and packs oneDNN weights)
+            samples.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(samples)
+
+
+def choose_weights(model_dir, config, device: torch.device, dtype: torch.dtype, batch: int) -> tuple[str | None, str]:
+    """weights "auto": the checkpoint's own low-bit format when it has one (so nothing is approximated)
+    and its linears run faster here, at `batch` rows, than the same shapes in `dtype`; else None
+    (the matrices in dtype). Measured on random weights of the model's shapes (about a second for a
+    135M model); the reason says what was measured."""
+    fmt, source = checkpoint_format(model_dir)
+    if fmt is None:
+        return None, f"{dtype_name(dtype)}: {source}; low-bit formats would change outputs (ask with weights=q8/q4)"
+    if device.type != "cpu":
+        return None, f"{dtype_name(dtype)}: low-bit weights are chosen on CPU only; ask with weights={fmt}"
+    if _cpu_kernel() is None:
+        return None, f"{dtype_name(dtype)}: the low-bit CPU kernel does not build here"
+    c = config
+    if any(i % QK for i in (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim)):
+        return None, f"{dtype_name(dtype)}: the model's input dims are not multiples of {QK}"
+    low, dense = time_step_linears(c, batch, fmt, torch.float32), time_step_linears(c, batch, None, dtype)
+    measured = f"linears {low:.1f} ms vs {dense:.1f} ms in {dtype_name(dtype)} per step at batch {batch} here"
+    if low < dense:
+        return fmt, f"{fmt}: the checkpoint's own blocks, {source}; {measured}"
+    return None, f"{dtype_name(dtype)}: faster than the checkpoint's {fmt} ({measured})"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
