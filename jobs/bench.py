@@ -6,6 +6,8 @@ quality against dense greedy decoding. Prints one JSON document.
     python -m jobs.bench --modes hf,dense,auto,spec_lookup_first --batch-sizes 1,8,16 --thresholds "" \
         --dtypes float32,bfloat16                                    # the defaults against fixed settings
     python -m jobs.bench --modes hf,dense --batch-sizes 1,8          # the engine-core comparison
+    python -m jobs.bench --weights q4 --modes llamacpp,hf,dense,auto --dtypes bfloat16,float32,q4 --thresholds ""
+                                                                     # low-bit weights against llama.cpp
     python -m jobs.bench --dtype float32 --modes hf,dense            # fp32, where dense equals transformers
     python -m jobs.bench --model models/specee-tiny --prompts-file "" --chat false
 
@@ -18,7 +20,9 @@ head's chain), spec_tree (draft head, EAGLE-2 tree),
 spec_tree_lookup (the tree plus the prompt-lookup chain), spec_t3 (that, with T3 exits inside
 verification), spec_lookup (prompt lookup alone); the spec variants also report tokens per verify
 step, layers run and agreement with dense. The JSON also holds the
-memory-bandwidth limit (weight bytes per token / measured copy bandwidth) and each variant's share.
+memory-bandwidth limit (weight bytes per token in the format in use / measured read rate) and each
+variant's share. llamacpp: llama.cpp itself on the GGUF file (optional: llama-cpp-python, see the README),
+batch 1, the same prompt tokens.
 
 Decode tokens/s = B x (N - 1) / (time(generate N tokens) - time(generate 1 token)), the same
 for every variant, greedy, EOS ignored so every row makes N tokens.
@@ -48,7 +52,7 @@ from specee_eval.forced import Forcing
 log = logging.getLogger(__name__)
 
 
-VARIANTS = ("hf", "hf_lookup", "dense", "auto", "specee", "spec_chain", "spec_chain_lookup", "spec_lookup_first", "spec_tree",
+VARIANTS = ("hf", "hf_lookup", "llamacpp", "dense", "auto", "specee", "spec_chain", "spec_chain_lookup", "spec_lookup_first", "spec_tree",
             "spec_tree_lookup", "spec_t3", "spec_lookup")
 SPEC_VARIANTS = tuple(v for v in VARIANTS if v.startswith("spec_"))
 
@@ -60,8 +64,10 @@ class BenchConfig:
     prompts_file: str = "prompts/instructions_heldout.jsonl"  # JSONL with a "prompt" field; "": corpus snippets
     chat: str = "auto"  # prompts through the chat template: "auto" (when the model has one) | "true" | "false"
     dtype: str = "auto"  # of the engine and of transformers; auto: bf16 where the hardware computes it natively
+    weights: str = "auto"  # the engine's weight format: auto | fp32 | bf16 | q8 | q4 (specee_core.quant)
+    gguf: str = ""  # the llamacpp variant's file; "": the GGUF the model was converted from (the shipped one)
     modes: str = "hf,hf_lookup,dense,auto,specee,spec_chain,spec_lookup_first,spec_tree,spec_tree_lookup,spec_t3,spec_lookup"
-    dtypes: str = ""  # e.g. float32,bfloat16: also time dense in each (interleaved) at batch_sizes, against auto's pick
+    dtypes: str = ""  # e.g. float32,bfloat16,q8,q4: also time dense in each (interleaved) at batch_sizes, against auto's pick
     spec_depth: int = 4  # chain length of spec_chain and spec_lookup
     tree_depth: int = 5  # the draft tree of spec_tree, spec_tree_lookup and spec_t3: levels,
     tree_width: int = 4  # nodes expanded per level (children per node)
@@ -96,6 +102,21 @@ class BenchConfig:
         return [m for m in self.modes.split(",") if m]
 
 
+def load_llamacpp(cfg: BenchConfig):
+    """llama_cpp.Llama on cfg.gguf (or the shipped GGUF) with this process's thread count. llama-cpp-python
+    is optional and never part of the set-up (README: how to build it, about 10 minutes)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError as e:
+        raise ValueError("the llamacpp variant needs llama-cpp-python (see the README's 'llama.cpp as a peer')") from e
+    from specee_core.gguf import default_gguf_path
+
+    path = Path(cfg.gguf) if cfg.gguf else default_gguf_path()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF for the llamacpp variant not found: {path}")
+    return Llama(model_path=str(path), n_ctx=2048, n_threads=torch.get_num_threads(), n_batch=512, verbose=False)
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -120,7 +141,8 @@ class Runner:
 
     def __init__(self, engine: SpecEEEngine, hf_model=None, cfg: BenchConfig | None = None):
         self.engine, self.hf = engine, hf_model
-        c = cfg or BenchConfig()
+        c = self.cfg = cfg or BenchConfig()
+        self._llama = None
         tree = {"proposer": "draft", "depth": c.tree_depth, "width": c.tree_width, "nodes": c.tree_nodes, "lookup": "off"}
         chain = {"proposer": "draft", "depth": c.spec_depth, "width": 1, "lookup": "off"}
         self.spec = {"spec_chain": chain, "spec_chain_lookup": {**chain, "lookup": "merge"},
@@ -146,7 +168,24 @@ class Runner:
                                top_p=None, top_k=None, temperature=None, **extra)
         return out[:, enc["input_ids"].shape[1]:].tolist()
 
+    def llamacpp(self, prompts: list[str], n: int):
+        """llama.cpp (llama-cpp-python) on the GGUF file itself, greedy, batch 1, the engine's prompt tokens."""
+        if len(prompts) > 1:
+            return None  # llama-cpp-python's generate runs one sequence
+        if self._llama is None:
+            self._llama = load_llamacpp(self.cfg)
+        llm = self._llama
+        llm.reset()  # no prefix reuse between calls: every call prefills, as ours do
+        out = []
+        for tok in llm.generate(self.engine.encode_prompt(prompts[0]), top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
+            out.append(tok)
+            if len(out) >= n:
+                break
+        return [out]
+
     def call(self, variant: str, prompts: list[str], n: int):
+        if variant == "llamacpp":
+            return self.llamacpp(prompts, n)
         if variant.startswith("hf"):
             if variant == "hf_lookup" and len(prompts) > 1:
                 return None  # transformers' prompt lookup runs batch 1 only
@@ -180,10 +219,15 @@ def time_dtypes(cfg: BenchConfig, prompts: list[str], auto_engine: SpecEEEngine)
     """Dense decode tokens/s in each of cfg.dtypes at each batch size, the engines interleaved round by
     round, and how the dtype auto picked compares with the fastest."""
     names = [d for d in cfg.dtypes.split(",") if d]
-    picked = str(auto_engine.model.dtype).removeprefix("torch.")
-    runners = {d: Runner(auto_engine if d == picked else SpecEEEngine.from_pretrained(cfg.model, dtype=d), None, cfg)
-               for d in names}
-    out = {"auto_picked": picked}
+    fmt = auto_engine.model.weight_format
+    picked = fmt if fmt in ("q4", "q8") else str(auto_engine.model.dtype).removeprefix("torch.")
+
+    def load(name: str) -> SpecEEEngine:  # a dtype, or a low-bit format with fp32 activations
+        kw = {"weights": name} if name in ("q4", "q8") else {"dtype": name}
+        return SpecEEEngine.from_pretrained(cfg.model, **kw)
+
+    runners = {d: Runner(auto_engine if d == picked else load(d), None, cfg) for d in names}
+    out = {"auto_picked": picked, "weight_mb": {d: r.engine.weights_info()["weight_mb"] for d, r in runners.items()}}
     for bs in [int(b) for b in cfg.batch_sizes.split(",")]:
         chunks = [prompts[i : i + bs] for i in range(0, len(prompts), bs)]
         samples: dict[str, list[float]] = {d: [] for d in names}
@@ -239,11 +283,24 @@ def copy_bandwidth_gb_s(mb: int = 512, repeats: int = 5) -> float:
     return 2 * src.numel() / best / 1e9
 
 
+def read_bandwidth_gb_s(mb: int = 512, repeats: int = 5) -> float:
+    """Memory read rate: bytes of a large fp32 tensor / time of its sum (all threads), best of repeats."""
+    src = torch.empty((mb << 20) // 4, dtype=torch.float32).fill_(1)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - t)
+    return src.numel() * 4 / best / 1e9
+
+
 def weight_bytes_per_token(engine: SpecEEEngine) -> int:
-    """Bytes a batch-1 decode step must read: every decoder layer's weights and the LM head."""
+    """Bytes a batch-1 decode step must read: every decoder layer's weights and the LM head, in their format."""
+    from specee_core.model import ModelWeights
+    from specee_core.quant import weight_bytes
+
     w = engine.model.w
-    layer = sum(t.numel() * t.element_size() for lw in w.layers for t in vars(lw).values() if t is not None)
-    return layer + w.lm_head.numel() * w.lm_head.element_size() + w.norm.numel() * w.norm.element_size()
+    return weight_bytes(ModelWeights(embed=w.lm_head, layers=w.layers, norm=w.norm, lm_head=w.lm_head))
 
 
 def speedup(speed: dict, variant: str, base: str) -> dict:
@@ -364,7 +421,9 @@ def run(cfg: BenchConfig) -> dict:
         torch.set_num_threads(cfg.threads)
     has_predictors = (cfg.model / "predictors.safetensors").is_file()
     ee_opts = dict(speculator=cfg.speculator, kv_mode=cfg.kv_mode, verify=cfg.verify, threshold=cfg.threshold)
-    engine = SpecEEEngine.from_pretrained(cfg.model, dtype=cfg.dtype, **(ee_opts if has_predictors else {}))
+    engine = SpecEEEngine.from_pretrained(cfg.model, dtype=cfg.dtype, weights=cfg.weights,
+                                          max_batch_size=max(int(b) for b in cfg.batch_sizes.split(",")),
+                                          **(ee_opts if has_predictors else {}))
     modes = cfg.mode_list
     if "specee" in modes and engine.early_exit is None:
         raise ValueError(f"{cfg.model} has no predictors: drop 'specee' from --modes or train them")
@@ -381,7 +440,7 @@ def run(cfg: BenchConfig) -> dict:
         raise ValueError(f"{cfg.model} has no predictors: drop 'spec_t3' from --modes")
     runner = Runner(engine, hf, cfg)
     prompts = load_prompts(cfg, cfg.num_prompts, engine)
-    bandwidth = copy_bandwidth_gb_s()
+    bandwidth, read = copy_bandwidth_gb_s(), read_bandwidth_gb_s()
     per_token = weight_bytes_per_token(engine)
     if "auto" in modes:  # measured (or read from the cache) before any timing
         engine.prepare_plan([int(b) for b in cfg.batch_sizes.split(",")])
@@ -390,8 +449,8 @@ def run(cfg: BenchConfig) -> dict:
                     **machine_facts(engine.device), "dtype": str(engine.model.dtype).removeprefix("torch."),
                     "dtype_reason": engine.dtype_reason, **engine.weights_info(),
                     "num_layers": engine.config.num_hidden_layers,
-                    "bandwidth": {"copy_gb_s": bandwidth, "weight_mb_per_token": per_token / 1e6,
-                                  "batch_1_limit_tokens_per_s": bandwidth / 2 * 1e9 / per_token},
+                    "bandwidth": {"copy_gb_s": bandwidth, "read_gb_s": read, "weight_mb_per_token": per_token / 1e6,
+                                  "batch_1_limit_tokens_per_s": read * 1e9 / per_token},
                     "prompt_tokens": [len(engine.encode_prompt(p)) for p in prompts], "speed": {}}
     if engine.early_exit is not None:
         o = engine.early_exit.options

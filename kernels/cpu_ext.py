@@ -31,20 +31,23 @@ def _build_dir() -> Path:
     return Path(root) / "torch_extensions"
 
 
-@lru_cache(maxsize=1)
-def lowbit_cpu() -> ModuleType:
-    """The compiled module (q4_linear, q8_linear, dequantize, simd). Raises CpuKernelUnavailable."""
+@lru_cache(maxsize=2)
+def lowbit_cpu(avx2_only: bool = False) -> ModuleType:
+    """The compiled module (q4_linear, q8_linear, dequantize, the fused layer pieces, simd). Raises
+    CpuKernelUnavailable. avx2_only: a build without AVX-512 (tests its AVX2 path on an AVX-512 machine)."""
     from torch.utils import cpp_extension
 
     if not cpp_extension.is_ninja_available():
         raise CpuKernelUnavailable("ninja is not installed (pip install ninja)")
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    name = f"specee_lowbit_{torch.backends.cpu.get_cpu_capability().lower()}_{digest}"
+    isa = "avx2" if avx2_only else torch.backends.cpu.get_cpu_capability().lower()
+    name = f"specee_lowbit_{isa}_{digest}"
     build = _build_dir() / name
     build.mkdir(parents=True, exist_ok=True)
     try:
         mod = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build),
-                                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+                                 + (["-mno-avx512f"] if avx2_only else []),
                                  extra_ldflags=["-fopenmp"], verbose=False)
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, failed build
         raise CpuKernelUnavailable(f"building {SOURCE.name} failed: {e}") from e

@@ -130,6 +130,43 @@ void rows_simd(const float* x, int64_t in, const uint8_t* qp, const at::Half* dp
     for (int r = 0; r < NB; ++r) y[r * out + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r]));
   }
 }
+
+// One activation row: the minimum's term is m * sum(x) over the block (block sums precomputed), so a
+// block costs two conversions, a multiply and two FMAs, with four independent accumulators.
+template <bool Q4>
+void row1_simd(const float* x, const float* xs, int64_t in, const uint8_t* qp, const at::Half* dp,
+               const at::Half* mp, float* y, int64_t o0, int64_t o1) {
+  const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t o = o0; o < o1; ++o) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    float accm0 = 0.f, accm1 = 0.f;
+    const uint8_t* row = qp + o * g * bpb;
+    int64_t k = 0;
+    auto block = [&](int64_t kk, __m512& acc, float& accm) {
+      __m512 q0, q1;
+      if (Q4) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + kk * bpb));
+        q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low)));
+        q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low)));
+        accm += h2f(mp[o * g + kk]) * xs[kk];
+      } else {
+        const __m128i* b = reinterpret_cast<const __m128i*>(row + kk * bpb);
+        q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b)));
+        q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b + 1)));
+      }
+      const float* xr = x + kk * QK;
+      const __m512 t = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(xr)));
+      acc = _mm512_fmadd_ps(t, _mm512_set1_ps(h2f(dp[o * g + kk])), acc);
+    };
+    for (; k + 2 <= g; k += 2) {
+      block(k, acc0, accm0);
+      block(k + 1, acc1, accm1);
+    }
+    if (k < g) block(k, acc0, accm0);
+    y[o] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + accm0 + accm1;
+  }
+}
 #else
 template <int NB, bool Q4>
 void rows_simd(const float* x, int64_t in, const uint8_t* qp, const at::Half* dp, const at::Half* mp, float* y,
@@ -152,6 +189,41 @@ void rows_simd(const float* x, int64_t in, const uint8_t* qp, const at::Half* dp
       }
     }
     for (int r = 0; r < NB; ++r) y[r * out + o] = hsum(_mm256_add_ps(acc[0][r], acc[1][r]));
+  }
+}
+
+// One activation row (see the AVX-512 row1_simd): two conversions' worth of work per 8 weights, the
+// minimum's term through block sums, two accumulators.
+template <bool Q4>
+void row1_simd(const float* x, const float* xs, int64_t in, const uint8_t* qp, const at::Half* dp,
+               const at::Half* mp, float* y, int64_t o0, int64_t o1) {
+  const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
+  for (int64_t o = o0; o < o1; ++o) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float accm0 = 0.f, accm1 = 0.f;
+    const uint8_t* row = qp + o * g * bpb;
+    auto block = [&](int64_t kk, __m256& acc, float& accm) {
+      __m256 q[4];
+      if (Q4) {
+        unpack_q4(row + kk * bpb, q);
+        accm += h2f(mp[o * g + kk]) * xs[kk];
+      } else {
+        unpack_q8(reinterpret_cast<const int8_t*>(row + kk * bpb), q);
+      }
+      const float* xr = x + kk * QK;
+      __m256 t0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(xr));
+      __m256 t1 = _mm256_mul_ps(q[1], _mm256_loadu_ps(xr + 8));
+      t0 = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xr + 16), t0);
+      t1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xr + 24), t1);
+      acc = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), _mm256_set1_ps(h2f(dp[o * g + kk])), acc);
+    };
+    int64_t k = 0;
+    for (; k + 2 <= g; k += 2) {
+      block(k, acc0, accm0);
+      block(k + 1, acc1, accm1);
+    }
+    if (k < g) block(k, acc0, accm0);
+    y[o] = hsum(_mm256_add_ps(acc0, acc1)) + accm0 + accm1;
   }
 }
 #endif
@@ -191,6 +263,7 @@ torch::Tensor lowbit_linear(const torch::Tensor& x, const torch::Tensor& qs, con
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(qs.data_ptr());
   const at::Half* dp = d.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
+  const std::vector<float> xs = b == 1 ? block_sums(xp, 1, in) : std::vector<float>();
   at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
 #if LOWBIT_AVX2
     int64_t r = 0;  // activation rows in tiles of 4, then the rest
@@ -200,11 +273,14 @@ torch::Tensor lowbit_linear(const torch::Tensor& x, const torch::Tensor& qs, con
     switch (b - r) {
       case 3: rows_simd<3, Q4>(xr, in, qp, dp, mp, yr, out, o0, o1); break;
       case 2: rows_simd<2, Q4>(xr, in, qp, dp, mp, yr, out, o0, o1); break;
-      case 1: rows_simd<1, Q4>(xr, in, qp, dp, mp, yr, out, o0, o1); break;
+      case 1:
+        if (b == 1) row1_simd<Q4>(xr, xs.data(), in, qp, dp, mp, yr, o0, o1);
+        else rows_simd<1, Q4>(xr, in, qp, dp, mp, yr, out, o0, o1);
+        break;
       default: break;
     }
 #else
-    const std::vector<float> xs = block_sums(xp, b, in);
+    const std::vector<float> xs = block_sums(xp, b, in);  // per chunk: cheap, and only without SIMD
     rows_scalar<Q4>(xp, xs.data(), b, in, qp, dp, mp, yp, out, o0, o1);
 #endif
   });
@@ -224,6 +300,36 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
   TORCH_CHECK(qs.scalar_type() == at::kChar, "q8 qs must be int8");
   check(x, qs, d, QK);
   return lowbit_linear<false>(x, qs, d, nullptr);
+}
+
+torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
+                         const c10::optional<torch::Tensor>& m) {
+  return m.has_value() ? q4_linear(x, qs, d, *m) : q8_linear(x, qs, d);
+}
+
+// ---- a decoder layer's pieces in one call each: the small ops between the GEMVs go through ATen
+// from C++ (about a microsecond each, against several from Python). x, h: contiguous fp32 [B, D].
+
+// residual + x @ W^T (o_proj, down_proj)
+torch::Tensor linear_add(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
+                         torch::Tensor residual) {
+  return linear_any(x, qs, d, m).add_(residual);
+}
+
+// rms_norm(x) * norm_w, then @ W^T (the qkv projection)
+torch::Tensor norm_linear(torch::Tensor x, torch::Tensor norm_w, double eps, torch::Tensor qs, torch::Tensor d,
+                          c10::optional<torch::Tensor> m) {
+  return linear_any(at::rms_norm(x, {x.size(1)}, norm_w, eps).contiguous(), qs, d, m);
+}
+
+// h + down(silu(gate) * up) with (gate, up) = gate_up(rms_norm(h) * norm_w): the whole MLP half of a layer
+torch::Tensor mlp(torch::Tensor h, torch::Tensor norm_w, double eps, torch::Tensor gu_qs, torch::Tensor gu_d,
+                  c10::optional<torch::Tensor> gu_m, torch::Tensor dn_qs, torch::Tensor dn_d,
+                  c10::optional<torch::Tensor> dn_m) {
+  auto gu = norm_linear(h, norm_w, eps, gu_qs, gu_d, gu_m);  // [B, 2I]
+  const int64_t i = gu.size(1) / 2;
+  auto act = at::silu(gu.narrow(1, 0, i)).mul_(gu.narrow(1, i, i));
+  return linear_add(act, dn_qs, dn_d, dn_m, h);
 }
 
 // dequantize rows into fp32 [O, I] (prefill: many rows make a dense GEMM cheaper than the kernels above)
@@ -262,6 +368,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q4_linear", &q4_linear, "x [B, I] fp32 @ dequant(Q4_1 planes)^T -> [B, O] fp32");
   mod.def("q8_linear", &q8_linear, "x [B, I] fp32 @ dequant(Q8_0 planes)^T -> [B, O] fp32");
   mod.def("dequantize", &dequantize, "Q4_1 (with m) or Q8_0 planes -> fp32 [O, I]");
+  mod.def("linear_add", &linear_add, "residual + x @ dequant(W)^T");
+  mod.def("norm_linear", &norm_linear, "rms_norm(x) * norm_w @ dequant(W)^T");
+  mod.def("mlp", &mlp, "h + down(silu(gate) * up), (gate, up) = gate_up(rms_norm(h) * norm_w)");
   mod.def("simd", []() {
     return std::string(LOWBIT_AVX512 ? "avx512" : LOWBIT_AVX2 ? "avx2+fma+f16c" : "scalar");
   });

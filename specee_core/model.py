@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from specee_core.config import ModelConfig
 from specee_core.kv_cache import KVCache
-from specee_core.quant import QuantLinear, QuantWeight, embedding, take_rows
+from specee_core.quant import QuantLinear, QuantWeight, embedding, fused_kernel, take_rows
 from specee_core.rope import RotaryEmbedding, apply_rope
 
 
@@ -108,11 +108,53 @@ class LayerLinears:
     down: Linear | QuantLinear
     kv: Linear | QuantLinear  # the K/V rows of qkv alone (write_kv, for layers an exit skipped)
 
-    @classmethod
-    def of(cls, lw: LayerWeights, q_size: int) -> LayerLinears:
+    @staticmethod
+    def of(lw: LayerWeights, q_size: int, dtype: torch.dtype) -> LayerLinears:
+        """The layer's linears; low-bit ones on CPU with fp32 activations and no biases run fused (FusedLowbitLinears)."""
         kv_bias = None if lw.bqkv is None else lw.bqkv[q_size:]
-        return cls(make_linear(lw.wqkv, lw.bqkv), make_linear(lw.wo, lw.bo), make_linear(lw.w_gate_up, lw.b_gate_up),
-                   make_linear(lw.w_down, lw.b_down), make_linear(_rows(lw.wqkv, q_size), kv_bias))
+        lins = (make_linear(lw.wqkv, lw.bqkv), make_linear(lw.wo, lw.bo), make_linear(lw.w_gate_up, lw.b_gate_up),
+                make_linear(lw.w_down, lw.b_down), make_linear(_rows(lw.wqkv, q_size), kv_bias))
+        fused = (all(isinstance(lin, QuantLinear) and lin.b is None for lin in lins[:4]) and dtype == torch.float32
+                 and lins[0].qw.device.type == "cpu" and fused_kernel() is not None)
+        return (FusedLowbitLinears if fused else LayerLinears)(*lins)
+
+    # the three pieces of a layer around attention; FusedLowbitLinears runs each as one kernel call
+    def qkv_normed(self, h: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        """qkv(norm(h)) for h [N, T, D] -> [N, T, (H + 2 Hkv) hd]."""
+        return self.qkv(h if norm is None else norm(h))
+
+    def o_add(self, o: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """h + o_proj(o) for attention output o [N, T, H hd] and the residual h [N, T, D]."""
+        return h + self.o(o)
+
+    def mlp(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """h + down(silu(gate) * up) with (gate, up) = gate_up(norm(h))."""
+        gate, up = self.gate_up(norm(h)).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate).mul_(up))
+
+
+class FusedLowbitLinears(LayerLinears):
+    """Low-bit linears whose layer pieces (norm + qkv, o + residual, the whole MLP) are one C++ call each
+    (kernels/lowbit_cpu.cpp): the norm, SiLU and residual adds between the GEMVs go through ATen from C++
+    instead of a dozen Python-dispatched ops. Same math as LayerLinears' (tested against it)."""
+
+    def qkv_normed(self, h: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        if norm is None:
+            return self.qkv(h)
+        w = self.qkv.qw
+        return fused_kernel().norm_linear(_rows2d(h), norm.weight, norm.eps, w.qs, w.d, w.m).view(*h.shape[:-1], -1)
+
+    def o_add(self, o: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        w = self.o.qw
+        return fused_kernel().linear_add(_rows2d(o), w.qs, w.d, w.m, _rows2d(h)).view(h.shape)
+
+    def mlp(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        gu, dn = self.gate_up.qw, self.down.qw
+        return fused_kernel().mlp(_rows2d(h), norm.weight, norm.eps, gu.qs, gu.d, gu.m, dn.qs, dn.d, dn.m).view(h.shape)
+
+
+def _rows2d(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
 
 
 class LlamaModel:
@@ -132,7 +174,7 @@ class LlamaModel:
         self.norm = RMSNorm(weights.norm, eps)
         c = config
         self.q_size = c.num_attention_heads * c.head_dim
-        self.linears = [LayerLinears.of(lw, self.q_size) for lw in weights.layers]
+        self.linears = [LayerLinears.of(lw, self.q_size, dtype) for lw in weights.layers]
         self.head = make_linear(weights.lm_head)
         self.qk_heads = c.num_attention_heads + c.num_key_value_heads  # heads RoPE rotates
         self.all_heads = self.qk_heads + c.num_key_value_heads
@@ -176,16 +218,13 @@ class LlamaModel:
         [N, T, T] bool: the chunk is a draft tree, node j attends to the nodes i with tree[:, j, i]."""
         c, lin = self.config, self.linears[i]
         n, t, _ = h.shape
-        norm = self.input_norms[i]
-        x = h if norm is None else norm(h)
-        qkv = lin.qkv(x).view(n, t, self.all_heads, c.head_dim).transpose(1, 2)
+        qkv = lin.qkv_normed(h, self.input_norms[i]).view(n, t, self.all_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rope(qkv[:, : self.qk_heads], *rope).split(self.qk_split, dim=1)  # one rotation for q and k
         keys, values, mask, causal = cache.append(i, rows, k, qkv[:, self.qk_heads :], n_valid, tree)
         o = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, is_causal=causal,
                                            scale=self.scale, enable_gqa=self.gqa)
-        h = h + lin.o(o.transpose(1, 2).reshape(n, t, self.q_size).to(h.dtype))
-        gate, up = lin.gate_up(self.post_norms[i](h)).chunk(2, dim=-1)
-        return h + lin.down(F.silu(gate).mul_(up))
+        h = lin.o_add(o.transpose(1, 2).reshape(n, t, self.q_size).to(h.dtype), h)
+        return lin.mlp(h, self.post_norms[i])
 
     def write_kv(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
                  rows: torch.Tensor | None = None, n_valid: torch.Tensor | None = None) -> None:

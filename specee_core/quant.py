@@ -144,6 +144,11 @@ def _cpu_kernel():
     return _KERNEL_STATE["cpu"]
 
 
+def fused_kernel():
+    """The CPU kernel module when it builds here (its fused layer pieces included), else None."""
+    return _cpu_kernel()
+
+
 class QuantLinear:
     """y = x @ dequant(qw).T (+ b), same call as model.Linear. Few rows: the fused kernel; DENSE_ROWS or
     more: dequantize once per call and a dense fp32 GEMM (the weight is never kept dequantized)."""

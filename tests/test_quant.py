@@ -74,13 +74,18 @@ def test_bad_shapes_and_formats_are_errors_naming_them():
         SpecEEEngine.from_pretrained(BUNDLED, dtype="float32", weights="int3")
 
 
+@pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
-@pytest.mark.parametrize("shape", [(1, 64, 96), (3, 131, 160), (16, 576, 576), (17, 49, 1536)],
+@pytest.mark.parametrize("shape", [(1, 64, 96), (3, 131, 160), (16, 576, 576), (17, 49, 1536), (1, 49152, 576)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_cpu_kernel_equals_reference(fmt, shape):
+def test_cpu_kernel_equals_reference(fmt, shape, isa):
+    """Every row-tile path (1 row alone, tiles of 4 and the rest) against the reference, in the build
+    for this CPU and in a build without AVX-512 (the AVX2 path, which AVX2-only machines run)."""
     from kernels.cpu_ext import lowbit_cpu
 
-    ext = lowbit_cpu()
+    ext = lowbit_cpu(avx2_only=isa == "avx2")
+    if isa == "avx2":
+        assert ext.simd() in ("avx2+fma+f16c", "scalar")
     b, o, i = shape
     qw = quantize(random_weight(o, i, seed=b), fmt)
     x = torch.randn(b, i, generator=torch.Generator().manual_seed(1))
@@ -208,3 +213,22 @@ def test_smollm2_quantizes_back_into_the_gguf_files_own_blocks():
         assert torch.equal(dequantize_reference(from_blocks(raw, fmt)), w), t.name
         checked[t.tensor_type.name] += 1
     assert checked == {"Q4_1": 210, "Q8_0": 1}
+
+
+def test_fused_layer_pieces_equal_the_unfused_ones(ee_model_dir):
+    """norm + qkv, o + residual and the whole MLP as one kernel call each equal the plain pieces."""
+    from specee_core.model import FusedLowbitLinears, LayerLinears
+
+    e = SpecEEEngine.from_pretrained(ee_model_dir, dtype="float32", weights="q4")
+    m = e.model
+    fused = m.linears[1]
+    assert isinstance(fused, FusedLowbitLinears)
+    plain = LayerLinears(fused.qkv, fused.o, fused.gate_up, fused.down, fused.kv)
+    g = torch.Generator().manual_seed(0)
+    for n, t in ((1, 1), (3, 5), (2, 64)):  # decode, verify, prefill (the dense-GEMM side of QuantLinear)
+        h = torch.randn(n, t, m.config.hidden_size, generator=g)
+        o = torch.randn(n, t, m.q_size, generator=g)
+        for a, b in ((fused.qkv_normed(h, m.input_norms[1]), plain.qkv_normed(h, m.input_norms[1])),
+                     (fused.o_add(o, h), plain.o_add(o, h)), (fused.mlp(h, m.post_norms[1]), plain.mlp(h, m.post_norms[1]))):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
