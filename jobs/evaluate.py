@@ -12,7 +12,9 @@ EAGLE-2 tree of --tree-depth/-width/-nodes plus the lookup chain), specee (early
 project's exit rule: the argmax among the k candidates) and specee_full (the paper artifact's rule:
 the predictor fires, then the full LM head's argmax must be one of the k candidates and is
 emitted), spec_t3 (spec_tree with T3 exits inside verification). specee, specee_full and spec_t3
-run once per --thresholds value.
+run once per --thresholds value. dense_q8 / dense_q4: dense decoding on the weights quantized at load
+(specee_core.quant; activations in fp32), agreement measured against dense in --dtype: with
+--dtype float32 that is the quantization's own cost.
 
 Generation is interleaved: for each batch of problems every mode runs in turn (the order rotating
 per batch), so a slow spell of the machine hits every mode alike. tokens/s = generated tokens /
@@ -44,7 +46,8 @@ from specee_eval.sandbox import Limits, run_many
 
 log = logging.getLogger(__name__)
 
-KINDS = ("hf", "dense", "spec", "spec_tree", "specee", "specee_full", "spec_t3")
+KINDS = ("hf", "dense", "dense_q8", "dense_q4", "spec", "spec_tree", "specee", "specee_full", "spec_t3")
+LOW_BIT_KINDS = {"dense_q8": "q8", "dense_q4": "q4"}  # dense on weights quantized at load, fp32 activations
 PER_THRESHOLD = ("specee", "specee_full", "spec_t3")
 
 
@@ -118,6 +121,8 @@ def build_modes(cfg: EvalConfig, engine: SpecEEEngine) -> list[Mode]:
             for th in cfg.threshold_list:
                 spec = {**tree, "t3": True} if kind == "spec_t3" else None
                 modes.append(Mode(kind, th, engine.with_options(threshold=th, verify=verify), spec))
+        elif kind in LOW_BIT_KINDS:
+            modes.append(Mode(kind, None, SpecEEEngine.from_pretrained(cfg.model, weights=LOW_BIT_KINDS[kind])))
         else:
             modes.append(Mode(kind, None, engine, tree if kind == "spec_tree" else {} if kind == "spec" else None))
     return modes

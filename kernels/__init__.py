@@ -13,7 +13,11 @@ from kernels.predictor import (
     rmsnorm_cand_logits_reference,
 )
 
+from kernels.lowbit_gemv import lowbit_linear, lowbit_linear_reference
+
 __all__ = [
+    "lowbit_linear",
+    "lowbit_linear_reference",
     "BACKENDS",
     "triton_mode",
     "cand_logits_forward",

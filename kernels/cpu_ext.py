@@ -31,6 +31,11 @@ def _build_dir() -> Path:
     return Path(root) / "torch_extensions"
 
 
+def source_digest() -> str:
+    """The kernel source's hash: names the build, and keys measured costs (a new kernel times anew)."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+
+
 @lru_cache(maxsize=2)
 def lowbit_cpu(avx2_only: bool = False) -> ModuleType:
     """The compiled module (q4_linear, q8_linear, dequantize, the fused layer pieces, simd). Raises
@@ -39,7 +44,7 @@ def lowbit_cpu(avx2_only: bool = False) -> ModuleType:
 
     if not cpp_extension.is_ninja_available():
         raise CpuKernelUnavailable("ninja is not installed (pip install ninja)")
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    digest = source_digest()
     isa = "avx2" if avx2_only else torch.backends.cpu.get_cpu_capability().lower()
     name = f"specee_lowbit_{isa}_{digest}"
     build = _build_dir() / name

@@ -332,6 +332,36 @@ torch::Tensor mlp(torch::Tensor h, torch::Tensor norm_w, double eps, torch::Tens
   return linear_add(act, dn_qs, dn_d, dn_m, h);
 }
 
+// A whole decoder layer for one new token per row, every row at the same cache length `start`:
+// norm + qkv, RoPE on q and k (rotate-half with the sign folded into sin: x*cos + roll(x)*sin), the
+// token's K/V written into slot `start` of kc / vc [N, Hkv, S, hd], attention over slots [0, start],
+// o + residual, the MLP. h [N, D] fp32; cos, sin [N, 1, 1, hd]. The same ops as the Python layer.
+torch::Tensor decode_layer(torch::Tensor h, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
+                           std::vector<torch::Tensor> qkv_w, std::vector<torch::Tensor> o_w,
+                           std::vector<torch::Tensor> gu_w, std::vector<torch::Tensor> dn_w, torch::Tensor cos,
+                           torch::Tensor sin, torch::Tensor kc, torch::Tensor vc, int64_t start, int64_t heads,
+                           int64_t kv_heads, double scale) {
+  auto planes = [](const std::vector<torch::Tensor>& w) {
+    TORCH_CHECK(w.size() == 2 || w.size() == 3, "weight planes are (qs, d) or (qs, d, m)");
+    return std::make_tuple(w[0], w[1], w.size() == 3 ? c10::optional<torch::Tensor>(w[2]) : c10::nullopt);
+  };
+  const int64_t n = h.size(0), hd = kc.size(3);
+  auto [qq, qd, qm] = planes(qkv_w);
+  auto qkv = norm_linear(h, in_norm, eps, qq, qd, qm).view({n, 1, heads + 2 * kv_heads, hd}).transpose(1, 2);
+  auto qk = qkv.narrow(1, 0, heads + kv_heads);
+  auto rot = qk * cos + qk.roll({hd / 2}, {-1}) * sin;  // [N, H + Hkv, 1, hd]
+  kc.narrow(2, start, 1).copy_(rot.narrow(1, heads, kv_heads));
+  vc.narrow(2, start, 1).copy_(qkv.narrow(1, heads + kv_heads, kv_heads));
+  auto o = at::scaled_dot_product_attention(rot.narrow(1, 0, heads), kc.narrow(2, 0, start + 1),
+                                            vc.narrow(2, 0, start + 1), c10::nullopt, 0.0, false, scale,
+                                            heads != kv_heads);
+  auto [oq, od, om] = planes(o_w);
+  h = linear_add(o.reshape({n, heads * hd}).contiguous(), oq, od, om, h);
+  auto [gq, gd, gm] = planes(gu_w);
+  auto [dq, dd, dm] = planes(dn_w);
+  return mlp(h, post_norm, eps, gq, gd, gm, dq, dd, dm);
+}
+
 // dequantize rows into fp32 [O, I] (prefill: many rows make a dense GEMM cheaper than the kernels above)
 torch::Tensor dequantize(torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m) {
   const bool q4 = m.has_value();
@@ -370,6 +400,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("dequantize", &dequantize, "Q4_1 (with m) or Q8_0 planes -> fp32 [O, I]");
   mod.def("linear_add", &linear_add, "residual + x @ dequant(W)^T");
   mod.def("norm_linear", &norm_linear, "rms_norm(x) * norm_w @ dequant(W)^T");
+  mod.def("decode_layer", &decode_layer, "a decoder layer for one token per row at a uniform cache length");
   mod.def("mlp", &mlp, "h + down(silu(gate) * up), (gate, up) = gate_up(rms_norm(h) * norm_w)");
   mod.def("simd", []() {
     return std::string(LOWBIT_AVX512 ? "avx512" : LOWBIT_AVX2 ? "avx2+fma+f16c" : "scalar");

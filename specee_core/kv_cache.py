@@ -63,6 +63,21 @@ class KVCache:
             return self._append_uniform(layer, start, k, v, n_valid)
         return self._append_rows(layer, rows, k, v, n_valid)
 
+    def decode_slot(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """For a one-token step of every row, when all rows hold the same length: (keys [B, Hkv, S, hd],
+        values, start), the whole slot buffers and the slot the token goes to; else None. A caller that
+        writes slot `start` of every row itself (a fused decode layer) then calls advance(layer)."""
+        start = self.uniform[layer]
+        if start is None:
+            return None
+        self._check_room(layer, start + 1)
+        return self._k[layer], self._v[layer], start
+
+    def advance(self, layer: int) -> None:
+        """Every row's slot at the uniform length was written (see decode_slot): count it."""
+        self._lens[layer].add_(1)
+        self.uniform[layer] += 1
+
     def _check_room(self, layer: int, end: int) -> None:
         if end > self.max_len:
             raise ValueError(f"KV cache overflow at layer {layer}: need {end} slots, have {self.max_len}")

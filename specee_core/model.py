@@ -152,6 +152,16 @@ class FusedLowbitLinears(LayerLinears):
         gu, dn = self.gate_up.qw, self.down.qw
         return fused_kernel().mlp(_rows2d(h), norm.weight, norm.eps, gu.qs, gu.d, gu.m, dn.qs, dn.d, dn.m).view(h.shape)
 
+    def decode_layer(self, h: torch.Tensor, norms: tuple[RMSNorm, RMSNorm], rope: tuple[torch.Tensor, torch.Tensor],
+                     slot: tuple[torch.Tensor, torch.Tensor, int], heads: tuple[int, int], scale: float) -> torch.Tensor:
+        """The whole layer for h [N, 1, D], every row at cache length slot[2], in one kernel call (the K/V
+        written into slot; the caller advances the cache)."""
+        planes = [[t for t in (lin.qw.qs, lin.qw.d, lin.qw.m) if t is not None]
+                  for lin in (self.qkv, self.o, self.gate_up, self.down)]
+        out = fused_kernel().decode_layer(_rows2d(h), norms[0].weight, norms[1].weight, norms[0].eps, *planes,
+                                          *rope, *slot, *heads, scale)
+        return out.view(h.shape)
+
 
 def _rows2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
@@ -218,6 +228,11 @@ class LlamaModel:
         [N, T, T] bool: the chunk is a draft tree, node j attends to the nodes i with tree[:, j, i]."""
         c, lin = self.config, self.linears[i]
         n, t, _ = h.shape
+        if (t == 1 and rows is None and tree is None and n_valid is None and isinstance(lin, FusedLowbitLinears)
+                and self.input_norms[i] is not None and (slot := cache.decode_slot(i)) is not None):
+            h = lin.decode_layer(h, (self.input_norms[i], self.post_norms[i]), rope, slot, self.qk_split, self.scale)
+            cache.advance(i)
+            return h
         qkv = lin.qkv_normed(h, self.input_norms[i]).view(n, t, self.all_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rope(qkv[:, : self.qk_heads], *rope).split(self.qk_split, dim=1)  # one rotation for q and k
         keys, values, mask, causal = cache.append(i, rows, k, qkv[:, self.qk_heads :], n_valid, tree)

@@ -409,7 +409,16 @@ def cost_key(model, dtype: torch.dtype, device: torch.device) -> dict:
              c.vocab_size)
     return {"plan_version": PLAN_VERSION, "machine": machine_name(device), "torch": torch.__version__,
             "threads": torch.get_num_threads() if device.type == "cpu" else None, "dtype": str(dtype).removeprefix("torch."),
-            "model_shape": list(shape), **({"weights": model.weight_format} if model.weight_format in ("q4", "q8") else {})}
+            "model_shape": list(shape), **_weights_key(model)}
+
+
+def _weights_key(model) -> dict:
+    """Low-bit weights: the format and the kernel's source hash (its costs are the kernel's)."""
+    if model.weight_format not in ("q4", "q8"):
+        return {}
+    from kernels.cpu_ext import source_digest
+
+    return {"weights": model.weight_format, "kernel": source_digest()}
 
 
 def cache_path(key: dict, root: str | Path | None = None) -> Path:
