@@ -9,6 +9,7 @@
     python -m jobs.bench_pipeline --out docs/bench_pipeline.json
     python -m jobs.bench_pipeline --limit 48 --max-new-tokens 16 --variants stream,bare   # quick
     python -m jobs.bench_pipeline --variants stream --modes auto,dense   # the default job against dense
+    python -m jobs.bench_pipeline --variants stream --weights fp32,bf16,q4   # weight formats, dense
 
 tokens_per_s is generated tokens over wall seconds from the variant's start to its end, start-up
 (actors, model loads) included: what a user waits for. generate_tokens_per_s leaves start-up out
@@ -47,12 +48,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-actors", type=int, default=2)
     p.add_argument("--waves", type=int, default=4, help="the waves variant: groups, each with new actors")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--weights", default="auto",
+                   help="comma-separated weight formats (auto, fp32, bf16, q8, q4), each run as every variant")
     p.add_argument("--repeats", type=int, default=2, help="rounds, the variant order reversed every other round")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}: choose from {VARIANTS}")
+    bad_w = set(args.weights.split(",")) - {"auto", "fp32", "bf16", "q8", "q4"}
+    if bad_w:
+        p.error(f"unknown weights {sorted(bad_w)}: choose from auto, fp32, bf16, q8, q4")
     bad = set(args.modes.split(",")) - {"auto", "dense", "spec", "specee"}
     if bad:
         p.error(f"unknown modes {sorted(bad)}: choose from auto, dense, spec, specee")
@@ -64,21 +70,21 @@ def read_rows(path: str, limit: int | None) -> list[dict]:
     return rows[:limit] if limit else rows
 
 
-def stage_config(args, mode: str):
+def stage_config(args, mode: str, weights: str):
     from pipeline.stage import StageConfig
 
-    return StageConfig(model=args.model, mode=mode, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-                       batch_size=args.batch_size)
+    return StageConfig(model=args.model, mode=mode, dtype=args.dtype, weights=weights,
+                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
 
 
-def pipeline_run(args, mode: str, inputs: list[Path], out: Path) -> dict:
+def pipeline_run(args, mode: str, weights: str, inputs: list[Path], out: Path) -> dict:
     """One run() per input file into one output: a single file is the stream shape, several the waves."""
     import pandas as pd
 
     from pipeline.batch import BatchConfig, run
 
     t0 = time.perf_counter()
-    summaries = [run(BatchConfig(input=[str(f)], output=str(out), stage=stage_config(args, mode),
+    summaries = [run(BatchConfig(input=[str(f)], output=str(out), stage=stage_config(args, mode, weights),
                                  num_actors=args.num_actors, show_progress=False)) for f in inputs]
     wall = time.perf_counter() - t0
     df = pd.read_parquet(out)
@@ -87,17 +93,18 @@ def pipeline_run(args, mode: str, inputs: list[Path], out: Path) -> dict:
             "tokens": int(ok["completion_tokens"].sum()),
             "generate_s": sum(s["generate_s"] or 0 for s in summaries),
             "model_loads": int(df["worker"].nunique()), "runs": len(summaries), "dtype": summaries[0]["dtype"],
+            "weights": summaries[0].get("weights"),
             "completions": dict(zip(df["id"], df["completion"]))}
 
 
-def bare_run(args, mode: str, rows: list[dict]) -> dict:
+def bare_run(args, mode: str, weights: str, rows: list[dict]) -> dict:
     import torch
 
     from specee_core import SpecEEEngine
 
     t0 = time.perf_counter()
     torch.set_num_threads(os.cpu_count() or 1)
-    engine = SpecEEEngine.from_pretrained(args.model, dtype=args.dtype, max_batch_size=args.batch_size)
+    engine = SpecEEEngine.from_pretrained(args.model, dtype=args.dtype, weights=weights, max_batch_size=args.batch_size)
     texts = [engine.chat_prompt([{"role": "user", "content": r["prompt"]}]) if engine.has_chat_template
              else r["prompt"] for r in rows]
     t_gen = time.perf_counter()
@@ -107,7 +114,7 @@ def bare_run(args, mode: str, rows: list[dict]) -> dict:
     end = time.perf_counter()
     return {"wall_s": end - t0, "rows": len(results), "errors": 0, "tokens": sum(len(r.token_ids) for r in results),
             "generate_s": end - t_gen, "model_loads": 1, "runs": 1,
-            "dtype": str(engine.model.dtype).removeprefix("torch."),
+            "dtype": str(engine.model.dtype).removeprefix("torch."), "weights": engine.model.weight_format,
             "completions": {r_in["id"]: r.text for r_in, r in zip(rows, results)}}
 
 
@@ -116,7 +123,7 @@ def summarize_runs(runs: list[dict], reference: dict) -> dict:
     keys = ("wall_s", "generate_s", "rows_per_s", "tokens_per_s", "generate_tokens_per_s")
     first = runs[0]
     return {
-        **{k: first[k] for k in ("rows", "errors", "tokens", "model_loads", "runs", "dtype")},
+        **{k: first[k] for k in ("rows", "errors", "tokens", "model_loads", "runs", "dtype", "weights")},
         **{k: round(sum(r[k] for r in runs) / len(runs), 3) for k in keys},
         "same_completions_as_first_variant": all(r["completions"] == reference for r in runs),
         "rounds": [{k: round(r[k], 3) for k in keys} for r in runs],
@@ -145,21 +152,23 @@ def main(argv: list[str] | None = None) -> dict:
         path.write_text("".join(json.dumps(r) + "\n" for r in rows
                                 if zlib.crc32(str(r["id"]).encode()) % args.waves == w))
     init_ray("local", include_dashboard=False, log_to_driver=False)
-    modes = args.modes.split(",")
-    # one name per (variant, mode): the variant alone when there is one mode
-    variants = [v if len(modes) == 1 else f"{v}:{m}" for v in args.variants.split(",") for m in modes]
+    modes, formats = args.modes.split(","), args.weights.split(",")
+    # one name per (variant, mode, weights): shape[:mode][@weights], the parts there is one of left out
+    variants = [(v if len(modes) == 1 else f"{v}:{m}") + ("" if len(formats) == 1 else f"@{w}")
+                for v in args.variants.split(",") for m in modes for w in formats]
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     try:
         for rnd in range(args.repeats):  # A B C, C B A, ...: drift hits every variant alike
             for variant in (variants if rnd % 2 == 0 else variants[::-1]):
                 print(f"[bench_pipeline] round {rnd}: {variant} ...", flush=True)
-                shape, _, mode = variant.partition(":")
-                mode = mode or modes[0]
+                name, _, weights = variant.partition("@")
+                shape, _, mode = name.partition(":")
+                mode, weights = mode or modes[0], weights or formats[0]
                 if shape == "bare":
-                    r = bare_run(args, mode, rows)
+                    r = bare_run(args, mode, weights, rows)
                 else:
-                    out_dir = work / f"out-{shape}-{mode}-{rnd}"
-                    r = pipeline_run(args, mode, [whole] if shape == "stream" else waves, out_dir)
+                    out_dir = work / f"out-{shape}-{mode}-{weights}-{rnd}"
+                    r = pipeline_run(args, mode, weights, [whole] if shape == "stream" else waves, out_dir)
                 r["rows_per_s"] = r["rows"] / r["wall_s"]
                 r["tokens_per_s"] = r["tokens"] / r["wall_s"]
                 r["generate_tokens_per_s"] = r["tokens"] / r["generate_s"] if r["generate_s"] else None
@@ -184,6 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     pairs = [("stream", "bare"), ("stream", "waves")] + [(f"{v}:{m}", f"{v}:dense") for v in VARIANTS for m in modes
                                                          if m != "dense"]
+    pairs += [(v, v.rsplit("@", 1)[0] + f"@{formats[0]}") for v in variants if "@" in v and not v.endswith(f"@{formats[0]}")]
     for a, b in pairs:
         if a in summary and b in summary:
             out[f"{a}_vs_{b}"] = {k: round(summary[a][k] / summary[b][k], 3)

@@ -253,7 +253,7 @@ class SpecEEEngine:
         from specee_core.quant import weight_bytes
 
         return {"weights": self.model.weight_format, "weights_reason": self.weights_reason,
-                "weight_mb": round(weight_bytes(self.model.w) / 1e6, 1)}
+                "weight_mb": round(weight_bytes(self.model.w) / 1e6, 1), "quant_error": self.model.w.quant_error}
 
     def stepper_factory(self, mode: str = "auto", spec: dict | None = None):
         """The stepper factory of a mode (None: dense) and the KV slots it needs past a row's last token.

@@ -119,9 +119,14 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin:
         if parts[0].shape[1] % QK:  # llama.cpp too keeps such a tensor in a float type
             kept_dense.append(f"{tuple(parts[0].shape)}")
             return put(*parts)
-        return quantize(torch.cat([p.to(device) for p in parts], dim=0), fmt)
+        w = torch.cat([p.to(device) for p in parts], dim=0)
+        qw = quantize(w, fmt)
+        err[0] += float((qw.dequantize() - w.float()).pow(2).sum())
+        err[1] += float(w.float().pow(2).sum())
+        return qw
 
     kept_dense: list[str] = []
+    err = [0.0, 0.0]  # squared error and squared norm of the quantized matrices
 
     layers = []
     for i in range(c.num_hidden_layers):
@@ -149,7 +154,11 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin:
     if kept_dense:
         log.warning("%s: %d matrices kept in %s, not %s: input dims not a multiple of %d (shapes %s)", model_dir,
                     len(kept_dense), dtype, weights, QK, ", ".join(sorted(set(kept_dense))))
-    return ModelWeights(embed=embed, layers=layers, norm=put(get("model.norm.weight", (d,))), lm_head=lm_head)
+    quant_error = (err[0] / err[1]) ** 0.5 if err[1] else None
+    if quant_error is not None:
+        log.info("%s: %s weights, relative quantization error %.3g", model_dir, weights, quant_error)
+    return ModelWeights(embed=embed, layers=layers, norm=put(get("model.norm.weight", (d,))), lm_head=lm_head,
+                        quant_error=quant_error)
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",

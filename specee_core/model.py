@@ -36,6 +36,9 @@ class ModelWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor  # [D]
     lm_head: Weight  # [V, D]; the embedding itself when tied
+    # low-bit weights quantized at load: ||W - dequant(Q)|| / ||W|| over every quantized matrix (0.0:
+    # the checkpoint's values were already those blocks, as a GGUF's are); None: nothing was quantized
+    quant_error: float | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

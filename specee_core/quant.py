@@ -17,6 +17,7 @@ the format asked for. Linears compute in fp32 whatever the model dtype: the CPU 
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -28,9 +29,7 @@ log = logging.getLogger(__name__)
 WEIGHT_FORMATS = ("fp32", "bf16", "q8", "q4")
 LOW_BIT = ("q8", "q4")
 QK = 32  # weights per block
-# rows at or above which a low-bit linear dequantizes and runs a dense GEMM (prefill); below, the
-# fused kernel (decode, verify). Set from kernel timings on this machine (jobs.bench_kernels).
-DENSE_ROWS = 48
+DENSE_ROW_CANDIDATES = (32, 64, 96, 128, 192)  # where a low-bit linear may switch to dequantize + GEMM
 
 
 @dataclass
@@ -149,13 +148,41 @@ def fused_kernel():
     return _cpu_kernel()
 
 
-class QuantLinear:
-    """y = x @ dequant(qw).T (+ b), same call as model.Linear. Few rows: the fused kernel; DENSE_ROWS or
-    more: dequantize once per call and a dense fp32 GEMM (the weight is never kept dequantized)."""
+@functools.lru_cache(maxsize=1)
+def dense_rows() -> int:
+    """Rows from which dequantizing a weight and running a dense GEMM beats the fused kernel (prefill),
+    measured once per process on a random q4 [3072, 576] weight (tens of ms): the crossover moves with
+    the CPU's SIMD and the BLAS (measured here: about 80-96 rows on AVX-512)."""
+    import time
 
-    def __init__(self, qw: QuantWeight, b: torch.Tensor | None = None, dense_rows: int = DENSE_ROWS):
+    gen = torch.Generator().manual_seed(0)
+    qw = random_weight(3072, 576, "q4", torch.float32, gen)
+    kernel, dense = QuantLinear(qw, dense_rows=1 << 30), QuantLinear(qw, dense_rows=1)
+
+    def ms(lin: QuantLinear, x: torch.Tensor) -> float:
+        best = float("inf")
+        for _ in range(4):
+            t = time.perf_counter()
+            lin(x)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    for rows in DENSE_ROW_CANDIDATES:
+        x = torch.randn(rows, 576, generator=gen)
+        if ms(dense, x) < ms(kernel, x):
+            log.info("low-bit linears: dequantize + GEMM from %d rows (measured)", rows)
+            return rows
+    return DENSE_ROW_CANDIDATES[-1]
+
+
+class QuantLinear:
+    """y = x @ dequant(qw).T (+ b), same call as model.Linear. Few rows: the fused kernel; dense_rows or
+    more (measured, see dense_rows()): dequantize once per call and a dense fp32 GEMM (the weight is
+    never kept dequantized)."""
+
+    def __init__(self, qw: QuantWeight, b: torch.Tensor | None = None, dense_rows: int | None = None):
         self.qw, self.b = qw, b
-        self.dense_rows = dense_rows
+        self._dense_rows = dense_rows
         self.out_features, self.in_features = qw.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -163,7 +190,8 @@ class QuantLinear:
         x2 = x.reshape(-1, i).float().contiguous()
         n = x2.shape[0]
         qw = self.qw
-        if n >= self.dense_rows:
+        if n >= (self._dense_rows or (dense_rows() if qw.device.type == "cpu" and n >= DENSE_ROW_CANDIDATES[0]
+                                      else DENSE_ROW_CANDIDATES[-1])):
             y = F.linear(x2, qw.dequantize())
         elif qw.device.type == "cuda":
             from kernels.lowbit_gemv import lowbit_linear

@@ -95,13 +95,17 @@ def test_cpu_kernel_equals_reference(fmt, shape, isa):
     assert torch.equal(ext.dequantize(qw.qs, qw.d, qw.m), dequantize_reference(qw))  # bit for bit
 
 
+@pytest.mark.parametrize("path", ["kernel", "dequantize+gemm", "measured"])
 @pytest.mark.parametrize("rows", [1, 5, 64])
-def test_quant_linear_dispatch_equals_reference(rows):
-    """Few rows go through the fused kernel, many through dequantize + GEMM; both equal the reference,
-    with a bias, for 3-d input and in bf16 activations."""
+def test_quant_linear_dispatch_equals_reference(rows, path):
+    """The fused kernel and dequantize + GEMM (and whichever the measured crossover picks) equal the
+    reference, with a bias, for 3-d input and in bf16 activations."""
+    from specee_core.quant import DENSE_ROW_CANDIDATES, dense_rows
+
     qw = quantize(random_weight(80, 128), "q4")
     bias = torch.randn(80)
-    lin = QuantLinear(qw, bias)
+    lin = QuantLinear(qw, bias, dense_rows={"kernel": 1 << 30, "dequantize+gemm": 1, "measured": None}[path])
+    assert dense_rows() in DENSE_ROW_CANDIDATES
     x = torch.randn(2, rows, 128)
     torch.testing.assert_close(lin(x), linear_reference(x, qw, bias), rtol=1e-5, atol=1e-5)
     xb = x.bfloat16()
@@ -232,3 +236,11 @@ def test_fused_layer_pieces_equal_the_unfused_ones(ee_model_dir):
                      (fused.o_add(o, h), plain.o_add(o, h)), (fused.mlp(h, m.post_norms[1]), plain.mlp(h, m.post_norms[1]))):
             assert a.shape == b.shape
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_quantization_error_is_measured_at_load(ee_model_dir):
+    """A float checkpoint quantized at load reports its relative error (q4 > q8 > 0); float formats none."""
+    errs = {f: SpecEEEngine.from_pretrained(ee_model_dir, dtype="float32", weights=f).weights_info()["quant_error"]
+            for f in ("q8", "q4")}
+    assert 0 < errs["q8"] < errs["q4"] < 0.2, errs
+    assert SpecEEEngine.from_pretrained(ee_model_dir, dtype="float32").weights_info()["quant_error"] is None

@@ -57,3 +57,16 @@ def test_replot_from_the_json(result, tmp_path, capsys):
 def test_bad_modes_are_named():
     with pytest.raises(ValueError, match="unknown modes"):
         evaluate.EvalConfig(modes="dense,fast")
+
+
+def test_low_bit_modes_run_on_their_own_engines_and_report_agreement(tmp_path):
+    """dense_q8 / dense_q4: dense on weights quantized at load, scored against fp32 dense."""
+    cfg = evaluate.EvalConfig(model=BUNDLED, modes="dense,dense_q8,dense_q4", limit=2, batch_size=2, max_new_tokens=16,
+                              dtype="float32", timeout_s=5, perplexity=False)
+    engine = evaluate.SpecEEEngine.from_pretrained(BUNDLED, dtype="float32")
+    modes = evaluate.build_modes(cfg, engine)
+    assert [m.engine.model.weight_format for m in modes] == ["fp32", "q8", "q4"]
+    res = evaluate.run(cfg)
+    rows = {r["mode"]: r for r in res["modes"]}
+    assert set(rows) == {"dense", "dense_q8", "dense_q4"}
+    assert all(0.0 <= rows[m]["agreement"]["token_agreement"] <= 1.0 for m in ("dense_q8", "dense_q4"))

@@ -222,6 +222,7 @@ def test_the_default_job_equals_dense_on_held_out_instructions(tmp_path):
     summary = generate.main(["--input", str(src), "--output", str(tmp_path / "out"), "--model", str(MODEL),
                              "--max-new-tokens", "24", "--num-actors", "1", "--dtype", "float32", "--no-progress"])
     assert summary["mode"] == "auto" and summary["dtype"] == "float32" and summary["errors"] == 0
+    assert summary["weights"] == "fp32" and summary["engines"][0]["weight_mb"] > 500  # recorded beside the dtype
     plan = summary["engines"][0]["plan"]
     assert plan["costs"]["verify_ms"]["16"][0] > 0 and sum(plan["steps_chosen"].values()) > 0
     df = read_output(tmp_path / "out").sort_values("id")

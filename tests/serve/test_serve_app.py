@@ -201,6 +201,7 @@ def test_models_and_health(server, client):
     assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["mode"] == "auto"
     health = r.json()  # what runs and why: dtype, the machine, the measured plan
     assert health["dtype"] == "float32" and health["dtype_reason"] == "float32: asked for"
+    assert health["weights"] == "fp32" and health["weights_reason"] == "fp32: the dtype asked for"
     assert health["machine"]["cpu_capability"] and set(health["plan"]["by_batch"]) == {"1", "8"}
     assert health["plan"]["costs"]["verify_ms"]["8"][0] > 0  # measured at start, up to max_batch_size
 
