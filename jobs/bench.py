@@ -6,7 +6,7 @@ quality against dense greedy decoding. Prints one JSON document.
     python -m jobs.bench --modes hf,dense,auto,spec_lookup_first --batch-sizes 1,8,16 --thresholds "" \
         --dtypes float32,bfloat16                                    # the defaults against fixed settings
     python -m jobs.bench --modes hf,dense --batch-sizes 1,8          # the engine-core comparison
-    python -m jobs.bench --weights q4 --modes llamacpp,hf,dense,auto --dtypes bfloat16,float32,q4 --thresholds ""
+    python -m jobs.bench --weights q4 --modes llamacpp,hf,dense,auto --dtypes bfloat16,float32,q4,q4/bfloat16 --thresholds ""
                                                                      # low-bit weights against llama.cpp
     python -m jobs.bench --dtype float32 --modes hf,dense            # fp32, where dense equals transformers
     python -m jobs.bench --model models/specee-tiny --prompts-file "" --chat false
@@ -67,7 +67,8 @@ class BenchConfig:
     weights: str = "auto"  # the engine's weight format: auto | fp32 | bf16 | q8 | q4 (specee_core.quant)
     gguf: str = ""  # the llamacpp variant's file; "": the GGUF the model was converted from (the shipped one)
     modes: str = "hf,hf_lookup,dense,auto,specee,spec_chain,spec_lookup_first,spec_tree,spec_tree_lookup,spec_t3,spec_lookup"
-    dtypes: str = ""  # e.g. float32,bfloat16,q8,q4: also time dense in each (interleaved) at batch_sizes, against auto's pick
+    dtypes: str = ""  # e.g. float32,bfloat16,q8,q4,q4/bfloat16 (q4 weights, bf16 activations): also time dense in
+    #                   each (interleaved) at batch_sizes, against the main engine's
     spec_depth: int = 4  # chain length of spec_chain and spec_lookup
     tree_depth: int = 5  # the draft tree of spec_tree, spec_tree_lookup and spec_t3: levels,
     tree_width: int = 4  # nodes expanded per level (children per node)
@@ -219,11 +220,12 @@ def time_dtypes(cfg: BenchConfig, prompts: list[str], auto_engine: SpecEEEngine)
     """Dense decode tokens/s in each of cfg.dtypes at each batch size, the engines interleaved round by
     round, and how the dtype auto picked compares with the fastest."""
     names = [d for d in cfg.dtypes.split(",") if d]
-    fmt = auto_engine.model.weight_format
-    picked = fmt if fmt in ("q4", "q8") else str(auto_engine.model.dtype).removeprefix("torch.")
+    fmt, act = auto_engine.model.weight_format, str(auto_engine.model.dtype).removeprefix("torch.")
+    picked = (fmt if act == "float32" else f"{fmt}/{act}") if fmt in ("q4", "q8") else act
 
-    def load(name: str) -> SpecEEEngine:  # a dtype, or a low-bit format with fp32 activations
-        kw = {"weights": name} if name in ("q4", "q8") else {"dtype": name}
+    def load(name: str) -> SpecEEEngine:  # a dtype, a low-bit format (fp32 activations), or format/dtype
+        fmt, _, act = name.partition("/")
+        kw = {"weights": fmt, **({"dtype": act} if act else {})} if fmt in ("q4", "q8") else {"dtype": name}
         return SpecEEEngine.from_pretrained(cfg.model, **kw)
 
     runners = {d: Runner(auto_engine if d == picked else load(d), None, cfg) for d in names}

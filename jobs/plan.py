@@ -1,4 +1,5 @@
-"""Print the plan mode="auto" runs with for a model on this machine: the dtype and why, the measured
+"""Print the plan mode="auto" runs with for a model on this machine: the dtype and weight format and why
+(with --weights auto, also the format auto would pick at each batch size), the measured
 cost of a verify forward per batch size and draft length, one draft-head level's cost, and per
 batch size what a step does for rows it knows nothing about yet (dense, or chains of some depth, and
 the expected gain). Measures what the cache ($SPECEE_CACHE/plans) lacks; --fresh measures again.
@@ -23,6 +24,7 @@ from specee_core.plan import CostTable, machine_facts
 class PlanConfig:
     model: Path = Path("models/smollm2-135m-instruct")
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    weights: str = "auto"  # auto | fp32 | bf16 | q8 | q4 (auto: chosen at the largest batch size)
     device: str = "cpu"
     batch_sizes: str = "1,8,16"
     depth: int = 4  # the deepest chain the plan may choose
@@ -44,13 +46,23 @@ class PlanConfig:
 def run(cfg: PlanConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    engine = SpecEEEngine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    engine = SpecEEEngine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype, weights=cfg.weights,
+                                          max_batch_size=max(cfg.sizes))
     spec = {"depth": cfg.depth}
     plan = engine.spec_plan(spec)
     if cfg.fresh:
         plan.costs = CostTable(key=plan.costs.key)
     engine.prepare_plan(cfg.sizes, spec)
-    return {"model": str(cfg.model), **machine_facts(engine.device), **plan.to_json(cfg.sizes)}
+    out = {"model": str(cfg.model), **machine_facts(engine.device), **engine.weights_info()}
+    if cfg.weights == "auto" and cfg.dtype == "auto":  # what auto would load at each batch size
+        from specee_core.loader import find_model_dir
+        from specee_core.plan import choose_dtype
+        from specee_core.quant import choose_weights
+
+        dev, model_dir = torch.device(cfg.device), find_model_dir(cfg.model)
+        out["weights_by_batch"] = {str(b): choose_weights(model_dir, engine.config, dev, choose_dtype(dev)[0], b)[2]
+                                   for b in cfg.sizes}
+    return {**out, **plan.to_json(cfg.sizes)}
 
 
 def main(argv: list[str] | None = None) -> dict:

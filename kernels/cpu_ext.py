@@ -48,7 +48,13 @@ def lowbit_cpu(avx2_only: bool = False) -> ModuleType:
     isa = "avx2" if avx2_only else torch.backends.cpu.get_cpu_capability().lower()
     name = f"specee_lowbit_{isa}_{digest}"
     build = _build_dir() / name
-    build.mkdir(parents=True, exist_ok=True)
+    try:
+        build.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # an unwritable cache: build in a temporary directory (this process only)
+        import tempfile
+
+        log.warning("cannot create %s (%s); building the kernel in a temporary directory", build, e)
+        build = Path(tempfile.mkdtemp(prefix=f"{name}-"))
     try:
         mod = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build),
                                  extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]

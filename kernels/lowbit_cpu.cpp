@@ -266,7 +266,10 @@ torch::Tensor lowbit_linear(const torch::Tensor& x, const torch::Tensor& qs, con
   const std::vector<float> xs = b == 1 ? block_sums(xp, 1, in) : std::vector<float>();
   at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
 #if LOWBIT_AVX2
-    int64_t r = 0;  // activation rows in tiles of 4, then the rest
+    int64_t r = 0;  // activation rows in tiles of 8 (AVX-512: 32 registers) or 4, then the rest
+#if LOWBIT_AVX512
+    for (; r + 8 <= b; r += 8) rows_simd<8, Q4>(xp + r * in, in, qp, dp, mp, yp + r * out, out, o0, o1);
+#endif
     for (; r + 4 <= b; r += 4) rows_simd<4, Q4>(xp + r * in, in, qp, dp, mp, yp + r * out, out, o0, o1);
     const float* xr = xp + r * in;
     float* yr = yp + r * out;
@@ -300,6 +303,90 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
   TORCH_CHECK(qs.scalar_type() == at::kChar, "q8 qs must be int8");
   check(x, qs, d, QK);
   return lowbit_linear<false>(x, qs, d, nullptr);
+}
+
+// ---- bf16 activations on CPUs with avx512_bf16: each block's weights are formed once in fp32
+// (w = d * q + m), rounded to bf16 (what a bf16 engine holds for the same weights) and shared by the
+// rows, each row one dot-product instruction per block (vdpbf16ps: 32 multiply-adds, fp32 sums),
+// twice the multiply-adds per instruction of the fp32 path. x bf16 [B, I] -> y fp32 [B, O].
+#if LOWBIT_AVX512 && defined(__AVX512BF16__)
+#define LOWBIT_BF16 1
+template <int NB, bool Q4>
+void rows_bf16(const at::BFloat16* x, int64_t in, const uint8_t* qp, const at::Half* dp, const at::Half* mp,
+               float* y, int64_t out, int64_t o0, int64_t o1) {
+  constexpr int P = NB >= 8 ? 1 : 2;  // accumulators per row: few rows need two to hide the latency
+  const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t o = o0; o < o1; ++o) {
+    __m512 acc[P][NB];
+    for (int p = 0; p < P; ++p)
+      for (int r = 0; r < NB; ++r) acc[p][r] = _mm512_setzero_ps();
+    const uint8_t* row = qp + o * g * bpb;
+    for (int64_t k = 0; k < g; ++k) {
+      const __m512 vd = _mm512_set1_ps(h2f(dp[o * g + k]));
+      __m512 w0, w1;
+      if (Q4) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k * bpb));
+        const __m512 vm = _mm512_set1_ps(h2f(mp[o * g + k]));
+        w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low))), vd, vm);
+        w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low))),
+                             vd, vm);
+      } else {
+        const __m128i* b = reinterpret_cast<const __m128i*>(row + k * bpb);
+        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b))), vd);
+        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b + 1))), vd);
+      }
+      const __m512bh wb = _mm512_cvtne2ps_pbh(w1, w0);  // elements 0..15 from w0, 16..31 from w1
+      const int p = P == 1 ? 0 : int(k & 1);
+      for (int r = 0; r < NB; ++r) {
+        const __m512bh xb = (__m512bh)_mm512_loadu_si512(x + r * in + k * QK);
+        acc[p][r] = _mm512_dpbf16_ps(acc[p][r], wb, xb);
+      }
+    }
+    for (int r = 0; r < NB; ++r)
+      y[r * out + o] = _mm512_reduce_add_ps(P == 1 ? acc[0][r] : _mm512_add_ps(acc[0][r], acc[P - 1][r]));
+  }
+}
+
+template <bool Q4>
+torch::Tensor lowbit_linear_bf16(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
+                                 const at::Half* mp) {
+  const int64_t b = x.size(0), in = x.size(1), out = qs.size(0);
+  auto y = torch::empty({b, out}, x.options().dtype(at::kFloat));
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qs.data_ptr());
+  const at::Half* dp = d.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
+    int64_t r = 0;  // tiles of 8 rows share each block's conversion (the part bf16 dot products cannot hide)
+    for (; r + 16 <= b; r += 16) rows_bf16<16, Q4>(xp + r * in, in, qp, dp, mp, yp + r * out, out, o0, o1);
+    for (; r + 8 <= b; r += 8) rows_bf16<8, Q4>(xp + r * in, in, qp, dp, mp, yp + r * out, out, o0, o1);
+    for (; r + 4 <= b; r += 4) rows_bf16<4, Q4>(xp + r * in, in, qp, dp, mp, yp + r * out, out, o0, o1);
+    switch (b - r) {
+      case 3: rows_bf16<3, Q4>(xp + r * in, in, qp, dp, mp, yp + r * out, out, o0, o1); break;
+      case 2: rows_bf16<2, Q4>(xp + r * in, in, qp, dp, mp, yp + r * out, out, o0, o1); break;
+      case 1: rows_bf16<1, Q4>(xp + r * in, in, qp, dp, mp, yp + r * out, out, o0, o1); break;
+      default: break;
+    }
+  });
+  return y;
+}
+#else
+#define LOWBIT_BF16 0
+#endif
+
+// x bf16 [B, I] @ dequant(W)^T -> fp32 [B, O]: the bf16 path above where the CPU has it, else x in fp32
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x must be contiguous bf16 [B, I]");
+#if LOWBIT_BF16
+  TORCH_CHECK(x.size(1) % QK == 0, "in_features ", x.size(1), " is not a multiple of ", QK);
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.size(1) == x.size(1) / QK, "bad scales");
+  TORCH_CHECK(qs.is_contiguous() && qs.size(1) == (m.has_value() ? x.size(1) / 2 : x.size(1)), "bad qs");
+  if (m.has_value()) return lowbit_linear_bf16<true>(x, qs, d, m->data_ptr<at::Half>());
+  return lowbit_linear_bf16<false>(x, qs, d, nullptr);
+#else
+  return m.has_value() ? q4_linear(x.to(at::kFloat), qs, d, *m) : q8_linear(x.to(at::kFloat), qs, d);
+#endif
 }
 
 torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
@@ -399,6 +486,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q8_linear", &q8_linear, "x [B, I] fp32 @ dequant(Q8_0 planes)^T -> [B, O] fp32");
   mod.def("dequantize", &dequantize, "Q4_1 (with m) or Q8_0 planes -> fp32 [O, I]");
   mod.def("linear_add", &linear_add, "residual + x @ dequant(W)^T");
+  mod.def("linear_bf16", &linear_bf16, "x bf16 [B, I] @ dequant(W)^T -> fp32 [B, O] (bf16 dot products where native)");
+  mod.def("has_bf16", []() { return bool(LOWBIT_BF16); });
   mod.def("norm_linear", &norm_linear, "rms_norm(x) * norm_w @ dequant(W)^T");
   mod.def("decode_layer", &decode_layer, "a decoder layer for one token per row at a uniform cache length");
   mod.def("mlp", &mlp, "h + down(silu(gate) * up), (gate, up) = gate_up(rms_norm(h) * norm_w)");

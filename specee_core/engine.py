@@ -141,7 +141,7 @@ class SpecEEEngine:
         faster here at max_batch_size rows; else the matrices in dtype), "fp32" / "bf16" (sets the
         dtype), "q8" / "q4" (quantized at load; activations in fp32 unless dtype says otherwise).
         options: EngineOptions fields and early-exit options (see specee_core.early_exit.EarlyExitOptions)."""
-        from specee_core.quant import LOW_BIT, WEIGHT_FORMATS, choose_weights
+        from specee_core.quant import LOW_BIT, WEIGHT_FORMATS, choose_weights, dtype_name
 
         if weights != "auto" and weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights={weights!r}: expected 'auto' or one of {WEIGHT_FORMATS}")
@@ -162,9 +162,10 @@ class SpecEEEngine:
             if weights == "auto":
                 batch = EngineOptions(**engine_opts).max_batch_size
                 config = ModelConfig.from_file(find_model_dir(path) / "config.json")
-                chosen, weights_reason = choose_weights(find_model_dir(path), config, torch.device(device), dtype, batch)
-                if chosen is not None:
-                    dtype, reason = torch.float32, f"float32: the {chosen} kernels compute in fp32"
+                chosen, act, weights_reason = choose_weights(find_model_dir(path), config, torch.device(device),
+                                                             dtype, batch)
+                if chosen is not None and act != dtype:
+                    dtype, reason = act, f"{dtype_name(act)}: the {chosen} kernels were fastest with it"
         elif weights == "auto":
             chosen, weights_reason = None, "the dtype asked for"
         model = load_model(path, device=device, dtype=dtype, weights=chosen)

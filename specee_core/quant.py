@@ -187,9 +187,18 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead, i = x.shape[:-1], x.shape[-1]
-        x2 = x.reshape(-1, i).float().contiguous()
+        x2 = x.reshape(-1, i)
         n = x2.shape[0]
         qw = self.qw
+        if (x.dtype == torch.bfloat16 and n > 1 and qw.device.type == "cpu" and (k := _cpu_kernel()) is not None
+                and k.has_bf16() and n < (self._dense_rows or DENSE_ROW_CANDIDATES[-1])):
+            # bf16 activations, several rows: bf16 dot products (the weights rounded to bf16 as a bf16
+            # engine holds them); one row stays on the fp32 path, which is faster there
+            y = k.linear_bf16(x2.contiguous(), qw.qs, qw.d, qw.m)
+            if self.b is not None:
+                y = y + self.b.float()
+            return y.to(x.dtype).reshape(*lead, self.out_features)
+        x2 = x2.float().contiguous()
         if n >= (self._dense_rows or (dense_rows() if qw.device.type == "cpu" and n >= DENSE_ROW_CANDIDATES[0]
                                       else DENSE_ROW_CANDIDATES[-1])):
             y = F.linear(x2, qw.dequantize())
@@ -277,7 +286,8 @@ def random_weight(o: int, i: int, fmt: str | None, dtype: torch.dtype, gen: torc
 
 def time_step_linears(config, batch: int, fmt: str | None, dtype: torch.dtype, repeats: int = 3) -> float:
     """ms of a decode step's linears (every layer's, distinct weights so they stream from memory as in a
-    real step, and the LM head: q8 with a low-bit fmt) over `batch` rows of random weights in fmt / dtype."""
+    real step, and the LM head: q8 with a low-bit fmt) over `batch` rows of random weights in fmt (None:
+    dense in dtype), activations in dtype."""
     import statistics
     import time
 
@@ -290,8 +300,7 @@ def time_step_linears(config, batch: int, fmt: str | None, dtype: torch.dtype, r
     shapes = layer * c.num_hidden_layers + [(c.vocab_size, c.hidden_size)]
     fmts = [fmt] * (len(shapes) - 1) + ["q8" if fmt else None]
     lins = [make_linear(random_weight(o, i, f, dtype, gen)) for (o, i), f in zip(shapes, fmts)]
-    act = torch.float32 if fmt else dtype
-    xs = {i: torch.randn(batch, i, generator=gen).to(act) for _, i in shapes}
+    xs = {i: torch.randn(batch, i, generator=gen).to(dtype) for _, i in shapes}
     samples = []
     for rnd in range(repeats + 1):
         t = time.perf_counter()
@@ -302,26 +311,35 @@ def time_step_linears(config, batch: int, fmt: str | None, dtype: torch.dtype, r
     return statistics.median(samples)
 
 
-def choose_weights(model_dir, config, device: torch.device, dtype: torch.dtype, batch: int) -> tuple[str | None, str]:
+def choose_weights(model_dir, config, device: torch.device, dtype: torch.dtype,
+                   batch: int) -> tuple[str | None, torch.dtype, str]:
     """weights "auto": the checkpoint's own low-bit format when it has one (so nothing is approximated)
-    and its linears run faster here, at `batch` rows, than the same shapes in `dtype`; else None
-    (the matrices in dtype). Measured on random weights of the model's shapes (about a second for a
-    135M model); the reason says what was measured."""
+    and its linears run faster here, at `batch` rows, than the same shapes in `dtype`; else None (the
+    matrices in dtype). Returns (format or None, activation dtype, reason). The low-bit format is timed
+    with fp32 activations and, where dtype is bf16, with bf16 activations (bf16 dot products over the
+    weights rounded to bf16: what the bf16 engine computes, from a quarter of the bytes). Measured on
+    random weights of the model's shapes (a second or two for a 135M model)."""
     fmt, source = checkpoint_format(model_dir)
+    name = dtype_name(dtype)
     if fmt is None:
-        return None, f"{dtype_name(dtype)}: {source}; low-bit formats would change outputs (ask with weights=q8/q4)"
+        return None, dtype, f"{name}: {source}; low-bit formats would change outputs (ask with weights=q8/q4)"
     if device.type != "cpu":
-        return None, f"{dtype_name(dtype)}: low-bit weights are chosen on CPU only; ask with weights={fmt}"
+        return None, dtype, f"{name}: low-bit weights are chosen on CPU only; ask with weights={fmt}"
     if _cpu_kernel() is None:
-        return None, f"{dtype_name(dtype)}: the low-bit CPU kernel does not build here"
+        return None, dtype, f"{name}: the low-bit CPU kernel does not build here"
     c = config
     if any(i % QK for i in (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim)):
-        return None, f"{dtype_name(dtype)}: the model's input dims are not multiples of {QK}"
-    low, dense = time_step_linears(c, batch, fmt, torch.float32), time_step_linears(c, batch, None, dtype)
-    measured = f"linears {low:.1f} ms vs {dense:.1f} ms in {dtype_name(dtype)} per step at batch {batch} here"
-    if low < dense:
-        return fmt, f"{fmt}: the checkpoint's own blocks, {source}; {measured}"
-    return None, f"{dtype_name(dtype)}: faster than the checkpoint's {fmt} ({measured})"
+        return None, dtype, f"{name}: the model's input dims are not multiples of {QK}"
+    acts = [torch.float32] + ([torch.bfloat16] if dtype == torch.bfloat16 else [])
+    ms = {(fmt, a): time_step_linears(c, batch, fmt, a) for a in acts}
+    ms[(None, dtype)] = time_step_linears(c, batch, None, dtype)
+    (best_fmt, best_act) = min(ms, key=ms.get)
+    measured = ", ".join(f"{f or name}{'' if f is None else ' + ' + dtype_name(a)} {t:.1f}"
+                         for (f, a), t in ms.items())
+    measured = f"linears ms per step at batch {batch} here: {measured}"
+    if best_fmt is None:
+        return None, dtype, f"{name}: faster than the checkpoint's {fmt} ({measured})"
+    return best_fmt, best_act, f"{fmt} with {dtype_name(best_act)} activations: the checkpoint's own blocks, {source}; {measured}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
