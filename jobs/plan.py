@@ -57,7 +57,7 @@ def run(cfg: PlanConfig) -> dict:
     if cfg.weights == "auto" and cfg.dtype == "auto":  # what auto would load at each batch size
         from specee_core.loader import find_model_dir
         from specee_core.plan import choose_dtype
-        from specee_core.quant import choose_weights
+        from specee_core.weight_plan import choose_weights
 
         dev, model_dir = torch.device(cfg.device), find_model_dir(cfg.model)
         out["weights_by_batch"] = {str(b): choose_weights(model_dir, engine.config, dev, choose_dtype(dev)[0], b)[2]

@@ -141,7 +141,8 @@ class SpecEEEngine:
         faster here at max_batch_size rows; else the matrices in dtype), "fp32" / "bf16" (sets the
         dtype), "q8" / "q4" (quantized at load; activations in fp32 unless dtype says otherwise).
         options: EngineOptions fields and early-exit options (see specee_core.early_exit.EarlyExitOptions)."""
-        from specee_core.quant import LOW_BIT, WEIGHT_FORMATS, choose_weights, dtype_name
+        from specee_core.quant import LOW_BIT, WEIGHT_FORMATS, dtype_name
+        from specee_core.weight_plan import choose_weights
 
         if weights != "auto" and weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights={weights!r}: expected 'auto' or one of {WEIGHT_FORMATS}")

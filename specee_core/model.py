@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from specee_core.config import ModelConfig
 from specee_core.kv_cache import KVCache
-from specee_core.quant import QuantLinear, QuantWeight, embedding, fused_kernel, take_rows
+from specee_core.quant import QuantLinear, QuantWeight, embedding, cpu_kernel, take_rows
 from specee_core.rope import RotaryEmbedding, apply_rope
 
 
@@ -118,7 +118,7 @@ class LayerLinears:
         lins = (make_linear(lw.wqkv, lw.bqkv), make_linear(lw.wo, lw.bo), make_linear(lw.w_gate_up, lw.b_gate_up),
                 make_linear(lw.w_down, lw.b_down), make_linear(_rows(lw.wqkv, q_size), kv_bias))
         fused = (all(isinstance(lin, QuantLinear) and lin.b is None for lin in lins[:4]) and dtype == torch.float32
-                 and lins[0].qw.device.type == "cpu" and fused_kernel() is not None)
+                 and lins[0].qw.device.type == "cpu" and cpu_kernel() is not None)
         return (FusedLowbitLinears if fused else LayerLinears)(*lins)
 
     # the three pieces of a layer around attention; FusedLowbitLinears runs each as one kernel call
@@ -145,15 +145,15 @@ class FusedLowbitLinears(LayerLinears):
         if norm is None:
             return self.qkv(h)
         w = self.qkv.qw
-        return fused_kernel().norm_linear(_rows2d(h), norm.weight, norm.eps, w.qs, w.d, w.m).view(*h.shape[:-1], -1)
+        return cpu_kernel().norm_linear(_rows2d(h), norm.weight, norm.eps, w.qs, w.d, w.m).view(*h.shape[:-1], -1)
 
     def o_add(self, o: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         w = self.o.qw
-        return fused_kernel().linear_add(_rows2d(o), w.qs, w.d, w.m, _rows2d(h)).view(h.shape)
+        return cpu_kernel().linear_add(_rows2d(o), w.qs, w.d, w.m, _rows2d(h)).view(h.shape)
 
     def mlp(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         gu, dn = self.gate_up.qw, self.down.qw
-        return fused_kernel().mlp(_rows2d(h), norm.weight, norm.eps, gu.qs, gu.d, gu.m, dn.qs, dn.d, dn.m).view(h.shape)
+        return cpu_kernel().mlp(_rows2d(h), norm.weight, norm.eps, gu.qs, gu.d, gu.m, dn.qs, dn.d, dn.m).view(h.shape)
 
     def decode_layer(self, h: torch.Tensor, norms: tuple[RMSNorm, RMSNorm], rope: tuple[torch.Tensor, torch.Tensor],
                      slot: tuple[torch.Tensor, torch.Tensor, int], heads: tuple[int, int], scale: float) -> torch.Tensor:
@@ -161,7 +161,7 @@ class FusedLowbitLinears(LayerLinears):
         written into slot; the caller advances the cache)."""
         planes = [[t for t in (lin.qw.qs, lin.qw.d, lin.qw.m) if t is not None]
                   for lin in (self.qkv, self.o, self.gate_up, self.down)]
-        out = fused_kernel().decode_layer(_rows2d(h), norms[0].weight, norms[1].weight, norms[0].eps, *planes,
+        out = cpu_kernel().decode_layer(_rows2d(h), norms[0].weight, norms[1].weight, norms[0].eps, *planes,
                                           *rope, *slot, *heads, scale)
         return out.view(h.shape)
 

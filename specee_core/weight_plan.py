@@ -1,0 +1,85 @@
+"""weights="auto": which weight format (and activation dtype) a checkpoint runs in on this machine.
+
+The checkpoint's own low-bit format is a candidate only where it has one (a GGUF conversion whose
+matrices were Q4_1 / Q8_0 blocks: quantizing them again gives back exactly those blocks, so nothing is
+approximated). It is chosen when a step's linears, timed here on random weights of the model's shapes
+at the batch size in use, are faster than the dtype's dense ones. Pure functions of what was measured;
+the reason string says it.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from specee_core.model import make_linear
+from specee_core.quant import LOW_BIT, QK, cpu_kernel, dtype_name, random_weight
+
+
+def checkpoint_format(model_dir) -> tuple[str | None, str]:
+    """The low-bit format the checkpoint's layer matrices came in: "q4" / "q8" when model_dir is a
+    conversion of a GGUF whose quantized tensors are all Q4_1 / Q8_0 (its import record says so; the
+    values then quantize back into the file's own blocks exactly), else None. With a description."""
+    from specee_core.gguf import ImportRecord
+
+    rec = ImportRecord.read(model_dir)
+    if rec is None:
+        return None, "float checkpoint"
+    quant = {t: n for t, n in rec.quant_types.items() if t not in ("F32", "F16", "BF16")}
+    layer_types = {t for t in quant if t != "Q8_0"} or set(quant)  # the Q8_0 one is the embedding
+    fmt = {frozenset({"Q4_1"}): "q4", frozenset({"Q8_0"}): "q8"}.get(frozenset(layer_types))
+    return fmt, f"{rec.source} ({', '.join(f'{n} {t}' for t, n in sorted(quant.items()))})"
+
+
+def time_step_linears(config, batch: int, fmt: str | None, dtype: torch.dtype, repeats: int = 3) -> float:
+    """ms of a decode step's linears (every layer's, distinct weights so they stream from memory as in a
+    real step, and the LM head: q8 with a low-bit fmt) over `batch` rows of random weights in fmt (None:
+    dense in dtype), activations in dtype."""
+    c, gen = config, torch.Generator().manual_seed(0)
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q), (2 * c.intermediate_size, c.hidden_size),
+             (c.hidden_size, c.intermediate_size)]
+    shapes = layer * c.num_hidden_layers + [(c.vocab_size, c.hidden_size)]
+    fmts = [fmt] * (len(shapes) - 1) + ["q8" if fmt else None]
+    lins = [make_linear(random_weight(o, i, f, dtype, gen)) for (o, i), f in zip(shapes, fmts)]
+    xs = {i: torch.randn(batch, i, generator=gen).to(dtype) for _, i in shapes}
+    samples = []
+    for rnd in range(repeats + 1):
+        t = time.perf_counter()
+        for lin, (_, i) in zip(lins, shapes):
+            lin(xs[i])
+        if rnd:  # round 0 warms up (and packs oneDNN weights)
+            samples.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(samples)
+
+
+def choose_weights(model_dir, config, device: torch.device, dtype: torch.dtype,
+                   batch: int) -> tuple[str | None, torch.dtype, str]:
+    """weights "auto": the checkpoint's own low-bit format when it has one (so nothing is approximated)
+    and its linears run faster here, at `batch` rows, than the same shapes in `dtype`; else None (the
+    matrices in dtype). Returns (format or None, activation dtype, reason). The low-bit format is timed
+    with fp32 activations and, where dtype is bf16, with bf16 activations (bf16 dot products over the
+    weights rounded to bf16: what the bf16 engine computes, from a quarter of the bytes). Measured on
+    random weights of the model's shapes (a second or two for a 135M model)."""
+    fmt, source = checkpoint_format(model_dir)
+    name = dtype_name(dtype)
+    if fmt is None:
+        return None, dtype, f"{name}: {source}; low-bit formats would change outputs (ask with weights=q8/q4)"
+    if device.type != "cpu":
+        return None, dtype, f"{name}: low-bit weights are chosen on CPU only; ask with weights={fmt}"
+    if cpu_kernel() is None:
+        return None, dtype, f"{name}: the low-bit CPU kernel does not build here"
+    c = config
+    if any(i % QK for i in (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim)):
+        return None, dtype, f"{name}: the model's input dims are not multiples of {QK}"
+    acts = [torch.float32] + ([torch.bfloat16] if dtype == torch.bfloat16 else [])
+    ms = {(fmt, a): time_step_linears(c, batch, fmt, a) for a in acts}
+    ms[(None, dtype)] = time_step_linears(c, batch, None, dtype)
+    (best_fmt, best_act) = min(ms, key=ms.get)
+    measured = ", ".join(f"{f or name}{'' if f is None else ' + ' + dtype_name(a)} {t:.1f}"
+                         for (f, a), t in ms.items())
+    measured = f"linears ms per step at batch {batch} here: {measured}"
+    if best_fmt is None:
+        return None, dtype, f"{name}: faster than the checkpoint's {fmt} ({measured})"
+    return best_fmt, best_act, f"{fmt} with {dtype_name(best_act)} activations: the checkpoint's own blocks, {source}; {measured}"
