@@ -97,29 +97,34 @@ inline void unpack_q8(const int8_t* blk, __m256 q[4]) {
 // A block's weights are formed once (w = q * d + m, one FMA per vector) and shared by the NB rows;
 // even and odd blocks accumulate separately to hide the FMA latency.
 #if LOWBIT_AVX512
+// a block's 32 weights in fp32, elements 0..15 in w0 and 16..31 in w1: w = d * q + m (q4) or d * q (q8)
+template <bool Q4>
+inline void block_weights_512(const uint8_t* blk, at::Half d, at::Half m, __m512& w0, __m512& w1) {
+  const __m512 vd = _mm512_set1_ps(h2f(d));
+  if (Q4) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+    const __m512 vm = _mm512_set1_ps(h2f(m));
+    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low))), vd, vm);
+    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low))), vd, vm);
+  } else {
+    const __m128i* b = reinterpret_cast<const __m128i*>(blk);
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b))), vd);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b + 1))), vd);
+  }
+}
+
 template <int NB, bool Q4>
 void rows_simd(const float* x, int64_t in, const uint8_t* qp, const at::Half* dp, const at::Half* mp, float* y,
                int64_t out, int64_t o0, int64_t o1) {
   const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
-  const __m128i low = _mm_set1_epi8(0x0F);
   for (int64_t o = o0; o < o1; ++o) {
     __m512 acc[2][NB];
     for (int r = 0; r < NB; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
     const uint8_t* row = qp + o * g * bpb;
     for (int64_t k = 0; k < g; ++k) {
-      const __m512 vd = _mm512_set1_ps(h2f(dp[o * g + k]));
       __m512 w0, w1;
-      if (Q4) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k * bpb));
-        const __m512 vm = _mm512_set1_ps(h2f(mp[o * g + k]));
-        w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low))), vd, vm);
-        w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low))),
-                             vd, vm);
-      } else {
-        const __m128i* b = reinterpret_cast<const __m128i*>(row + k * bpb);
-        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b))), vd);
-        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b + 1))), vd);
-      }
+      block_weights_512<Q4>(row + k * bpb, dp[o * g + k], Q4 ? mp[o * g + k] : at::Half(0.f), w0, w1);
       const int p = k & 1;
       for (int r = 0; r < NB; ++r) {
         const float* xr = x + r * in + k * QK;
@@ -316,26 +321,14 @@ void rows_bf16(const at::BFloat16* x, int64_t in, const uint8_t* qp, const at::H
                float* y, int64_t out, int64_t o0, int64_t o1) {
   constexpr int P = NB >= 8 ? 1 : 2;  // accumulators per row: few rows need two to hide the latency
   const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
-  const __m128i low = _mm_set1_epi8(0x0F);
   for (int64_t o = o0; o < o1; ++o) {
     __m512 acc[P][NB];
     for (int p = 0; p < P; ++p)
       for (int r = 0; r < NB; ++r) acc[p][r] = _mm512_setzero_ps();
     const uint8_t* row = qp + o * g * bpb;
     for (int64_t k = 0; k < g; ++k) {
-      const __m512 vd = _mm512_set1_ps(h2f(dp[o * g + k]));
       __m512 w0, w1;
-      if (Q4) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k * bpb));
-        const __m512 vm = _mm512_set1_ps(h2f(mp[o * g + k]));
-        w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low))), vd, vm);
-        w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low))),
-                             vd, vm);
-      } else {
-        const __m128i* b = reinterpret_cast<const __m128i*>(row + k * bpb);
-        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b))), vd);
-        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b + 1))), vd);
-      }
+      block_weights_512<Q4>(row + k * bpb, dp[o * g + k], Q4 ? mp[o * g + k] : at::Half(0.f), w0, w1);
       const __m512bh wb = _mm512_cvtne2ps_pbh(w1, w0);  // elements 0..15 from w0, 16..31 from w1
       const int p = P == 1 ? 0 : int(k & 1);
       for (int r = 0; r < NB; ++r) {
