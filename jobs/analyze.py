@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from pipeline.output import EXIT_PLOT
+from specee_core.calibration import upper_bound
 
 
 @dataclass
@@ -60,6 +61,22 @@ def group_stats(df: pd.DataFrame, by: str) -> pd.DataFrame:
         "ttft_s_p50": g_ok["ttft_s"].median(),
     })
     out[["tokens"]] = out[["tokens"]].fillna(0).astype(int)
+    return out
+
+
+def audit_stats(df: pd.DataFrame, confidence: float = 0.95) -> list[dict]:
+    """Per schedule version: the live audit's exits run on to full depth, the disagreements among
+    them, the rate and its upper confidence bound (rows without audit columns count nothing)."""
+    if "audit_exits" not in df:
+        return []
+    ok = df[df["error"].isna() & df["audit_exits"].notna()]
+    out = []
+    for version, g in ok.groupby(ok["schedule_version"].astype("Int64"), dropna=False):
+        n = int(sum(int(np.sum(a)) for a in g["audit_exits"]))
+        k = int(sum(int(np.sum(a)) for a in g["audit_disagree"]))
+        out.append({"schedule_version": None if pd.isna(version) else int(version), "audit_exits": n,
+                    "audit_disagree": k, "disagreement": k / n if n else None,
+                    "upper_bound": upper_bound(k, n, 1 - confidence) if n else None})
     return out
 
 
@@ -122,6 +139,7 @@ def analyze(cfg: AnalyzeConfig) -> dict:
         "error_kinds": df["error"].dropna().str.split(":").str[0].value_counts().to_dict(),
         "per_run": records(per_run),
         "per_schedule_version": records(per_version),
+        "audit_per_schedule_version": audit_stats(df),
         "png": str(cfg.png),
     }
 
@@ -133,7 +151,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     result = analyze(AnalyzeConfig(output=args.output, png=args.png))
     with pd.option_context("display.width", 120, "display.float_format", "{:.3f}".format):
-        for name in ("per_run", "per_schedule_version"):
+        for name in ("per_run", "per_schedule_version", "audit_per_schedule_version"):
+            if not result[name]:
+                continue
             print(f"\n{name}:\n{pd.DataFrame(result[name]).to_string(index=False)}")
     print(json.dumps(result, indent=2))
     return result

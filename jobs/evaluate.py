@@ -12,7 +12,8 @@ EAGLE-2 tree of --tree-depth/-width/-nodes plus the lookup chain), specee (early
 project's exit rule: the argmax among the k candidates) and specee_full (the paper artifact's rule:
 the predictor fires, then the full LM head's argmax must be one of the k candidates and is
 emitted), spec_t3 (spec_tree with T3 exits inside verification). specee, specee_full and spec_t3
-run once per --thresholds value. dense_q8 / dense_q4: dense decoding on the weights quantized at load
+run once per --thresholds value (raw, uncalibrated), and specee once more per --max-disagreement
+value (thresholds calibrated per layer to that tolerance: specee_core.calibration). dense_q8 / dense_q4: dense decoding on the weights quantized at load
 (specee_core.quant; activations in fp32), agreement measured against dense in --dtype: with
 --dtype float32 that is the quantization's own cost.
 
@@ -56,10 +57,13 @@ class EvalConfig:
     model: Path = Path("models/smollm2-135m-instruct")
     modes: str = "hf,dense,spec,specee,specee_full"
     thresholds: str = "0.5,0.7,0.9"  # of specee, specee_full and spec_t3 (0.5: the paper's)
+    max_disagreement: str = ""  # specee with thresholds calibrated to each tolerance, e.g. "0.01,0.02,0.05"
+    confidence: float = 0.95
     limit: int = 0  # the first N problems; 0: all 164
     batch_size: int = 1  # problems per generate call
     max_new_tokens: int = 256  # a row that never closes its code block stops here
     dtype: str = "bfloat16"
+    weights: str = "auto"  # specee_core.quant.WEIGHT_FORMATS; q4 with --dtype float32: SmolLM2's own fp32 model
     chat: str = "auto"  # "auto" (the chat template when the model has one) | "true" | "false"
     tree_depth: int = 5  # spec_tree and spec_t3's draft tree
     tree_width: int = 4
@@ -91,6 +95,10 @@ class EvalConfig:
     def threshold_list(self) -> list[float]:
         return [float(t) for t in self.thresholds.split(",") if t]
 
+    @property
+    def tolerance_list(self) -> list[float]:
+        return [float(t) for t in self.max_disagreement.split(",") if t]
+
 
 @dataclass
 class Mode:
@@ -101,9 +109,12 @@ class Mode:
     spec: dict | None = None
     seconds: float = 0.0
     results: list = field(default_factory=list)  # per problem: token ids, text, exit layers, spec steps
+    max_disagreement: float | None = None  # specee: calibrated thresholds for this tolerance
 
     @property
     def name(self) -> str:
+        if self.max_disagreement is not None:
+            return f"{self.kind}@eps{self.max_disagreement:g}"
         return self.kind if self.threshold is None else f"{self.kind}@{self.threshold:g}"
 
 
@@ -121,6 +132,10 @@ def build_modes(cfg: EvalConfig, engine: SpecEEEngine) -> list[Mode]:
             for th in cfg.threshold_list:
                 spec = {**tree, "t3": True} if kind == "spec_t3" else None
                 modes.append(Mode(kind, th, engine.with_options(threshold=th, verify=verify), spec))
+            if kind == "specee":
+                for eps in cfg.tolerance_list:
+                    modes.append(Mode(kind, None, engine.with_options(max_disagreement=eps, confidence=cfg.confidence),
+                                      max_disagreement=eps))
         elif kind in LOW_BIT_KINDS:
             modes.append(Mode(kind, None, SpecEEEngine.from_pretrained(cfg.model, weights=LOW_BIT_KINDS[kind])))
         else:
@@ -220,7 +235,8 @@ def reference_nll(cfg: EvalConfig, engine: SpecEEEngine, modes: list[Mode], prob
 def summarize(mode: Mode, dense: Mode | None, passed: dict[str, list[bool]], num_layers: int) -> dict:
     res = mode.results
     tokens = sum(len(r["token_ids"]) for r in res)
-    row = {"mode": mode.kind, "threshold": mode.threshold, "pass_at_1": metrics.pass_at_1(passed[mode.name]),
+    row = {"mode": mode.kind, "threshold": mode.threshold, "max_disagreement": mode.max_disagreement,
+           "pass_at_1": metrics.pass_at_1(passed[mode.name]),
            "passed": sum(passed[mode.name]), "tokens": tokens, "seconds": mode.seconds,
            "tokens_per_s": metrics.speed(tokens, mode.seconds)}
     layers = [l for r in res if r["exit_layers"] for l in r["exit_layers"][1:]]
@@ -259,9 +275,10 @@ def plot_pareto(result: dict, path: Path) -> None:
             ax.plot([r["speedup_vs_dense"] for r in pts], y, marker=marker, color=color, label=kind,
                     linestyle="-" if len(pts) > 1 else "none")
             for r, yy in zip(pts, y):
-                if r["threshold"] is not None:
-                    ax.annotate(f"{r['threshold']:g}", (r["speedup_vs_dense"], yy), fontsize=7,
-                                textcoords="offset points", xytext=(3, 3))
+                label = point_label(r)
+                if label:
+                    ax.annotate(label, (r["speedup_vs_dense"], yy), fontsize=7, textcoords="offset points",
+                                xytext=(3, 3))
         ax.axvline(1.0, color="tab:blue", lw=0.6, ls=":")
         ax.set_ylim(0, 1.02 if key == "prefix_agreement" else max(r["pass_at_1"] for r in rows) * 1.3 + 0.01)
         ax.set_xlabel("speed-up over dense (tokens/s, same run)")
@@ -270,10 +287,18 @@ def plot_pareto(result: dict, path: Path) -> None:
     axes[0].legend(fontsize=8)
     c = result["config"]
     fig.suptitle(f"{Path(c['model']).name}, {c['dtype']}, batch {c['batch_size']}, {result['problems']} problems "
-                 f"(commit {result['git_commit']}); labels: exit threshold", fontsize=9)
+                 f"(commit {result['git_commit']}); labels: raw exit threshold, or eps = calibrated tolerance",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def point_label(r: dict) -> str:
+    """A point's label: its calibrated tolerance (eps), else its raw threshold, else nothing."""
+    if r.get("max_disagreement") is not None:
+        return f"eps {r['max_disagreement']:g}"
+    return "" if r["threshold"] is None else f"{r['threshold']:g}"
 
 
 def markdown(result: dict) -> str:
@@ -283,9 +308,10 @@ def markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     ppl = result.get("perplexity", {}).get("modes", {})
     for r in result["modes"]:
-        name = r["mode"] if r["threshold"] is None else f"{r['mode']} @ {r['threshold']:g}"
+        label = point_label(r)
+        name = f"{r['mode']} @ {label}" if label else r["mode"]
         a = r.get("agreement", {})
-        key = "dense" if r["mode"] in ("dense", "spec", "spec_tree") else name.replace(" @ ", "@")
+        key = "dense" if r["mode"] in ("dense", "spec", "spec_tree") else name.replace(" @ ", "@").replace("eps ", "eps")
         p = ppl.get(key, {}).get("perplexity")
         lines.append("| " + " | ".join([
             name, f"{r['pass_at_1']:.3f} ({r['passed']})", f"{r['tokens_per_s']:.1f}",
@@ -302,7 +328,7 @@ def run(cfg: EvalConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     commit = git_commit()  # of the code that runs (taken before a long run, not after)
-    engine = SpecEEEngine.from_pretrained(cfg.model, dtype=cfg.dtype)
+    engine = SpecEEEngine.from_pretrained(cfg.model, dtype=cfg.dtype, weights=cfg.weights)
     chat = engine.has_chat_template if cfg.chat == "auto" else cfg.chat == "true"
     problems = humaneval.load_problems(cfg.limit or None)
     prompts = [humaneval.engine_prompt(p, engine.chat_prompt if chat else None) for p in problems]
@@ -330,7 +356,7 @@ def run(cfg: EvalConfig) -> dict:
     result: dict = {
         "config": {k: str(v) for k, v in vars(cfg).items()}, "git_commit": commit, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "machine": platform.machine(), "device": str(engine.device),
-        "dtype": str(engine.model.dtype), "num_layers": engine.config.num_hidden_layers, "chat": chat,
+        "dtype": str(engine.model.dtype), **engine.weights_info(), "num_layers": engine.config.num_hidden_layers, "chat": chat,
         "problems": len(problems), "sandbox": {"limits": vars(limits), "guards": outcomes[0].guards if outcomes else {},
                                                "programs_run": len(set(flat)), "seconds": exec_s},
         "generation_seconds": gen_s,

@@ -65,7 +65,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--explore-every", type=int, default=8,
                    help="specee: every n-th decode step runs every predictor, so that re-tuning sees exits "
                         "the current schedule would miss (0: never; re-tuning then sees a biased histogram)")
-    p.add_argument("--threshold", type=float, default=None, help="specee: exit probability threshold")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="specee: raw exit probability threshold (uncalibrated; see --max-disagreement)")
+    p.add_argument("--max-disagreement", type=float, default=None,
+                   help="specee: at most this share of exited tokens may differ from the full model's choice "
+                        "(per-layer thresholds calibrated on held-out data, audited live; e.g. 0.02)")
+    p.add_argument("--confidence", type=float, default=0.95, help="specee: confidence of --max-disagreement")
+    p.add_argument("--audit-fraction", type=float, default=None,
+                   help="specee: share of decode steps whose exited rows still run every layer, to check the "
+                        "tolerance live (default 0.05 with --max-disagreement, else 0)")
     p.add_argument("--spec-proposer", choices=["auto", "draft", "lookup"], default=None,
                    help="spec, auto: draft head, prompt lookup, or auto (the draft head when the model has one)")
     p.add_argument("--spec-depth", type=int, default=None,
@@ -95,6 +103,13 @@ def build_config(args: argparse.Namespace):
     early_exit = {"explore_every": args.explore_every} if mode == "specee" else {}
     if args.threshold is not None:
         early_exit["threshold"] = args.threshold
+    if args.max_disagreement is not None:
+        if mode != "specee":
+            raise SystemExit("--max-disagreement applies to --mode specee (the other modes are lossless)")
+        early_exit.update(max_disagreement=args.max_disagreement, confidence=args.confidence)
+    audit = args.audit_fraction if args.audit_fraction is not None else (0.05 if args.max_disagreement else 0.0)
+    if audit:
+        early_exit["audit_fraction"] = audit
     spec = {k: v for k, v in (("proposer", args.spec_proposer), ("depth", args.spec_depth),
                               ("width", args.spec_width), ("lookup", args.spec_lookup),
                               ("t3", args.spec_t3 or None)) if v is not None}

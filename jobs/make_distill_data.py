@@ -86,10 +86,12 @@ def drop_partial_line(path: Path) -> None:
         log.warning("%s: unfinished last line removed", path)
 
 
-def sample_prompts(path: Path, n: int, seed: int = 0, exclude: Path | None = None) -> list[dict]:
-    """n instruction rows drawn at random (by seed) from path, skipping the ids found in the JSON
-    lines of `exclude` (e.g. a distill file, so that measurements use prompts a draft never saw)."""
-    rows = read_prompts(path)
+def sample_prompts(path: Path, n: int, seed: int = 0, exclude: Path | None = None,
+                   exclude_first: int = 0) -> list[dict]:
+    """n instruction rows drawn at random (by seed) from path, skipping its first exclude_first rows
+    and the ids found in the JSON lines of `exclude` (e.g. a distill file, or the --limit of one:
+    measurements use prompts a draft never saw)."""
+    rows = read_prompts(path)[exclude_first:]
     if exclude is not None:
         skip = {r["id"] for r in read_jsonl(exclude)}
         rows = [r for r in rows if r["id"] not in skip]

@@ -1,8 +1,8 @@
 """Train the per-layer exit predictors from full-depth decoding over training prompts.
 
     python -m jobs.train_predictors --model models/specee-tiny                 # corpus snippets
-    python -m jobs.train_predictors --model models/smollm2-135m-instruct --dtype bfloat16 \
-        --prompts prompts/instructions_train.jsonl --exclude data/distill/smollm2.jsonl
+    python -m jobs.train_predictors --model models/smollm2-135m-instruct --weights q4 \
+        --prompts prompts/instructions_train.jsonl --exclude-first 672 --num-prompts 750 --calib-prompts 250
 
 Decodes --num-prompts training prompts (corpus snippets, or with --prompts instruction rows
 rendered with the chat template when the tokenizer has one) greedily at full depth with the
@@ -11,6 +11,11 @@ layer's candidate-local argmax is the final token", trains one MLP per layer (BC
 <model>/predictors.safetensors and <model>/predictors_report.json: per-layer positive rate,
 precision and recall, the speculator's decode hit rates (a draft head with a vocabulary subset
 also over the whole vocabulary) and the oracle exit depth.
+
+With --calib-prompts N, N further prompts (never trained on) are decoded the same way and give
+<model>/calibration.json (specee_core.calibration: per layer and candidate threshold, the exits
+and disagreements with the full model, from which max_disagreement's thresholds are derived), the
+per-layer precision/recall curves on them in the report and, with --plot, a figure of them.
 """
 from __future__ import annotations
 
@@ -28,7 +33,8 @@ from jobs.make_distill_data import render_prompt, sample_prompts
 from specee_core import SpecEEEngine
 from specee_core.collect import collect_exit_data, exit_labels, hit_rates, oracle_exit_layers, predictor_dataset
 from specee_core.early_exit import DRAFT_DIR, PREDICTORS_FILE
-from specee_core.predictors import PredictorBank, classification_report, train_layer
+from specee_core.calibration import CALIBRATION_FILE, Calibration
+from specee_core.predictors import PredictorBank, classification_report, exit_probability, train_layer
 from specee_core.speculators import DraftHead, DraftSpeculator, PromptLookupSpeculator, Speculator
 
 log = logging.getLogger(__name__)
@@ -40,9 +46,13 @@ class PredictorTrainConfig:
     corpus: Path = Path("data/corpus")
     prompts: Path | None = None  # instruction rows {"id", "prompt"} (JSON lines) instead of corpus snippets
     exclude: Path | None = None  # JSON lines whose ids --prompts skips (e.g. the draft's distill data)
+    exclude_first: int = 0  # skip the first N rows of --prompts (the draft's distillation took --limit N)
     dtype: str = "float32"  # the engine's dtype: decode in the one it will serve with
+    weights: str = "fp32"  # specee_core.quant.WEIGHT_FORMATS: q4 on SmolLM2 is its own weights at q4 speed
     ckpt_dir: Path = Path("runs/train_predictors")  # the decode data, kept for reruns
     num_prompts: int = 128
+    calib_prompts: int = 0  # further prompts for calibration.json (0: none)
+    plot: Path | None = None  # the precision/recall curves of the calibration split
     max_new_tokens: int = 128
     batch_size: int = 16
     k: int = 4
@@ -55,6 +65,7 @@ class PredictorTrainConfig:
     def __post_init__(self) -> None:
         self.model, self.corpus, self.ckpt_dir = Path(self.model), Path(self.corpus), Path(self.ckpt_dir)
         self.prompts, self.exclude = optional_path(self.prompts), optional_path(self.exclude)
+        self.plot = optional_path(self.plot)
         if self.speculator not in ("draft", "lookup"):
             raise ValueError(f"speculator must be 'draft' or 'lookup', got {self.speculator!r}")
 
@@ -64,11 +75,12 @@ def optional_path(p) -> Path | None:
 
 
 def training_prompts(engine, corpus: Path, prompts: Path | None, n: int, seed: int,
-                     exclude: Path | None = None) -> list[str]:
+                     exclude: Path | None = None, exclude_first: int = 0) -> list[str]:
     """n prompt texts: instruction rows of `prompts` through the chat template, else corpus snippets."""
     if prompts is None:
         return sample_snippets(corpus / "train.jsonl", n, seed=seed)
-    return [render_prompt(engine, r["prompt"]) for r in sample_prompts(prompts, n, seed=seed, exclude=exclude)]
+    rows = sample_prompts(prompts, n, seed=seed, exclude=exclude, exclude_first=exclude_first)
+    return [render_prompt(engine, r["prompt"]) for r in rows]
 
 
 class ShadowSpeculator(Speculator):
@@ -99,13 +111,14 @@ def make_speculator(engine, model_dir: Path, kind: str, k: int):
     return PromptLookupSpeculator(k=k, fallback=draft)
 
 
-def collect(engine, prompts: list[str], cfg: PredictorTrainConfig):
+def collect(engine, prompts: list[str], cfg: PredictorTrainConfig, part: str = "train"):
     """(z [S, L-1, K], cand [S, K], final [S], cand_whole [S, K] or None) from full-depth decoding,
     cached in --ckpt-dir so that a rerun with the same settings trains without decoding again.
     cand_whole: the draft head's candidates over the whole vocabulary when it ranks a subset."""
-    key = {k: str(getattr(cfg, k)) for k in ("model", "corpus", "prompts", "exclude", "dtype", "num_prompts",
-                                             "max_new_tokens", "batch_size", "k", "speculator", "seed")}
-    path = cfg.ckpt_dir / "exit_data.pt"
+    key = {k: str(getattr(cfg, k)) for k in ("model", "corpus", "prompts", "exclude", "exclude_first", "dtype",
+                                             "weights", "num_prompts", "calib_prompts", "max_new_tokens",
+                                             "batch_size", "k", "speculator", "seed")}
+    path = cfg.ckpt_dir / f"exit_data_{part}.pt"
     if path.is_file():
         saved = torch.load(path, weights_only=True)
         if saved["key"] == key:
@@ -126,9 +139,12 @@ def collect(engine, prompts: list[str], cfg: PredictorTrainConfig):
 def train(cfg: PredictorTrainConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    engine = SpecEEEngine.from_pretrained(cfg.model, dtype=cfg.dtype, max_batch_size=cfg.batch_size)
+    engine = SpecEEEngine.from_pretrained(cfg.model, dtype=cfg.dtype, weights=cfg.weights,
+                                          max_batch_size=cfg.batch_size)
     L = engine.config.num_hidden_layers
-    prompts = training_prompts(engine, cfg.corpus, cfg.prompts, cfg.num_prompts, cfg.seed, cfg.exclude)
+    every = training_prompts(engine, cfg.corpus, cfg.prompts, cfg.num_prompts + cfg.calib_prompts, cfg.seed,
+                             cfg.exclude, cfg.exclude_first)
+    prompts, calib = every[: cfg.num_prompts], every[cfg.num_prompts :]
     t0 = time.perf_counter()
     z, cand, final, cand_whole = collect(engine, prompts, cfg)
     labels = exit_labels(z, cand, final)  # [S, L-1]
@@ -136,7 +152,8 @@ def train(cfg: PredictorTrainConfig) -> dict:
     oracle = oracle_exit_layers(labels, L).float()
     report: dict = {"steps": len(final), "collect_s": round(collect_s, 1),
                     "speculator": {cfg.speculator: hit_rates(cand, final)}, "dtype": cfg.dtype,
-                    "prompts": str(cfg.prompts or cfg.corpus / "train.jsonl"), "num_prompts": len(prompts),
+                    "weights": cfg.weights, "prompts": str(cfg.prompts or cfg.corpus / "train.jsonl"),
+                    "num_prompts": len(prompts), "exclude_first": cfg.exclude_first,
                     "max_new_tokens": cfg.max_new_tokens, "oracle_avg_layers": oracle.mean().item(), "oracle_layer_fraction": oracle.mean().item() / L,
                     "layers": {}}
     if cand_whole is not None:  # the same draft head ranking the whole vocabulary instead of its subset
@@ -155,11 +172,70 @@ def train(cfg: PredictorTrainConfig) -> dict:
         report["layers"][layer] = {k: round(v, 4) if isinstance(v, float) else v for k, v in rep.items()}
         print(json.dumps({"layer": layer, **report["layers"][layer]}), flush=True)
     meta = {"speculator": cfg.speculator, "label": "local", "steps": s, "train_samples_per_layer": len(tr)}
-    PredictorBank.from_mlps(cfg.k, mlps, meta).save(cfg.model / PREDICTORS_FILE)
+    bank = PredictorBank.from_mlps(cfg.k, mlps, meta)
+    bank.save(cfg.model / PREDICTORS_FILE)
+    if calib:
+        report["calibration"] = calibrate(engine, bank, calib, cfg)
     report["train_s"] = round(time.perf_counter() - t0 - collect_s, 1)
     (cfg.model / "predictors_report.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report), flush=True)
     return report
+
+
+def calibrate(engine, bank: PredictorBank, prompts: list[str], cfg: PredictorTrainConfig) -> dict:
+    """calibration.json from full-depth decoding of the held-out prompts; returns the report's part:
+    the split's size, per-layer precision/recall over the threshold grid, the thresholds at a few
+    tolerances."""
+    z, cand, final, _ = collect(engine, prompts, cfg, part="calib")
+    labels = exit_labels(z, cand, final)
+    p_exit, agree = {}, {}
+    for layer in sorted(bank.layers):
+        x, y = predictor_dataset(z, labels, layer, seed=cfg.seed + 1000)
+        with torch.no_grad():
+            p_exit[layer] = exit_probability(x, bank.layers[layer])
+        agree[layer] = y > 0.5
+    cal = Calibration.count(p_exit, agree, prompts=len(prompts), source=str(cfg.prompts or cfg.corpus),
+                            meta={"dtype": cfg.dtype, "weights": cfg.weights, "max_new_tokens": cfg.max_new_tokens,
+                                  "exclude_first": cfg.exclude_first, "seed": cfg.seed})
+    cal.save(cfg.model / CALIBRATION_FILE)
+    curves = {l: {"positive_rate": round(agree[l].float().mean().item(), 4),
+                  "threshold": c.thresholds,
+                  "precision": [round(1 - k / n, 4) if n else None for n, k in zip(c.exits, c.disagree)],
+                  "recall": [round((n - k) / max(int(agree[l].sum()), 1), 4) for n, k in zip(c.exits, c.disagree)]}
+              for l, c in cal.layers.items()}
+    at = {str(eps): {l: c.threshold for l, c in cal.thresholds(eps).items()} for eps in (0.01, 0.02, 0.05)}
+    if cfg.plot:
+        plot_curves(curves, cfg.plot, f"{cfg.model.name}: exit predictors on {len(prompts)} held-out prompts "
+                                      f"({cal.tokens} tokens)")
+    log.info("calibration: %d prompts, %d tokens -> %s", len(prompts), cal.tokens, cfg.model / CALIBRATION_FILE)
+    return {"prompts": len(prompts), "tokens": cal.tokens, "curves": curves, "thresholds": at}
+
+
+def plot_curves(curves: dict, path: Path, title: str) -> None:
+    """Precision against recall per layer (colour by depth), the points being the threshold grid."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    cmap, layers = plt.get_cmap("viridis"), sorted(curves)
+    for i, l in enumerate(layers):
+        c = curves[l]
+        pts = [(r, p) for r, p in zip(c["recall"], c["precision"]) if p is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker=".", color=cmap(i / max(len(layers) - 1, 1)), lw=1,
+                    label=f"layer {l}" if i % 4 == 0 or l == layers[-1] else None)
+    for eps in (0.01, 0.02, 0.05):
+        ax.axhline(1 - eps, color="grey", lw=0.6, ls="--")
+        ax.text(0.0, 1 - eps, f" 1 - {eps}", va="bottom", fontsize=7, color="grey")
+    ax.set_xlabel("recall (share of agreeing tokens that exit)")
+    ax.set_ylabel("precision (share of exits that agree with the full model)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="lower left")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -271,7 +271,9 @@ def run(cfg: BatchConfig) -> dict:
                           id_column=cfg.id_column, limit=cfg.limit)
     resources = actor_resources(cfg)
     store_name = f"specee-schedule-{run_id}"
-    store = remote_store(store_name, schedule, cfg.retune_every_tokens, cfg.retune_min_exits) \
+    opts = cfg.stage.engine_options
+    store = remote_store(store_name, schedule, cfg.retune_every_tokens, cfg.retune_min_exits,
+                         opts.get("max_disagreement"), opts.get("confidence", 0.95)) \
         if cfg.stage.mode == "specee" else None
     engine = ray.remote(GenerateRows).options(max_restarts=-1, max_task_retries=TASK_RETRIES,
                                               runtime_env=cfg.runtime_env, **resources)
@@ -423,6 +425,8 @@ def summarize(cfg: BatchConfig, out: OutputDir, run_id: str, this_run: RowStats,
                             "predictors, so real speed-up is lower",
         "final_schedule": None if cfg.stage.mode != "specee" or latest is None else asdict(latest),
         "schedule_store": store_state,
+        # specee with a tolerance: the live audit's disagreement per layer with its upper bound, layers closed
+        "audit": None if store_state is None else store_state.get("audit"),
         "dtype": engine_info[0]["dtype"] if engine_info else None,
         "weights": engine_info[0]["weights"] if engine_info else None,
         "engines": engine_info,  # per actor: dtype and why, the machine, in mode auto the plan and its choices

@@ -91,6 +91,9 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict | None = None
     user: str | None = None
     mode: Literal["auto", "dense", "specee", "spec"] | None = None  # extension: override the server's decode mode
+    # extension, mode specee: exit thresholds calibrated so that at most this share of exited tokens
+    # differs from the full model's choice (specee_core.calibration)
+    max_disagreement: float | None = Field(None, gt=0, lt=1, allow_inf_nan=False)
 
     @field_validator("stop")
     @classmethod
@@ -117,7 +120,8 @@ class _SamplingRequest(BaseModel):
         return {"max_new_tokens": max_tokens,
                 "temperature": 1.0 if self.temperature is None else float(self.temperature),
                 "top_p": 1.0 if self.top_p is None else float(self.top_p),
-                "top_k": max(self.top_k or 0, 0), "stop": tuple(stop or ()), "seed": self.seed}
+                "top_k": max(self.top_k or 0, 0), "stop": tuple(stop or ()), "seed": self.seed,
+                "max_disagreement": self.max_disagreement}
 
     @property
     def include_usage(self) -> bool:

@@ -125,7 +125,7 @@ class ServeArgs(BaseModel):
 class Work:
     """One request's engine work: its prompts and SpecEEEngine.generate keyword arguments."""
     prompts: tuple[str, ...]
-    params: dict  # max_new_tokens, temperature, top_p, top_k, stop (tuple), seed
+    params: dict  # max_new_tokens, temperature, top_p, top_k, stop (tuple), seed, max_disagreement
     mode: str
     ids: tuple = ()  # the prompts' token ids (continuous batching runs these)
 
@@ -133,7 +133,8 @@ class Work:
         p = self.params
         sampling = SamplingParams(max_new_tokens=p["max_new_tokens"], temperature=p["temperature"], top_p=p["top_p"],
                                   top_k=p["top_k"], stop=list(p["stop"]), seed=p["seed"])
-        return EngineRequest([list(i) for i in self.ids], sampling, self.mode, on_token=on_token)
+        return EngineRequest([list(i) for i in self.ids], sampling, self.mode, on_token=on_token,
+                             max_disagreement=p.get("max_disagreement"))
 
     def key(self) -> tuple:
         """Requests with equal keys can share one engine call."""
@@ -529,6 +530,8 @@ class SpecEEServer:
             mode = self._pick_mode(req.mode or self.mode)
         except ValueError as e:
             raise APIError(str(e), param="mode", code="invalid_value") from None
+        if req.max_disagreement is not None:
+            self._check_tolerance(mode, req.max_disagreement)
         for stop in req.sampling(1)["stop"]:
             if len(stop) > self.args.max_stop_chars:
                 raise APIError(f"a stop string has {len(stop)} characters; the limit is {self.args.max_stop_chars}",
@@ -554,6 +557,16 @@ class SpecEEServer:
                            f"{len(prompts)} to generate); this server allows {self.args.max_request_tokens} per "
                            f"request", param="max_tokens", code="request_too_large")
         return mode, req.sampling(max_tokens), sum(lengths), tuple(tuple(i) for i in ids)
+
+    def _check_tolerance(self, mode: str, eps: float) -> None:
+        """A 400 unless the request's mode is specee and the model has a calibration for eps."""
+        if mode != "specee":
+            raise APIError(f"max_disagreement applies to mode 'specee' only (the other modes are lossless); "
+                           f"the request runs in mode {mode!r}", param="max_disagreement", code="invalid_value")
+        try:
+            self.engine.stepper_factory("specee", None, eps)
+        except ValueError as e:
+            raise APIError(str(e), param="max_disagreement", code="invalid_value") from None
 
     def _encode(self, prompts: list[str], param: str) -> list[list[int]]:
         """The prompts' token ids (on a request thread); a prompt over the context is a 400."""

@@ -38,6 +38,8 @@ OUTPUT_SCHEMA = pa.schema([
     ("schedule_version", pa.int32()),  # the SpecEE schedule the row ran with; null unless mode is specee
     ("num_layers", pa.int16()),
     ("retune_histogram", pa.list_(pa.int32())),  # [L] what the scheduler update rule consumes; null if none
+    ("audit_exits", pa.list_(pa.int32())),  # [L] per exit layer: exits run on to full depth; null without audit
+    ("audit_disagree", pa.list_(pa.int32())),  # [L] of them, those the full model would have chosen otherwise
     ("batch_id", pa.string()),  # <worker>-<n>: the actor call the row ran in
     ("batch_rows", pa.int32()),  # rows in that call
     ("batch_started_at", pa.float64()),  # unix seconds when that call started
@@ -169,7 +171,10 @@ class GenerateRows:
         hist = [sum(col) for col in zip(*hists)] if hists else None
         tokens = sum(r["completion_tokens"] for r in ok)
         layer_tokens = sum(r["avg_layers"] * r["completion_tokens"] for r in ok)
-        self.store.report.remote(self.schedule_version, len(rows), tokens, layer_tokens, hist)
+        audited = [r for r in ok if r.get("audit_exits") is not None]
+        audit = None if not audited else ([sum(c) for c in zip(*(r["audit_exits"] for r in audited))],
+                                          [sum(c) for c in zip(*(r["audit_disagree"] for r in audited))])
+        self.store.report.remote(self.schedule_version, len(rows), tokens, layer_tokens, hist, audit)
 
     def describe(self) -> dict:
         """What this engine runs with: dtype (and why) and, in mode auto, the measured plan and its choices."""
@@ -260,6 +265,7 @@ class GenerateRows:
             "avg_layers": r.stats["avg_layers"], "latency_s": r.metrics["e2e_latency_s"],
             "ttft_s": r.metrics["ttft_s"],
             "retune_histogram": r.stats.get("retune_histogram") if self.cfg.mode == "specee" else None,
+            "audit_exits": r.stats.get("audit_exits"), "audit_disagree": r.stats.get("audit_disagree"),
         }
 
     @staticmethod

@@ -55,6 +55,7 @@ class Request:
     params: SamplingParams
     mode: str = "auto"
     spec: dict | None = None
+    max_disagreement: float | None = None  # specee: calibrated thresholds for this tolerance
     on_token: Callable[[int, int], None] | None = None
     on_done: Callable[[Request], None] | None = None  # on the engine thread, once, when results or error are set
     results: list[GenerationResult | None] = field(init=False)
@@ -92,7 +93,7 @@ class Request:
         seed = ("seeded", self.uid) if (p.seed is not None and not greedy) else None  # one generator per lane
         spec = tuple(sorted((self.spec or {}).items()))
         sampling = (0.0, 1.0, 0) if greedy else (p.temperature, p.top_p, p.top_k)
-        return (self.mode, spec, *sampling, p.ignore_eos, seed)
+        return (self.mode, spec, self.max_disagreement, *sampling, p.ignore_eos, seed)
 
 
 @dataclass(eq=False)
@@ -118,7 +119,7 @@ class Lane:
                                      seed=p.seed, ignore_eos=p.ignore_eos)
         self.generator = None if p.seed is None else torch.Generator(device=m.device).manual_seed(p.seed)
         self.mode = request.mode
-        factory, self.headroom = engine.stepper_factory(request.mode, request.spec)
+        factory, self.headroom = engine.stepper_factory(request.mode, request.spec, request.max_disagreement)
         self.cache = m.new_cache(slots, max_len)
         dev = m.device
         self.batch = Batch(prompt_ids=[[] for _ in range(slots)], params=self.params, max_new=[0] * slots,
@@ -270,7 +271,7 @@ class Scheduler:
     # ---- from any thread -------------------------------------------------------------------------
     def submit(self, request: Request) -> Request:
         """Queue a request (validated here: ValueError / PromptError for what cannot run)."""
-        self.engine.stepper_factory(request.mode, request.spec)  # a mode or options the engine cannot run
+        self.engine.stepper_factory(request.mode, request.spec, request.max_disagreement)  # a mode or options the engine cannot run
         for i, p in enumerate(request.prompt_ids):
             if not p:
                 raise PromptError(f"prompt {i} is empty")
@@ -375,7 +376,7 @@ class Scheduler:
                 return lane
         if len(self.lanes) >= self.max_lanes:
             return None  # its turn comes when a lane empties
-        _, headroom = self.engine.stepper_factory(req.mode, req.spec)
+        _, headroom = self.engine.stepper_factory(req.mode, req.spec, req.max_disagreement)
         max_len = self.min_len
         while max_len < row_len + headroom:
             max_len *= 2

@@ -9,12 +9,14 @@ Files beside the model (all optional; predictors are what turns the mode on):
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 
+from specee_core.calibration import CALIBRATION_FILE, Calibration, calibrate_command, check_tolerance
 from specee_core.predictors import LayerPredictor, PredictorBank, exit_probability, predictor_features
 from specee_core.sampling import sample
 from specee_core.scheduler import OnlineWindow, Schedule
@@ -32,6 +34,14 @@ class EarlyExitOptions:
     # exit when sigmoid(predictor) > threshold; > 1 switches exits off. 0.9, not the paper's 0.5:
     # on specee-tiny 0.5 agreed with dense on 60% of teacher-forced tokens, 0.9 on 84%
     threshold: float = 0.9
+    # the quality contract (specee_core.calibration): per-layer thresholds such that the share of
+    # exited tokens that differ from the full model's argmax stays <= max_disagreement with this
+    # confidence on held-out calibration data. None: the raw `threshold` above, uncalibrated.
+    max_disagreement: float | None = None
+    confidence: float = 0.95
+    # live audit: this share of steps runs exited rows on to full depth anyway (their output is
+    # unchanged) and counts per exit layer whether the full model agreed; 0 = never
+    audit_fraction: float = 0.0
     verify: str = "local"  # "local": argmax among the k candidates | "full": LM-head argmax at the exit layer
     # skipped layers' KV: "propagate" (K/V from the exit hidden state) | "gap" (left empty) |
     # "recompute" (the missing layers run for the exited position in the same chunk as the next token
@@ -62,13 +72,16 @@ class EarlyExitOptions:
             raise ValueError(f"threshold must be >= 0, got {self.threshold}")
         if self.explore_every < 0:
             raise ValueError(f"explore_every must be >= 0, got {self.explore_every}")
+        check_tolerance(self.max_disagreement, self.confidence)
+        if not 0.0 <= self.audit_fraction <= 1.0:
+            raise ValueError(f"audit_fraction must be in [0, 1], got {self.audit_fraction}")
 
 
 class EarlyExit:
     """What mode="specee" needs: speculator, predictors, schedule, options."""
 
     def __init__(self, model, speculator: Speculator, predictors: PredictorBank, schedule: Schedule,
-                 options: EarlyExitOptions):
+                 options: EarlyExitOptions, calibration: Calibration | None = None, model_dir: Path | None = None):
         if speculator.k != predictors.k:
             raise ValueError(f"speculator proposes {speculator.k} candidates, predictors expect {predictors.k}")
         self.model = model
@@ -76,11 +89,32 @@ class EarlyExit:
         self.predictors = predictors.to(model.device)
         self.schedule = schedule
         self.options = options
+        self.calibration = calibration
+        self.model_dir = model_dir
+        self.thresholds = self._thresholds()
 
     def with_options(self, **changes) -> EarlyExit:
         """The same speculator, predictors and schedule with some options changed."""
         opts = replace(self.options, **changes)
-        return EarlyExit(self.model, self.speculator, self.predictors, self.schedule, opts)
+        return EarlyExit(self.model, self.speculator, self.predictors, self.schedule, opts, self.calibration,
+                         self.model_dir)
+
+    def _thresholds(self) -> dict[int, float]:
+        """Exit threshold per predictor layer (a layer missing here never exits): calibrated for
+        max_disagreement when it is set, else the raw threshold everywhere."""
+        opts = self.options
+        if opts.max_disagreement is None:
+            return {l: opts.threshold for l in self.predictors.layers}
+        if self.calibration is None:
+            raise ValueError(f"max_disagreement needs {CALIBRATION_FILE} beside the predictors in "
+                             f"{self.model_dir or 'the model directory'}; make it with: "
+                             f"{calibrate_command(self.model_dir or '<model dir>')}")
+        cal = self.calibration.thresholds(opts.max_disagreement, opts.confidence)
+        return {l: c.threshold for l, c in cal.items() if c.threshold is not None and l in self.predictors.layers}
+
+    def exit_layers(self) -> frozenset[int]:
+        """The layers where a row may exit now: a threshold and not disabled by the schedule (the audit)."""
+        return frozenset(self.thresholds) - frozenset(self.schedule.disabled_layers)
 
     def new_stepper(self, engine, batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor) -> Stepper:
         return Stepper(self, engine, batch, cache, prefill_hidden, lens)
@@ -125,7 +159,7 @@ def load_early_exit(model_dir: Path, model, tokenizer, draft_head: DraftHead | N
     schedule = Schedule(num_layers=schedule.num_layers, offline_layers=schedule.offline_layers,
                         window=schedule.window if opts.window is None else opts.window,
                         offsets=schedule.offsets if opts.offsets is None else opts.offsets,
-                        version=schedule.version, source=schedule.source)
+                        version=schedule.version, source=schedule.source, disabled_layers=schedule.disabled_layers)
     draft = None if draft_head is None else DraftSpeculator(draft_head, model, k=predictors.k)
     if opts.speculator == "draft":
         if draft is None:
@@ -135,7 +169,8 @@ def load_early_exit(model_dir: Path, model, tokenizer, draft_head: DraftHead | N
         speculator = PromptLookupSpeculator(k=predictors.k, fallback=draft)
     else:
         speculator = draft
-    return EarlyExit(model, speculator, predictors, schedule, opts)
+    calibration = Calibration.load(model_dir / CALIBRATION_FILE) if (model_dir / CALIBRATION_FILE).is_file() else None
+    return EarlyExit(model, speculator, predictors, schedule, opts, calibration, model_dir)
 
 
 class CandidateScorer:
@@ -188,6 +223,14 @@ class Pending:
 class RowStats:
     predictor_calls: int = 0
     explore_histogram: list[int] = field(default_factory=list)
+    # live audit, per exit layer (index l - 1): exits run on to full depth, and those whose token
+    # the full model would not have chosen
+    audit_exits: list[int] = field(default_factory=list)
+    audit_disagree: list[int] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, num_layers: int) -> RowStats:
+        return cls(explore_histogram=[0] * num_layers, audit_exits=[0] * num_layers, audit_disagree=[0] * num_layers)
 
 
 # One decode step has N "step rows": step row j is batch row alive[j] (and cache row alive[j]).
@@ -202,6 +245,7 @@ class Proposal:
     tokens: torch.Tensor  # [N] the tokens fed this step
     cand: torch.Tensor  # [N, K] candidate token ids
     explore: bool  # every predictor runs this step (unbiased exit statistics for re-tuning)
+    audit: bool  # exited rows run on to full depth and are compared with the full model's argmax
 
 
 @dataclass
@@ -223,6 +267,7 @@ class Decisions:
     tokens: torch.Tensor  # [N]
     layers: list[int]  # [N] the exit layer; L when every layer ran
     hidden: torch.Tensor  # [N, D] the final-normed hidden state whose logits chose the token
+    choice: torch.Tensor  # [N] the exit's greedy choice (what the audit compares; = tokens when greedy)
 
 
 def _index(indices: list[int], count: int, device) -> torch.Tensor | None:
@@ -250,9 +295,10 @@ class Stepper:
         n = len(batch.prompt_ids)
         self.histories = [list(p) for p in batch.prompt_ids]
         self.windows = [OnlineWindow(ee.schedule) for _ in range(n)]
-        self.rows = [RowStats(explore_histogram=[0] * m.num_layers) for _ in range(n)]
+        self.rows = [RowStats.empty(m.num_layers) for _ in range(n)]
         self.features = m.final_norm(batch.last_hidden)  # [B, D] feature of the last fed position
-        self.pred_layers = frozenset(ee.predictors.layers)
+        self.thresholds = ee.thresholds
+        self.pred_layers = ee.exit_layers()
         self.compact = opts.skip == "row" or (opts.skip == "auto" and m.device.type == "cuda")
         self.pending: list[list[Pending]] = [[] for _ in range(n)]  # kv_mode="recompute"
         self._chunk_rope: tuple = ((), None)  # (positions, rope) of the last recompute chunk
@@ -268,7 +314,7 @@ class Stepper:
         for b in rows:
             self.histories[b] = list(batch.prompt_ids[b])
             self.windows[b] = OnlineWindow(self.ee.schedule)
-            self.rows[b] = RowStats(explore_histogram=[0] * m.num_layers)
+            self.rows[b] = RowStats.empty(m.num_layers)
             self.pending[b] = []
         idx = torch.tensor(rows, device=m.device)
         self.features[idx] = m.final_norm(batch.last_hidden[idx])
@@ -292,10 +338,15 @@ class Stepper:
             walk.h = self._run_layer(i, prop, walk)
             if i + 1 < L:
                 exits = self._decide_exits(i + 1, prop, walk, out, generator)
-                if exits:
+                if exits and prop.audit:  # decided, but every layer still runs (exact KV, nothing pending)
+                    for r in exits:
+                        walk.done[walk.running[r]] = True
+                elif exits:
                     self._leave(i + 1, exits, prop, walk)
                     if not walk.running:
                         break
+        if prop.audit:
+            self._audit(walk, prop, out)
         self._full_depth(walk, out, generator)
         self._commit(prop, out)
         self.t_total += time.perf_counter() - t_start
@@ -311,8 +362,10 @@ class Stepper:
         cand = self.speculator.propose(alive, self.histories, toks,
                                           self.features if idx is None else self.features[idx])
         explore = opts.explore_every > 0 and self.step_no % opts.explore_every == 0
+        f = opts.audit_fraction  # steps s with floor((s + 1) f) > floor(s f): a share f, evenly spread
+        audit = f > 0 and math.floor((self.step_no + 1) * f) > math.floor(self.step_no * f)
         self.step_no += 1
-        return Proposal(alive, idx, toks, cand, explore)
+        return Proposal(alive, idx, toks, cand, explore, audit)
 
     def _start(self, prop: Proposal, rows: torch.Tensor | None) -> tuple[Walk, Decisions]:
         """Every step row runs from the embedding; nothing is decided yet."""
@@ -324,7 +377,8 @@ class Stepper:
                     scorer=CandidateScorer(m, prop.cand, self.ee.options.predictor_backend),
                     prev=torch.zeros(n, self.ee.predictors.k, device=dev), done=[False] * n)
         out = Decisions(tokens=torch.empty(n, dtype=torch.int64, device=dev), layers=[m.num_layers] * n,
-                        hidden=torch.empty(n, m.config.hidden_size, dtype=m.dtype, device=dev))
+                        hidden=torch.empty(n, m.config.hidden_size, dtype=m.dtype, device=dev),
+                        choice=torch.empty(n, dtype=torch.int64, device=dev))
         return walk, out
 
     def _run_layer(self, i: int, prop: Proposal, walk: Walk) -> torch.Tensor:
@@ -363,7 +417,7 @@ class Stepper:
             walk.prev[js_dev] = prob
         for j in js:
             self.rows[prop.alive[j]].predictor_calls += 1
-        fired = [q for q, f in enumerate((p_exit > self.ee.options.threshold).tolist()) if f]  # positions in sel
+        fired = [q for q, f in enumerate((p_exit > self.thresholds[layer]).tolist()) if f]  # positions in sel
         if len(fired) == len(sel):
             return sel, hs, local
         if not fired:
@@ -379,9 +433,11 @@ class Stepper:
         m, params, dev = self.model, self.batch.params, self.model.device
         hn = m.final_norm(h_fired)  # [F, D]
         if self.ee.options.verify == "local" and params.greedy:
-            tok, ok = local, [True] * len(fired)
+            tok, ok, choice = local, [True] * len(fired), local
         else:  # one full LM-head product, only for the rows whose predictor fired
-            tok = sample(m.lm_head(hn), params, generator)
+            logits = m.lm_head(hn)
+            tok = sample(logits, params, generator)
+            choice = tok if params.greedy else logits.argmax(-1)
             fired_cand = prop.cand[torch.tensor([walk.running[r] for r in fired], device=dev)]
             ok = (tok[:, None] == fired_cand).any(1).tolist() if params.greedy else [True] * len(fired)
         accepted = [a for a, good in enumerate(ok) if good]  # positions in fired
@@ -392,6 +448,7 @@ class Stepper:
         a_dev = _index(accepted, len(fired), dev)
         out.tokens[exiting] = tok if a_dev is None else tok[a_dev]
         out.hidden[exiting] = hn if a_dev is None else hn[a_dev]
+        out.choice[exiting] = choice if a_dev is None else choice[a_dev]
         for r in exits:
             out.layers[walk.running[r]] = layer
         return exits
@@ -433,14 +490,29 @@ class Stepper:
             for j in range(layer, m.num_layers):
                 m.write_kv(j, h, rope, self.cache, crows)
 
+    def _audit(self, walk: Walk, prop: Proposal, out: Decisions) -> None:
+        """An audited step: the rows that exited ran every layer anyway; count, per exit layer,
+        whether the full model's argmax is the token their exit chose."""
+        audited = [r for r, j in enumerate(walk.running) if walk.done[j]]
+        if not audited:
+            return
+        m, dev = self.model, self.model.device
+        js = [walk.running[r] for r in audited]
+        full = m.lm_head(m.final_norm(walk.h[torch.tensor(audited, device=dev), 0])).argmax(-1)
+        agree = (full == out.choice[torch.tensor(js, device=dev)]).tolist()
+        for j, ok in zip(js, agree):
+            stats, l = self.rows[prop.alive[j]], out.layers[j]
+            stats.audit_exits[l - 1] += 1
+            stats.audit_disagree[l - 1] += 0 if ok else 1
+
     def _full_depth(self, walk: Walk, out: Decisions, generator) -> None:
         """The rows that ran every layer get the normal LM head (rows that exited but kept running
         under skip "batch" keep their exit's decision)."""
         m, dev = self.model, self.model.device
-        if not self.compact and walk.running:
+        if walk.running:  # exited rows still in the walk (skip "batch", or an audited step)
             still = [r for r, j in enumerate(walk.running) if not walk.done[j]]
             if len(still) < len(walk.running):
-                walk.h = walk.h[torch.tensor(still, device=dev)]
+                walk.h = walk.h[torch.tensor(still, dtype=torch.long, device=dev)]
                 walk.running = [walk.running[r] for r in still]
         if not walk.running:
             return
@@ -499,7 +571,8 @@ class Stepper:
     def row_stats(self, b: int) -> dict:
         total = max(self.t_total, 1e-9)
         r = self.rows[b]
-        explore = self.ee.options.explore_every > 0
+        explore, audit = self.ee.options.explore_every > 0, self.ee.options.audit_fraction > 0
         return {"predictor_calls": r.predictor_calls, "explore_histogram": r.explore_histogram if explore else None,
+                "audit_exits": r.audit_exits if audit else None, "audit_disagree": r.audit_disagree if audit else None,
                 "draft_time_share": self.t_draft / total, "predictor_time_share": self.t_pred / total,
                 "schedule_version": self.ee.schedule.version}

@@ -226,7 +226,7 @@ class SpecEEEngine:
                  top_p: float = 1.0, top_k: int = 0, stop: list[str] | str | None = None,
                  seed: int | None = None, mode: str = "auto", ignore_eos: bool = False,
                  on_token: Callable[[int, int], None] | None = None, spec: dict | None = None,
-                 ) -> list[GenerationResult]:
+                 max_disagreement: float | None = None) -> list[GenerationResult]:
         """Generate a completion for each prompt, in batches of options.max_batch_size.
 
         mode: "auto" (default; lossless: per step a dense step or speculative decoding, whichever the
@@ -235,10 +235,14 @@ class SpecEEEngine:
 
         on_token(prompt_index, token_id) is called for every generated token as it is chosen
         (streaming); tokens after a stop string are still reported, the final text is cut. An
-        exception raised by on_token cancels the call and propagates (the cache is reset per call)."""
+        exception raised by on_token cancels the call and propagates (the cache is reset per call).
+
+        max_disagreement (mode "specee"): exit thresholds calibrated so that at most this share of
+        exited tokens differs from the full model's choice (specee_core.calibration); None: the
+        engine's own setting."""
         if isinstance(prompts, str):
             raise PromptError("prompts must be a list of strings, got a single string")
-        factory, headroom = self.stepper_factory(mode, spec)
+        factory, headroom = self.stepper_factory(mode, spec, max_disagreement)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, stop=stop or [], seed=seed,
                                 ignore_eos=ignore_eos)
@@ -257,7 +261,7 @@ class SpecEEEngine:
         return {"weights": self.model.weight_format, "weights_reason": self.weights_reason,
                 "weight_mb": round(weight_bytes(self.model.w) / 1e6, 1), "quant_error": self.model.w.quant_error}
 
-    def stepper_factory(self, mode: str = "auto", spec: dict | None = None):
+    def stepper_factory(self, mode: str = "auto", spec: dict | None = None, max_disagreement: float | None = None):
         """The stepper factory of a mode (None: dense) and the KV slots it needs past a row's last token.
         Raises ValueError for a mode or options this engine cannot run, before any prompt is."""
         if mode not in MODES:
@@ -266,8 +270,14 @@ class SpecEEEngine:
             raise ValueError("mode='specee' needs predictors and a speculator: none were found beside the model")
         if spec and mode not in ("spec", "auto"):
             raise ValueError(f"spec options apply to mode='spec' or 'auto' only, mode is {mode!r}")
+        if max_disagreement is not None and mode != "specee":
+            raise ValueError(f"max_disagreement applies to mode='specee' only (the other modes are lossless), "
+                             f"mode is {mode!r}")
         if mode == "specee":
-            return self.early_exit.new_stepper, 0
+            ee = self.early_exit
+            if max_disagreement is not None and max_disagreement != ee.options.max_disagreement:
+                ee = ee.with_options(max_disagreement=max_disagreement)
+            return ee.new_stepper, 0
         if mode in ("spec", "auto"):
             return self._spec_factory(spec or {}, planned=mode == "auto")
         return None, 0

@@ -139,19 +139,27 @@ class LayerLinears:
 class FusedLowbitLinears(LayerLinears):
     """Low-bit linears whose layer pieces (norm + qkv, o + residual, the whole MLP) are one C++ call each
     (kernels/lowbit_cpu.cpp): the norm, SiLU and residual adds between the GEMVs go through ATen from C++
-    instead of a dozen Python-dispatched ops. Same math as LayerLinears' (tested against it)."""
+    instead of a dozen Python-dispatched ops. Same math as LayerLinears' (tested against it). From the
+    rows where dequantize + GEMM is faster (prefill: QuantLinear.dense_from), the pieces run unfused."""
+
+    def _prefill(self, x: torch.Tensor) -> bool:
+        return self.qkv.dense_from(x.numel() // x.shape[-1])
 
     def qkv_normed(self, h: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
-        if norm is None:
-            return self.qkv(h)
+        if norm is None or self._prefill(h):
+            return super().qkv_normed(h, norm)
         w = self.qkv.qw
         return cpu_kernel().norm_linear(_rows2d(h), norm.weight, norm.eps, w.qs, w.d, w.m).view(*h.shape[:-1], -1)
 
     def o_add(self, o: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        if self._prefill(h):
+            return super().o_add(o, h)
         w = self.o.qw
         return cpu_kernel().linear_add(_rows2d(o), w.qs, w.d, w.m, _rows2d(h)).view(h.shape)
 
     def mlp(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        if self._prefill(h):
+            return super().mlp(h, norm)
         gu, dn = self.gate_up.qw, self.down.qw
         return cpu_kernel().mlp(_rows2d(h), norm.weight, norm.eps, gu.qs, gu.d, gu.m, dn.qs, dn.d, dn.m).view(h.shape)
 

@@ -181,6 +181,14 @@ class QuantLinear:
         self._dense_rows = dense_rows
         self.out_features, self.in_features = qw.shape
 
+    def dense_from(self, n: int) -> bool:
+        """Whether n rows take the dequantize + GEMM path (prefill) rather than the kernel."""
+        if self._dense_rows:
+            return n >= self._dense_rows
+        if self.qw.device.type == "cpu":
+            return n >= DENSE_ROW_CANDIDATES[0] and n >= dense_rows()
+        return n >= DENSE_ROW_CANDIDATES[-1]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead, i = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, i)
@@ -195,8 +203,7 @@ class QuantLinear:
                 y = y + self.b.float()
             return y.to(x.dtype).reshape(*lead, self.out_features)
         x2 = x2.float().contiguous()
-        if n >= (self._dense_rows or (dense_rows() if qw.device.type == "cpu" and n >= DENSE_ROW_CANDIDATES[0]
-                                      else DENSE_ROW_CANDIDATES[-1])):
+        if self.dense_from(n):
             y = F.linear(x2, qw.dequantize())
         elif qw.device.type == "cuda":
             from kernels.lowbit_gemv import lowbit_linear

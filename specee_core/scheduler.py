@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -24,11 +24,14 @@ class Schedule:
     offsets: tuple[int, ...] = (-2, 0, 2)
     version: int = 0
     source: str = "profile"
+    # layers where no row may exit: the live audit found their disagreement above the tolerance
+    disabled_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.offline_layers = sorted(set(int(l) for l in self.offline_layers))
+        self.disabled_layers = sorted(set(int(l) for l in self.disabled_layers))
+        self.offline_layers = sorted(set(int(l) for l in self.offline_layers) - set(self.disabled_layers))
         self.offsets = tuple(int(o) for o in self.offsets)
-        bad = [l for l in self.offline_layers if not 1 <= l < self.num_layers]
+        bad = [l for l in self.offline_layers + self.disabled_layers if not 1 <= l < self.num_layers]
         if bad:
             raise ValueError(f"schedule layers {bad} out of range: predictor layers are 1..{self.num_layers - 1}")
         if self.window < 0:
@@ -56,14 +59,15 @@ class Schedule:
         return cls(num_layers=num_layers, offline_layers=list(range(1, num_layers)), window=0, **kw)
 
 
-def select_offline_layers(exit_histogram: Sequence[int], num_predictors: int) -> list[int]:
-    """The update rule: the num_predictors layers with the most exits.
+def select_offline_layers(exit_histogram: Sequence[int], num_predictors: int,
+                          disabled: Sequence[int] = ()) -> list[int]:
+    """The update rule: the num_predictors layers with the most exits (none of `disabled`).
 
     exit_histogram[i] counts tokens that exited with i + 1 layers run (length L; the last
     entry, full depth, is not a candidate). Ties go to the shallower layer, which saves more.
     """
     counts = list(exit_histogram)[:-1]
-    ranked = sorted(range(len(counts)), key=lambda i: (-counts[i], i))
+    ranked = sorted((i for i in range(len(counts)) if i + 1 not in set(disabled)), key=lambda i: (-counts[i], i))
     return sorted(i + 1 for i in ranked[:num_predictors])
 
 
@@ -74,9 +78,14 @@ def retune(schedule: Schedule, exit_histogram: Sequence[int], min_tokens: int = 
         raise ValueError(f"exit histogram has {len(exit_histogram)} bins, expected {schedule.num_layers}")
     if sum(exit_histogram[:-1]) < min_tokens:
         return schedule
-    layers = select_offline_layers(exit_histogram, len(schedule.offline_layers))
-    return Schedule(num_layers=schedule.num_layers, offline_layers=layers, window=schedule.window,
-                    offsets=schedule.offsets, version=schedule.version + 1, source="retune")
+    layers = select_offline_layers(exit_histogram, len(schedule.offline_layers), schedule.disabled_layers)
+    return replace(schedule, offline_layers=layers, version=schedule.version + 1, source="retune")
+
+
+def disable_layers(schedule: Schedule, layers: Sequence[int], source: str = "audit") -> Schedule:
+    """The next version with `layers` closed to exits (the audit's tightening)."""
+    return replace(schedule, disabled_layers=sorted(set(schedule.disabled_layers) | set(layers)),
+                   version=schedule.version + 1, source=source)
 
 
 @dataclass
@@ -97,4 +106,4 @@ class OnlineWindow:
             for o in s.offsets:
                 if 1 <= l + o < s.num_layers:
                     active.add(l + o)
-        return active
+        return active - set(s.disabled_layers)

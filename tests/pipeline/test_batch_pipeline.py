@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import ray
+import torch
 
 from pipeline.batch import BatchConfig, run
 from pipeline.local_ray import init_ray
@@ -351,3 +352,48 @@ def test_actor_resources_share_the_cpus(model_dir, tmp_path):
     assert actor_resources(config(model_dir, "x.jsonl", tmp_path, num_actors=4)) == {"num_cpus": 0.5, "num_gpus": 0}
     gpu = BatchConfig(input=["x.jsonl"], output=str(tmp_path), stage=StageConfig(model="m", device="cuda"))
     assert actor_resources(gpu) == {"num_cpus": 1, "num_gpus": 1}
+
+
+def test_live_audit_closes_a_layer_made_bad_on_purpose(tmp_path):
+    """The bundled model with a calibration that certifies every layer, and layer 1's predictor
+    sabotaged to fire on every token (a token decided after 1 of 16 layers is mostly wrong). With
+    --max-disagreement 0.02 and every step audited, the store sees layer 1's disagreements pass the
+    tolerance at 95% confidence and publishes a version with the layer closed; rows record their
+    version, rows on the new version never exit at layer 1, and the summary and jobs.analyze report
+    the audited disagreement with its bound."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from jobs import analyze, generate
+    from specee_core.calibration import CALIBRATION_FILE, Calibration, LayerCounts
+
+    model = tmp_path / "model"
+    shutil.copytree(BUNDLED, model)
+    tensors = load_file(model / "predictors.safetensors")
+    with safe_open(str(model / "predictors.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+    tensors["layer.1.b2"] = torch.full_like(tensors["layer.1.b2"], 50.0)  # sigmoid = 1: always fires
+    save_file(tensors, str(model / "predictors.safetensors"), metadata=meta)
+    layers = json.loads(meta["layers"])
+    Calibration({l: LayerCounts([0.9], [100000], [0]) for l in layers}, tokens=100000,
+                prompts=1000).save(model / CALIBRATION_FILE)
+    rows = [{"id": f"r{i:02d}", "prompt": GOOD[i % len(GOOD)]} for i in range(24)]
+    src = write_jsonl(tmp_path / "p.jsonl", rows)
+    out = tmp_path / "out"
+    summary = generate.main(["--input", str(src), "--output", str(out), "--model", str(model), "--mode", "specee",
+                             "--max-new-tokens", "8", "--num-actors", "2", "--batch-size", "2", "--dtype", "float32",
+                             "--max-disagreement", "0.02", "--audit-fraction", "1.0", "--no-progress"])
+    audit = summary["audit"]
+    assert audit["max_disagreement"] == 0.02 and 1 in audit["closed"]
+    assert audit["closed"][1]["lower_bound"] > 0.02
+    assert summary["final_schedule"]["disabled_layers"] == [1] and 1 not in summary["final_schedule"]["offline_layers"]
+    df = read_output(out)
+    assert sorted(df["id"]) == [r["id"] for r in rows] and df["error"].isna().all()
+    closed_in = audit["closed"][1]["closed_in_version"]
+    later = df[df["schedule_version"] >= closed_in]
+    assert len(later) > 0 and all(1 not in list(e) for e in later["exit_layers"])
+    assert all(len(a) == 16 for a in df["audit_exits"])
+    result = analyze.main([str(out)])
+    by_version = {v["schedule_version"]: v for v in result["audit_per_schedule_version"]}
+    assert by_version[0]["disagreement"] > 0.02 and by_version[0]["audit_exits"] > 0
+    assert by_version[0]["upper_bound"] >= by_version[0]["disagreement"]

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from specee_core.calibration import CALIBRATION_FILE, Calibration, LayerCounts
 from tests.conftest import BUNDLED, add_early_exit_files, make_hf_model
 
 pytestmark = pytest.mark.slow
@@ -35,6 +36,8 @@ def dirs(tmp_path_factory):
     chat = tmp_path_factory.mktemp("serve-chat")
     make_hf_model(chat, layers=2, hidden=64, heads=4, kv_heads=2, seed=1, max_pos=4096)  # room for long streams
     add_early_exit_files(chat, offline=(1,))  # random draft head and predictors; this app serves mode="specee"
+    # a calibration that lets layer 1 exit at 0.5 for any tolerance (made-up counts: the request path is tested)
+    Calibration({1: LayerCounts([0.5], [100000], [0])}, tokens=100000, prompts=1000).save(chat / CALIBRATION_FILE)
     cfg = json.loads((chat / "tokenizer_config.json").read_text())
     (chat / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHAT_TEMPLATE}))
     return plain, chat
@@ -310,6 +313,18 @@ def test_specee_mode(server, chat_client):
     dense = chat_client.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=16, temperature=0,
                                                 extra_body={"mode": "dense"})
     assert dense.model_extra["specee"]["mode"] == "dense" and dense.model_extra["specee"]["avg_layers"] == 2
+    # a tolerance per request: calibrated thresholds (here layer 1 at 0.5), through both batching paths
+    tol = chat_client.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=16, temperature=0,
+                                              extra_body={"max_disagreement": 0.02})
+    assert tol.model_extra["specee"]["mode"] == "specee" and tol.usage.completion_tokens >= 1
+    streamed = list(chat_client.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=16,
+                                                        temperature=0, stream=True,
+                                                        extra_body={"max_disagreement": 0.02}))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == tol.choices[0].message.content
+    r = httpx.post(f"{server}/chat/v1/chat/completions", timeout=30,
+                   json={"messages": msgs, "max_tokens": 4, "mode": "dense", "max_disagreement": 0.02})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_disagreement"
+    assert "mode 'specee' only" in r.json()["error"]["message"]
 
 
 CODE = ["import os\nimport sys\n\n\ndef main(argv=None):\n", "class Point:\n    def __init__(self, x, y):\n",

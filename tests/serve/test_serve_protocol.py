@@ -25,7 +25,7 @@ def test_parse_valid_completion():
     req = parse_body(raw, CompletionRequest)
     assert req.prompts == ["a", "b"]
     assert req.sampling(3) == {"max_new_tokens": 3, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop": ("x",),
-                               "seed": 1}
+                               "seed": 1, "max_disagreement": None}
     defaults = parse_body(body(prompt="a", temperature=None), CompletionRequest).sampling(16)
     assert defaults["temperature"] == 1.0 and defaults["stop"] == ()  # OpenAI's defaults
 
@@ -58,6 +58,8 @@ def test_parse_valid_completion():
     (body(prompt="a", echo=True), "echo", "invalid_value"),
     (body(prompt="a", logprobs=2), "logprobs", "invalid_value"),
     (body(prompt="a", mode="fast"), "mode", None),
+    (body(prompt="a", max_disagreement=1.5), "max_disagreement", None),
+    (body(prompt="a", max_disagreement=0), "max_disagreement", None),
     (body(prompt="a", seed=2**70), "seed", None),
 ])
 def test_parse_rejects(raw, param, code):

@@ -1,0 +1,229 @@
+"""SpecEE's quality contract: calibrated exit thresholds, their bounds, the engine's tolerance option,
+the live audit (in the stepper and in the schedule store)."""
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+
+import pytest
+import torch
+
+from pipeline.schedule_store import ScheduleStore
+from specee_core import SpecEEEngine
+from specee_core.calibration import (CALIBRATION_FILE, Calibration, LayerCounts, lower_bound, p_value,
+                                     upper_bound)
+from specee_core.scheduler import Schedule, retune
+from tests.conftest import BUNDLED
+
+PROMPTS = ["def add(a, b):\n", "import os\n\ndef main():\n", "class Stack:\n    def push(self, x):\n",
+           "for i in range(10):\n"]
+
+
+def test_bounds_are_chernoff_bounds():
+    for k, n, delta in [(0, 100, 0.05), (3, 200, 0.01), (50, 100, 0.05), (10, 10, 0.1)]:
+        ub, lb = upper_bound(k, n, delta), lower_bound(k, n, delta)
+        assert lb <= k / n <= ub
+        kl = lambda p, q: sum(a * math.log(a / b) for a, b in ((p, q), (1 - p, 1 - q)) if a > 0)  # noqa: E731
+        if ub < 1:
+            assert n * kl(k / n, ub) == pytest.approx(math.log(1 / delta), rel=1e-6)
+        if lb > 0:
+            assert n * kl(k / n, lb) == pytest.approx(math.log(1 / delta), rel=1e-6)
+    assert upper_bound(0, 0, 0.05) == 1.0 and lower_bound(0, 0, 0.05) == 0.0
+    # p-value and bound agree: the rate eps is rejected exactly when the bound is below it
+    for k, n in [(0, 150), (1, 300), (5, 100)]:
+        ub = upper_bound(k, n, 0.05)
+        assert (p_value(k, n, ub + 1e-6) <= 0.05) and (p_value(k, n, ub - 1e-3) > 0.05)
+
+
+def test_upper_bound_covers_the_true_rate():
+    """Coverage by simulation: at a true rate of 2%, the 95% upper bound from 400 trials is above it
+    in at least 95% of 2000 runs (the Chernoff bound is conservative)."""
+    rng = random.Random(0)
+    covered = sum(upper_bound(sum(rng.random() < 0.02 for _ in range(400)), 400, 0.05) >= 0.02 for _ in range(2000))
+    assert covered / 2000 >= 0.95
+
+
+def synthetic_calibration() -> Calibration:
+    """Layer 1: exits always agree; layer 2: half of them disagree; layer 3: agree only at high
+    thresholds (the lower ones let bad exits through)."""
+    n = 20000
+    p = torch.linspace(0, 1, n)
+    good = torch.ones(n, dtype=torch.bool)
+    coin = torch.arange(n) % 2 == 0
+    high_only = p > 0.95
+    return Calibration.count({1: p, 2: p, 3: p}, {1: good, 2: coin, 3: high_only}, prompts=10)
+
+
+def test_thresholds_per_layer():
+    cal = synthetic_calibration()
+    th = cal.thresholds(0.02)
+    assert th[1].threshold == 0.5 and th[1].disagree == 0  # the lowest candidate
+    assert th[2].threshold is None  # never exits
+    assert th[3].threshold is not None and th[3].threshold >= 0.95  # only where its exits agree
+    assert th[3].bound <= 0.02
+    # a looser tolerance never gives a higher threshold; a tighter one never a lower
+    assert cal.thresholds(0.05)[3].threshold <= th[3].threshold
+
+
+def test_fixed_sequence_stops_at_the_first_failure():
+    """Thresholds are tested from the most conservative down; one failing threshold ends the layer's
+    sequence even when a lower one would pass on its own."""
+    grid = [0.99, 0.9, 0.5]
+    cal = Calibration({1: LayerCounts(grid, [2000, 2000, 2000], [0, 500, 0])}, tokens=2000, prompts=5)
+    assert cal.thresholds(0.02)[1].threshold == 0.99
+
+
+def test_bonferroni_over_layers():
+    """The same counts pass with one layer and fail among many: each layer's test runs at delta / layers."""
+    counts = LayerCounts([0.9], [300], [0])  # bound at delta = 0.05: ~0.0099; at 0.05 / 200: ~0.027
+    one = Calibration({1: counts}, tokens=300, prompts=5)
+    many = Calibration({l: counts for l in range(1, 201)}, tokens=300, prompts=5)
+    assert one.thresholds(0.02)[1].threshold == 0.9
+    assert many.thresholds(0.02)[1].threshold is None
+
+
+def test_calibration_file_roundtrip_and_errors(tmp_path):
+    cal = synthetic_calibration()
+    cal.save(tmp_path / "c.json")
+    back = Calibration.load(tmp_path / "c.json")
+    assert back.layers[3] == cal.layers[3] and back.tokens == cal.tokens
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        Calibration.load(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="bad.json"):
+        Calibration.load(tmp_path / "bad.json")
+
+
+@pytest.fixture(scope="module")
+def calibrated_dir(tmp_path_factory):
+    """The bundled model with a calibration file that certifies every layer at threshold 0.5 on
+    made-up counts (what a calibration could say; the audit then judges the predictors)."""
+    path = tmp_path_factory.mktemp("calibrated")
+    for f in BUNDLED.iterdir():
+        (shutil.copytree if f.is_dir() else shutil.copy)(f, path / f.name)
+    engine = SpecEEEngine.from_pretrained(path, dtype="float32")
+    grid = [0.99, 0.9, 0.5]
+    Calibration({l: LayerCounts(grid, [100000] * 3, [0] * 3) for l in engine.early_exit.predictors.layers},
+                tokens=100000, prompts=1000).save(path / CALIBRATION_FILE)
+    return path
+
+
+def test_tolerance_errors(ee_model_dir):
+    with pytest.raises(ValueError, match=r"max_disagreement must be in \(0, 1\)"):
+        SpecEEEngine.from_pretrained(BUNDLED, dtype="float32", max_disagreement=1.5)
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, dtype="float32")
+    with pytest.raises(ValueError, match="max_disagreement must be in"):
+        engine.generate(["a"], max_new_tokens=2, mode="specee", max_disagreement=0.0)
+    with pytest.raises(ValueError, match="applies to mode='specee' only"):
+        engine.generate(["a"], max_new_tokens=2, mode="dense", max_disagreement=0.02)
+    # no calibration beside the predictors: the message says how to make one
+    with pytest.raises(ValueError, match="python -m jobs.train_predictors --model .* --calib-prompts"):
+        engine.generate(["a"], max_new_tokens=2, mode="specee", max_disagreement=0.02)
+
+
+def test_calibrated_engine_uses_per_layer_thresholds(calibrated_dir):
+    engine = SpecEEEngine.from_pretrained(calibrated_dir, dtype="float32")
+    assert set(engine.early_exit.thresholds.values()) == {engine.early_exit.options.threshold}
+    cal = engine.early_exit.with_options(max_disagreement=0.02)
+    assert set(cal.thresholds) == set(engine.early_exit.predictors.layers)
+    assert set(cal.thresholds.values()) == {0.5}
+    res = engine.generate(PROMPTS, max_new_tokens=12, mode="specee", max_disagreement=0.02, ignore_eos=True)
+    assert min(l for r in res for l in r.exit_layers) < engine.config.num_hidden_layers
+
+
+def teacher_forced_argmax(engine, prompt: str, tokens: list[int]) -> list[int]:
+    """The full model's argmax before each generated token, given the tokens before it."""
+    m = engine.model
+    ids = torch.tensor([engine.encode_prompt(prompt) + tokens])
+    logits = m.logits(m.forward(ids, torch.arange(ids.shape[1])[None], m.new_cache(1, ids.shape[1])))[0]
+    n = len(tokens)
+    return logits[-n - 1 : -1].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("skip", ["batch", "row"])
+def test_audit_counts_every_disagreement_and_changes_nothing(calibrated_dir, skip):
+    """With every step audited, exited tokens still run to full depth: the output is the unaudited
+    output token for token, and the audit's counts per exit layer equal the exits whose token differs
+    from the full model's teacher-forced argmax on the same prefix."""
+    engine = SpecEEEngine.from_pretrained(calibrated_dir, dtype="float32", threshold=0.5, skip=skip)
+    L = engine.config.num_hidden_layers
+    plain = engine.generate(PROMPTS, max_new_tokens=16, mode="specee", ignore_eos=True)
+    audited = engine.with_options(audit_fraction=1.0).generate(PROMPTS, max_new_tokens=16, mode="specee",
+                                                               ignore_eos=True)
+    assert [r.token_ids for r in audited] == [r.token_ids for r in plain]
+    assert plain[0].stats["audit_exits"] is None
+    total_exits = total_disagree = 0
+    for prompt, r in zip(PROMPTS, audited):
+        full = teacher_forced_argmax(engine, prompt, r.token_ids)
+        exits, disagree = [0] * L, [0] * L
+        for t, f, l in zip(r.token_ids, full, r.exit_layers):
+            if l < L:
+                exits[l - 1] += 1
+                disagree[l - 1] += t != f
+        assert r.stats["audit_exits"] == exits
+        assert r.stats["audit_disagree"] == disagree
+        total_exits, total_disagree = total_exits + sum(exits), total_disagree + sum(disagree)
+    assert total_exits > 10 and total_disagree > 0  # the test sees both kinds
+
+
+def test_audit_fraction_spreads_steps(calibrated_dir):
+    engine = SpecEEEngine.from_pretrained(calibrated_dir, dtype="float32", threshold=0.5, audit_fraction=0.25)
+    r = engine.generate(PROMPTS[:1], max_new_tokens=33, mode="specee", ignore_eos=True)[0]
+    exits = sum(l < engine.config.num_hidden_layers for l in r.exit_layers)
+    assert 0 < sum(r.stats["audit_exits"]) < exits
+
+
+def test_disabled_layers_never_exit(calibrated_dir):
+    engine = SpecEEEngine.from_pretrained(calibrated_dir, dtype="float32", threshold=0.0)
+    L = engine.config.num_hidden_layers
+    s = engine.schedule
+    engine.set_schedule(Schedule(num_layers=L, offline_layers=s.offline_layers, window=s.window, offsets=s.offsets,
+                                 disabled_layers=list(range(1, L))))
+    dense = engine.generate(PROMPTS, max_new_tokens=8, mode="dense")
+    res = engine.generate(PROMPTS, max_new_tokens=8, mode="specee")
+    assert [r.token_ids for r in res] == [r.token_ids for r in dense]
+    assert all(l == L for r in res for l in r.exit_layers)
+
+
+def test_store_closes_a_layer_the_audit_finds_bad():
+    L = 8
+    store = ScheduleStore({"num_layers": L, "offline_layers": [2, 3, 5]}, retune_every_tokens=10**9,
+                          max_disagreement=0.02)
+    exits, disagree = [0] * L, [0] * L
+    exits[2], disagree[2] = 5, 0  # layer 3: fine
+    exits[4], disagree[4] = 5, 2  # layer 5: 2 of 5 wrong, not yet significant
+    store.report(0, rows=4, tokens=40, layer_tokens=200.0, histogram=None, audit=(exits, disagree))
+    assert store.current.version == 0
+    exits[4], disagree[4] = 20, 12  # 14 of 25 wrong: far above 2% at 95% confidence
+    v = store.report(0, rows=4, tokens=40, layer_tokens=200.0, histogram=None, audit=(exits, disagree))
+    assert v == 1 and store.current.disabled_layers == [5] and store.current.offline_layers == [2, 3]
+    assert store.current.source == "audit"
+    rep = store.state()["audit"]
+    assert rep["closed"][5]["closed_in_version"] == 1 and rep["closed"][5]["lower_bound"] > 0.02
+    assert rep["layers"][3]["upper_bound"] > 0 and rep["layers"][5]["disagreement"] == pytest.approx(14 / 25)
+    per_version = store.state()["per_version"][0]
+    assert per_version["audit_exits"] == 35 and per_version["audit_disagree"] == 14
+    # later re-tunes never bring the closed layer back
+    hist = [0] * L
+    hist[4] = 100
+    assert 5 not in retune(store.current, hist).offline_layers
+    with pytest.raises(ValueError, match="audit counts of 3/3 layers"):
+        store.report(1, 1, 1, 1.0, None, audit=([0] * 3, [0] * 3))
+
+
+def test_store_without_tolerance_only_counts():
+    store = ScheduleStore({"num_layers": 4, "offline_layers": [1, 2]})
+    store.report(0, 1, 10, 20.0, None, audit=([10, 0, 0, 0], [10, 0, 0, 0]))
+    assert store.current.version == 0 and store.state()["audit"]["disagreement"] == 1.0
+    with pytest.raises(ValueError, match="max_disagreement must be in"):
+        ScheduleStore({"num_layers": 4, "offline_layers": [1]}, max_disagreement=2.0)
+
+
+def test_bundled_smollm2_calibration_file_is_valid():
+    """The shipped calibration parses and names its split's size."""
+    path = BUNDLED.parent / "smollm2-135m-instruct" / CALIBRATION_FILE
+    cal = Calibration.load(path)
+    assert cal.prompts >= 100 and cal.tokens >= 5000
+    assert json.loads(path.read_text())["meta"]["exclude_first"] >= 0
