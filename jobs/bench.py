@@ -85,7 +85,8 @@ class BenchConfig:
     speculator: str = "auto"  # early-exit options of the SpecEE variant
     kv_mode: str = "recompute"
     verify: str = "local"
-    threshold: float = 0.9
+    threshold: float = 0.9  # raw, uncalibrated
+    max_disagreement: float | None = None  # the SpecEE variant with thresholds calibrated to this tolerance
     out: Path | None = None  # also write the JSON here
     plot: Path | None = None  # PNG of the speed / agreement curve over thresholds
     speed_plot: Path | None = None  # PNG of decode tokens/s per variant and batch size
@@ -422,7 +423,8 @@ def run(cfg: BenchConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     has_predictors = (cfg.model / "predictors.safetensors").is_file()
-    ee_opts = dict(speculator=cfg.speculator, kv_mode=cfg.kv_mode, verify=cfg.verify, threshold=cfg.threshold)
+    ee_opts = dict(speculator=cfg.speculator, kv_mode=cfg.kv_mode, verify=cfg.verify, threshold=cfg.threshold,
+                   max_disagreement=cfg.max_disagreement)
     engine = SpecEEEngine.from_pretrained(cfg.model, dtype=cfg.dtype, weights=cfg.weights,
                                           max_batch_size=max(int(b) for b in cfg.batch_sizes.split(",")),
                                           **(ee_opts if has_predictors else {}))
@@ -456,7 +458,9 @@ def run(cfg: BenchConfig) -> dict:
                     "prompt_tokens": [len(engine.encode_prompt(p)) for p in prompts], "speed": {}}
     if engine.early_exit is not None:
         o = engine.early_exit.options
-        result["specee_options"] = {"threshold": o.threshold, "verify": o.verify, "kv_mode": o.kv_mode,
+        result["specee_options"] = {"threshold": o.threshold, "max_disagreement": o.max_disagreement,
+                                    "exit_thresholds": engine.early_exit.thresholds, "verify": o.verify,
+                                    "kv_mode": o.kv_mode,
                                     "speculator": type(engine.early_exit.speculator).__name__,
                                     "offline_layers": engine.early_exit.schedule.offline_layers}
     for bs in [int(b) for b in cfg.batch_sizes.split(",")]:

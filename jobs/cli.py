@@ -11,8 +11,9 @@ from pathlib import Path
 def _arg_type(hint, default):
     if hint in (Path, "Path", "Path | None") or isinstance(default, Path):
         return Path
-    if default is None:
-        return str
+    if default is None:  # an optional field: the type it holds when set (float | None -> float)
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        return inner[0] if len(inner) == 1 and inner[0] in (int, float, str, Path) else str
     return type(default)
 
 

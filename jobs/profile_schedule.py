@@ -2,8 +2,8 @@
 profiling prompts, rank layers by exit frequency, and write <model>/schedule.json.
 
     python -m jobs.profile_schedule --model models/specee-tiny
-    python -m jobs.profile_schedule --model models/smollm2-135m-instruct --dtype bfloat16 \
-        --prompts prompts/instructions_train.jsonl
+    python -m jobs.profile_schedule --model models/smollm2-135m-instruct --weights q4 \
+        --prompts prompts/instructions_train.jsonl --max-disagreement 0.02
 
 Profiling prompts are corpus snippets, or with --prompts instruction rows rendered with the
 chat template when the tokenizer has one. The report also goes to <model>/schedule_report.json.
@@ -33,6 +33,7 @@ class ProfileConfig:
     corpus: Path = Path("data/corpus")
     prompts: Path | None = None  # instruction rows {"id", "prompt"} (JSON lines) instead of corpus snippets
     dtype: str = "float32"  # the engine's dtype: profile in the one it will serve with
+    weights: str = "fp32"  # specee_core.quant.WEIGHT_FORMATS
     num_prompts: int = 48
     max_new_tokens: int = 96
     coverage: float = 0.8
@@ -40,6 +41,7 @@ class ProfileConfig:
     max_layers: int = 6
     speculator: str = "draft"
     threshold: float = 0.9  # profile at the threshold the engine will run with
+    max_disagreement: float | None = None  # ... or with the thresholds calibrated to this tolerance
     seed: int = 1
 
     def __post_init__(self) -> None:
@@ -59,7 +61,8 @@ def layers_for_coverage(histogram: list[int], coverage: float) -> int:
 
 
 def profile(cfg: ProfileConfig) -> dict:
-    engine = SpecEEEngine.from_pretrained(cfg.model, dtype=cfg.dtype, speculator=cfg.speculator, threshold=cfg.threshold)
+    engine = SpecEEEngine.from_pretrained(cfg.model, dtype=cfg.dtype, weights=cfg.weights, speculator=cfg.speculator,
+                                          threshold=cfg.threshold, max_disagreement=cfg.max_disagreement)
     L = engine.config.num_hidden_layers
     engine.set_schedule(Schedule.all_layers(L, source="profile-all"))
     prompts = training_prompts(engine, cfg.corpus, cfg.prompts, cfg.num_prompts, cfg.seed)
@@ -73,7 +76,8 @@ def profile(cfg: ProfileConfig) -> dict:
     report = {"exit_histogram": hist, "tokens": tokens, "avg_layers_all_predictors": sum((i + 1) * c for i, c in enumerate(hist)) / tokens,
               "offline_layers": schedule.offline_layers, "coverage": sum(hist[l - 1] for l in schedule.offline_layers) / max(1, sum(hist[:-1])),
               "prompts": str(cfg.prompts or cfg.corpus / "train.jsonl"), "num_prompts": len(prompts),
-              "max_new_tokens": cfg.max_new_tokens, "threshold": cfg.threshold, "dtype": cfg.dtype,
+              "max_new_tokens": cfg.max_new_tokens, "threshold": cfg.threshold,
+              "max_disagreement": cfg.max_disagreement, "dtype": cfg.dtype, "weights": cfg.weights,
               "seconds": round(time.perf_counter() - t0, 1)}
     (cfg.model / "schedule_report.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report), flush=True)

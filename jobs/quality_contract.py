@@ -8,7 +8,7 @@ and the speed against dense measured in the same run.
 Every point decodes the held-out prompts greedily with every step audited (EarlyExitOptions.
 audit_fraction = 1: exited rows still run every layer, which changes no token, and each exit is
 compared with the full model's argmax on the same prefix). So the audited disagreement is exact over
-these prompts, reported with its Chernoff upper bound at --confidence. Each point's tokens are then
+these prompts, reported with its exact (Clopper-Pearson) upper bound at --confidence. Each point's tokens are then
 compared with dense's (first divergence, identical share). The point "exits off" (threshold 2: the
 predictors run at their layers, none fires) measures the predictors' and draft head's overhead.
 

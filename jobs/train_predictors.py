@@ -52,6 +52,7 @@ class PredictorTrainConfig:
     ckpt_dir: Path = Path("runs/train_predictors")  # the decode data, kept for reruns
     num_prompts: int = 128
     calib_prompts: int = 0  # further prompts for calibration.json (0: none)
+    calibrate_only: bool = False  # keep the predictors beside the model; only (re)make calibration.json
     plot: Path | None = None  # the precision/recall curves of the calibration split
     max_new_tokens: int = 128
     batch_size: int = 16
@@ -145,6 +146,14 @@ def train(cfg: PredictorTrainConfig) -> dict:
     every = training_prompts(engine, cfg.corpus, cfg.prompts, cfg.num_prompts + cfg.calib_prompts, cfg.seed,
                              cfg.exclude, cfg.exclude_first)
     prompts, calib = every[: cfg.num_prompts], every[cfg.num_prompts :]
+    if cfg.calibrate_only:
+        if not calib:
+            raise ValueError("--calibrate-only needs --calib-prompts > 0")
+        report = json.loads((cfg.model / "predictors_report.json").read_text()) \
+            if (cfg.model / "predictors_report.json").is_file() else {}
+        report["calibration"] = calibrate(engine, PredictorBank.load(cfg.model / PREDICTORS_FILE), calib, cfg)
+        (cfg.model / "predictors_report.json").write_text(json.dumps(report, indent=2))
+        return report
     t0 = time.perf_counter()
     z, cand, final, cand_whole = collect(engine, prompts, cfg)
     labels = exit_labels(z, cand, final)  # [S, L-1]

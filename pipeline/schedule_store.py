@@ -10,7 +10,7 @@ when the chosen layers change. The driver saves each version as it appears.
 With a tolerance (max_disagreement), the store also audits: engines run a share of their exited
 tokens on to full depth anyway (EarlyExitOptions.audit_fraction) and report, per exit layer, how
 many they checked and how many the full model would have chosen differently. The store keeps
-each layer's counts with running confidence bounds (specee_core.calibration's Chernoff bounds,
+each layer's counts with running confidence bounds (specee_core.calibration's exact binomial (Clopper-Pearson) bounds,
 Bonferroni over the layers) and, when a layer's lower bound passes the tolerance (the audit has
 shown, at the stated confidence, that the layer disagrees more than allowed), publishes a new
 version with that layer closed to exits. The bound is checked after every report: looking often

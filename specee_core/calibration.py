@@ -7,10 +7,11 @@ on calibration data held out from the predictors' training (Learn-then-Test, as 
 its exit threshold):
 
 - per layer, the candidate thresholds are tested from the most to the least conservative (a fixed
-  sequence; thresholds with too few exits to ever pass are left out, which depends on the scores
-  only): H_j "the disagreement rate at threshold t_j exceeds eps" is rejected when the
-  binomial Chernoff p-value exp(-n KL(k/n || eps)) of its k disagreements among n exits is
-  <= delta / (number of layers); the first hypothesis not rejected ends the sequence;
+  sequence; thresholds with too few exits to pass at half the tolerance are left out, which
+  depends on the scores only): H_j "the disagreement rate at threshold t_j exceeds eps" is rejected when the exact
+  binomial p-value P(X <= k | n, eps) of its k disagreements among n exits is <= delta / (number
+  of layers), i.e. when the Clopper-Pearson upper bound is below eps; the first hypothesis not
+  rejected ends the sequence (a finer grid costs no confidence);
 - the threshold is the last one rejected; a layer with none never exits;
 - Bonferroni over the layers: with probability >= 1 - delta no layer's rate exceeds eps.
 
@@ -29,9 +30,10 @@ from pathlib import Path
 import torch
 
 CALIBRATION_FILE = "calibration.json"
-# candidate thresholds on sigmoid(predictor), from the most to the least conservative
-THRESHOLD_GRID = (0.9999, 0.9995, 0.999, 0.998, 0.995, 0.99, 0.98, 0.97, 0.95, 0.93, 0.9, 0.85, 0.8, 0.75,
-                  0.7, 0.6, 0.5)
+# candidate thresholds on sigmoid(predictor), from the most to the least conservative: fine where
+# the predictors' confident exits are (a longer fixed sequence costs no confidence)
+THRESHOLD_GRID = (0.9999, 0.9995, 0.999, 0.998, 0.997, 0.996, 0.995, 0.9925, 0.99,
+                  *(round(0.985 - 0.005 * i, 3) for i in range(18)), 0.875, 0.85, 0.825, 0.8, 0.75, 0.7, 0.6, 0.5)
 
 
 def check_tolerance(max_disagreement: float | None, confidence: float) -> None:
@@ -42,54 +44,85 @@ def check_tolerance(max_disagreement: float | None, confidence: float) -> None:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
 
 
-def _kl(p: float, q: float) -> float:
-    """KL divergence of Bernoulli(p) from Bernoulli(q)."""
-    out = 0.0
-    if p > 0:
-        out += p * math.log(p / q)
-    if p < 1:
-        out += (1 - p) * math.log((1 - p) / (1 - q))
-    return out
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of the incomplete beta function (modified Lentz)."""
+    tiny = 1e-300
+    qab, qap, qam = a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 1000):
+        m2 = 2 * m
+        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        h *= d * c
+        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < 1e-14:
+            break
+    return h
+
+
+def betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def binom_cdf(k: int, n: int, p: float) -> float:
+    """P(X <= k) for X ~ Binomial(n, p)."""
+    if k < 0:
+        return 0.0
+    if k >= n:
+        return 1.0
+    return betainc(n - k, k + 1, 1.0 - p)
 
 
 def p_value(disagree: int, n: int, eps: float) -> float:
-    """Chernoff p-value of "rate > eps" after `disagree` disagreements in n trials: exp(-n KL) when
-    the observed rate is below eps, else 1."""
-    if n == 0 or disagree >= n * eps:
-        return 1.0
-    return math.exp(-n * _kl(disagree / n, eps))
+    """Exact binomial p-value of "rate > eps" after `disagree` disagreements in n trials:
+    P(X <= disagree) at rate eps (1 when n = 0)."""
+    return 1.0 if n == 0 else binom_cdf(disagree, n, eps)
+
+
+def _solve(f, lo: float, hi: float) -> float:
+    """The q in [lo, hi] where the decreasing f crosses 0 (bisection)."""
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if f(mid) > 0:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def upper_bound(disagree: int, n: int, delta: float) -> float:
-    """The Chernoff upper confidence bound (level 1 - delta) of a rate from `disagree` of n:
-    the largest q >= k/n with n KL(k/n || q) <= log(1/delta); 1.0 when n = 0."""
-    if n == 0:
+    """The exact (Clopper-Pearson) one-sided upper confidence bound at level 1 - delta of a rate
+    from `disagree` of n: the q with P_q(X <= disagree) = delta; 1.0 when n = 0."""
+    if n == 0 or disagree >= n:
         return 1.0
-    p, target = disagree / n, math.log(1 / delta) / n
-    lo, hi = p, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if mid >= 1.0 or _kl(p, mid) > target:
-            hi = mid
-        else:
-            lo = mid
-    return lo
+    return _solve(lambda q: binom_cdf(disagree, n, q) - delta, disagree / n, 1.0)
 
 
 def lower_bound(disagree: int, n: int, delta: float) -> float:
-    """The Chernoff lower confidence bound (level 1 - delta): the smallest q <= k/n with
-    n KL(k/n || q) <= log(1/delta); 0.0 when n = 0."""
-    if n == 0:
+    """The exact one-sided lower confidence bound at level 1 - delta: the q with
+    P_q(X >= disagree) = delta; 0.0 when there is no disagreement."""
+    if n == 0 or disagree == 0:
         return 0.0
-    p, target = disagree / n, math.log(1 / delta) / n
-    lo, hi = 0.0, p
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if mid <= 0.0 or _kl(p, mid) > target:
-            lo = mid
-        else:
-            hi = mid
-    return hi
+    return _solve(lambda q: delta - (1.0 - binom_cdf(disagree - 1, n, q)), 0.0, disagree / n)
 
 
 @dataclass
@@ -129,15 +162,11 @@ class Calibration:
         or threshold None (never exits)."""
         check_tolerance(eps, confidence)
         delta = (1 - confidence) / max(len(self.layers), 1)
-        # a threshold with fewer exits than this cannot pass even without a disagreement; leaving it out
-        # of the sequence depends on the predictor's scores alone, not on the labels, so the sequence is
-        # still fixed before the test looks at the disagreements
-        min_exits = math.ceil(math.log(1 / delta) / -math.log(1 - eps))
         out = {}
         for l, c in sorted(self.layers.items()):
             chosen = None
             for j, t in enumerate(c.thresholds):
-                if c.exits[j] < min_exits:
+                if not testable(c.exits[j], eps, delta):
                     continue
                 if p_value(c.disagree[j], c.exits[j], eps) > delta:
                     break
@@ -167,12 +196,20 @@ class Calibration:
             raise ValueError(f"{path}: not a valid calibration file ({e})") from None
 
 
+def testable(exits: int, eps: float, delta: float) -> bool:
+    """Whether a threshold with this many exits enters the fixed sequence: only when half the
+    tolerance observed would pass. Too few exits would end the sequence on noise before the
+    thresholds that have the data; the rule reads the exit counts (the predictor's scores), never the
+    disagreements, so the sequence is still fixed before the test looks at them."""
+    return exits > 0 and p_value(int(exits * eps / 2), exits, eps) <= delta
+
+
 @dataclass
 class CalibratedLayer:
     threshold: float | None  # None: the layer never exits at this tolerance
     exits: int  # calibration tokens that exit at the threshold
     disagree: int  # of them, those the full model would not have emitted
-    bound: float | None  # the upper confidence bound of the rate (Bonferroni level)
+    bound: float | None  # the Clopper-Pearson upper bound of the rate (Bonferroni level)
 
 
 def calibrate_command(model_dir) -> str:

@@ -21,16 +21,19 @@ PROMPTS = ["def add(a, b):\n", "import os\n\ndef main():\n", "class Stack:\n    
            "for i in range(10):\n"]
 
 
-def test_bounds_are_chernoff_bounds():
-    for k, n, delta in [(0, 100, 0.05), (3, 200, 0.01), (50, 100, 0.05), (10, 10, 0.1)]:
+def brute_cdf(k: int, n: int, p: float) -> float:
+    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k + 1))
+
+
+def test_bounds_are_exact_binomial_bounds():
+    for k, n, delta in [(0, 100, 0.05), (3, 200, 0.01), (50, 100, 0.05), (9, 10, 0.1), (58, 3452, 0.05 / 29)]:
         ub, lb = upper_bound(k, n, delta), lower_bound(k, n, delta)
         assert lb <= k / n <= ub
-        kl = lambda p, q: sum(a * math.log(a / b) for a, b in ((p, q), (1 - p, 1 - q)) if a > 0)  # noqa: E731
-        if ub < 1:
-            assert n * kl(k / n, ub) == pytest.approx(math.log(1 / delta), rel=1e-6)
-        if lb > 0:
-            assert n * kl(k / n, lb) == pytest.approx(math.log(1 / delta), rel=1e-6)
-    assert upper_bound(0, 0, 0.05) == 1.0 and lower_bound(0, 0, 0.05) == 0.0
+        assert brute_cdf(k, n, ub) == pytest.approx(delta, rel=1e-6)  # Clopper-Pearson
+        if k:
+            assert 1 - brute_cdf(k - 1, n, lb) == pytest.approx(delta, rel=1e-6)
+        assert p_value(k, n, 0.03) == pytest.approx(brute_cdf(k, n, 0.03), rel=1e-9, abs=1e-300)
+    assert upper_bound(0, 0, 0.05) == 1.0 and lower_bound(0, 0, 0.05) == 0.0 and lower_bound(0, 9, 0.05) == 0.0
     # p-value and bound agree: the rate eps is rejected exactly when the bound is below it
     for k, n in [(0, 150), (1, 300), (5, 100)]:
         ub = upper_bound(k, n, 0.05)
@@ -39,7 +42,7 @@ def test_bounds_are_chernoff_bounds():
 
 def test_upper_bound_covers_the_true_rate():
     """Coverage by simulation: at a true rate of 2%, the 95% upper bound from 400 trials is above it
-    in at least 95% of 2000 runs (the Chernoff bound is conservative)."""
+    in at least 95% of 2000 runs."""
     rng = random.Random(0)
     covered = sum(upper_bound(sum(rng.random() < 0.02 for _ in range(400)), 400, 0.05) >= 0.02 for _ in range(2000))
     assert covered / 2000 >= 0.95
@@ -67,6 +70,14 @@ def test_thresholds_per_layer():
     assert cal.thresholds(0.05)[3].threshold <= th[3].threshold
 
 
+def test_thresholds_with_too_few_exits_are_left_out_of_the_sequence():
+    """A threshold whose exits are too few to pass at half the tolerance is skipped, not a failure
+    that ends the sequence (the rule reads exit counts only)."""
+    grid = [0.999, 0.99, 0.9]
+    cal = Calibration({1: LayerCounts(grid, [50, 3000, 6000], [5, 10, 30])}, tokens=6000, prompts=5)
+    assert cal.thresholds(0.02)[1].threshold == 0.9
+
+
 def test_fixed_sequence_stops_at_the_first_failure():
     """Thresholds are tested from the most conservative down; one failing threshold ends the layer's
     sequence even when a lower one would pass on its own."""
@@ -77,9 +88,9 @@ def test_fixed_sequence_stops_at_the_first_failure():
 
 def test_bonferroni_over_layers():
     """The same counts pass with one layer and fail among many: each layer's test runs at delta / layers."""
-    counts = LayerCounts([0.9], [300], [0])  # bound at delta = 0.05: ~0.0099; at 0.05 / 200: ~0.027
-    one = Calibration({1: counts}, tokens=300, prompts=5)
-    many = Calibration({l: counts for l in range(1, 201)}, tokens=300, prompts=5)
+    counts = LayerCounts([0.9], [600], [0])  # enough exits to test at delta = 0.05, not at 0.05 / 200
+    one = Calibration({1: counts}, tokens=600, prompts=5)
+    many = Calibration({l: counts for l in range(1, 201)}, tokens=600, prompts=5)
     assert one.thresholds(0.02)[1].threshold == 0.9
     assert many.thresholds(0.02)[1].threshold is None
 
@@ -193,10 +204,10 @@ def test_store_closes_a_layer_the_audit_finds_bad():
                           max_disagreement=0.02)
     exits, disagree = [0] * L, [0] * L
     exits[2], disagree[2] = 5, 0  # layer 3: fine
-    exits[4], disagree[4] = 5, 2  # layer 5: 2 of 5 wrong, not yet significant
+    exits[4], disagree[4] = 5, 1  # layer 5: 1 of 5 wrong, not yet significant
     store.report(0, rows=4, tokens=40, layer_tokens=200.0, histogram=None, audit=(exits, disagree))
     assert store.current.version == 0
-    exits[4], disagree[4] = 20, 12  # 14 of 25 wrong: far above 2% at 95% confidence
+    exits[4], disagree[4] = 20, 13  # 14 of 25 wrong: far above 2% at 95% confidence
     v = store.report(0, rows=4, tokens=40, layer_tokens=200.0, histogram=None, audit=(exits, disagree))
     assert v == 1 and store.current.disabled_layers == [5] and store.current.offline_layers == [2, 3]
     assert store.current.source == "audit"
