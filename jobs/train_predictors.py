@@ -237,7 +237,9 @@ def plot_curves(curves: dict, path: Path, title: str) -> None:
                     label=f"layer {l}" if i % 4 == 0 or l == layers[-1] else None)
     for eps in (0.01, 0.02, 0.05):
         ax.axhline(1 - eps, color="grey", lw=0.6, ls="--")
-        ax.text(0.0, 1 - eps, f" 1 - {eps}", va="bottom", fontsize=7, color="grey")
+        ax.text(1.0, 1 - eps, f"1 - {eps} ", va="center", ha="right", fontsize=7, color="grey",
+                transform=ax.get_yaxis_transform())
+    ax.set_ylim(0.5, 1.005)
     ax.set_xlabel("recall (share of agreeing tokens that exit)")
     ax.set_ylabel("precision (share of exits that agree with the full model)")
     ax.set_title(title, fontsize=9)
