@@ -94,6 +94,13 @@ def pct(x) -> str:
     return "n/a" if x is None else f"{x:.1%}"
 
 
+def exit_rule(profile: dict) -> str:
+    """How a profiling run decided exits: a calibrated tolerance or a raw threshold."""
+    if profile.get("max_disagreement") is not None:
+        return f"thresholds calibrated to max_disagreement {profile['max_disagreement']}"
+    return f"threshold {profile.get('threshold')}"
+
+
 def render_imported(m: Path) -> str:
     """The card of a GGUF-imported model's SpecEE artifacts, from specee_import.json, the draft head's
     config, predictors_report.json, schedule.json and schedule_report.json."""
@@ -107,6 +114,7 @@ def render_imported(m: Path) -> str:
     schedule = load_json(m / "schedule.json")
     prof = load_json(m / "schedule_report.json")
     spec = preds.get("speculator", {})
+    cal = preds.get("calibration", {})
     decode, whole = spec.get("draft", {}), spec.get("draft_whole_vocab", {})
     draft_mb = sum(f.stat().st_size for f in (m / "draft").glob("*")) / 1e6
     k = dcfg.get("k", "4")
@@ -134,10 +142,13 @@ def render_imported(m: Path) -> str:
         f"{distill.get('answer_tokens', 0):,} answer tokens, {distill.get('seconds', 0) / 60:.0f} min of decoding",
         f"- Draft head: {train.get('train_rows')} of those rows ({train.get('train_tokens', 0):,} tokens, "
         f"sequences prompt + answer); {train.get('heldout_rows')} rows held out by a hash of the id for evaluation",
-        f"- Predictors: full-depth greedy decoding ({preds.get('dtype')}) of {preds.get('num_prompts')} other "
-        f"training prompts, {preds.get('steps')} decode steps",
+        f"- Predictors: full-depth greedy decoding ({preds.get('dtype')}, {preds.get('weights', preds.get('dtype'))} "
+        f"weights) of {preds.get('num_prompts')} other training prompts (drawn from the rows after the draft's first "
+        f"{preds.get('exclude_first', 0)}), {preds.get('steps')} decode steps",
+        f"- Calibration: {cal.get('prompts')} further training prompts never used to train the predictors, "
+        f"{cal.get('tokens')} decode steps (`calibration.json`)",
         f"- Schedule: {prof.get('num_prompts')} training prompts x {prof.get('max_new_tokens')} tokens in SpecEE mode "
-        f"with every predictor on (threshold {prof.get('threshold')})", "",
+        f"with every predictor on ({exit_rule(prof)})", "",
         "## Draft head (`draft/`)", "",
         f"- EAGLE-1 layout (one decoder layer over [token embedding; base feature]), bf16, {draft_mb:.1f} MB; "
         f"ranks the {held.get('subset_size', 'whole vocabulary')} most frequent answer tokens "
@@ -162,6 +173,14 @@ def render_imported(m: Path) -> str:
     ]
     for layer, r in preds.get("layers", {}).items():
         lines.append(f"| {layer} | {r['positive_rate']:.2f} | {r['predicted_rate']:.2f} | {r['precision']:.2f} | {r['recall']:.2f} |")
+    if cal:
+        lines += ["", "## Calibrated thresholds (`calibration.json`)", "",
+                  "Per tolerance (`max_disagreement`, confidence 0.95): the layers that may exit and their thresholds "
+                  "(specee_core.calibration; every other layer never exits at that tolerance).", "",
+                  "| tolerance | layers: threshold |", "|---|---|"]
+        for eps, th in cal.get("thresholds", {}).items():
+            ok = {l: t for l, t in th.items() if t is not None}
+            lines.append(f"| {eps} | {', '.join(f'{l}: {t:g}' for l, t in ok.items()) or 'none'} |")
     lines += [
         "", "## Schedule (`schedule.json`)", "",
         f"- Offline predictor layers {schedule.get('offline_layers')} (the layers covering {pct(prof.get('coverage'))} "
@@ -175,10 +194,15 @@ def render_imported(m: Path) -> str:
         f"python -m jobs.train_draft --model {m} --data {dcfg.get('data')} --feature-dtype {dcfg.get('feature_dtype')} "
         f"--seq-len {dcfg.get('seq_len')} --batch-size {dcfg.get('batch_size')} --epochs {dcfg.get('epochs')} "
         f"--time-budget-min {dcfg.get('time_budget_min')}",
-        f"python -m jobs.train_predictors --model {m} --dtype {preds.get('dtype')} --prompts {preds.get('prompts')} "
-        f"--exclude {dcfg.get('data')} --num-prompts {preds.get('num_prompts')} --max-new-tokens {preds.get('max_new_tokens')}",
-        f"python -m jobs.profile_schedule --model {m} --dtype {prof.get('dtype')} --prompts {prof.get('prompts')} "
-        f"--num-prompts {prof.get('num_prompts')} --max-new-tokens {prof.get('max_new_tokens')}",
+        f"python -m jobs.train_predictors --model {m} --dtype {preds.get('dtype')} --weights {preds.get('weights')} "
+        f"--prompts {preds.get('prompts')} --exclude-first {preds.get('exclude_first', 0)} "
+        f"--num-prompts {preds.get('num_prompts')} --calib-prompts {cal.get('prompts', 0)} "
+        f"--max-new-tokens {preds.get('max_new_tokens')} --epochs {preds.get('epochs')} "
+        f"--max-samples {preds.get('max_samples')}",
+        f"python -m jobs.profile_schedule --model {m} --dtype {prof.get('dtype')} --weights {prof.get('weights')} "
+        f"--prompts {prof.get('prompts')} --num-prompts {prof.get('num_prompts')} "
+        f"--max-new-tokens {prof.get('max_new_tokens')}"
+        + (f" --max-disagreement {prof['max_disagreement']}" if prof.get("max_disagreement") else ""),
         f"python -m jobs.model_card --model {m}", "```", "",
     ]
     return "\n".join(lines)

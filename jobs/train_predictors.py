@@ -59,6 +59,7 @@ class PredictorTrainConfig:
     k: int = 4
     speculator: str = "draft"  # whose candidates the predictors learn on: "draft" | "lookup"
     epochs: int = 100
+    max_gap: int = 1  # the feature p - prev compares with the layer this far below (1: adjacent, as the engine)
     max_samples: int = 16000  # per layer
     seed: int = 0
     threads: int = 0
@@ -162,7 +163,8 @@ def train(cfg: PredictorTrainConfig) -> dict:
     report: dict = {"steps": len(final), "collect_s": round(collect_s, 1),
                     "speculator": {cfg.speculator: hit_rates(cand, final)}, "dtype": cfg.dtype,
                     "weights": cfg.weights, "prompts": str(cfg.prompts or cfg.corpus / "train.jsonl"),
-                    "num_prompts": len(prompts), "exclude_first": cfg.exclude_first,
+                    "num_prompts": len(prompts), "exclude_first": cfg.exclude_first, "epochs": cfg.epochs,
+                    "max_samples": cfg.max_samples, "max_gap": cfg.max_gap,
                     "max_new_tokens": cfg.max_new_tokens, "oracle_avg_layers": oracle.mean().item(), "oracle_layer_fraction": oracle.mean().item() / L,
                     "layers": {}}
     if cand_whole is not None:  # the same draft head ranking the whole vocabulary instead of its subset
@@ -175,7 +177,7 @@ def train(cfg: PredictorTrainConfig) -> dict:
     val, tr = order[:n_val], order[n_val:][: cfg.max_samples]
     mlps = {}
     for layer in range(1, L):
-        x, y = predictor_dataset(z, labels, layer, seed=cfg.seed)
+        x, y = predictor_dataset(z, labels, layer, max_gap=cfg.max_gap, seed=cfg.seed)
         mlps[layer] = train_layer(x[tr], y[tr], cfg.k, epochs=cfg.epochs, seed=cfg.seed + layer)
         rep = classification_report(mlps[layer], x[val], y[val])
         report["layers"][layer] = {k: round(v, 4) if isinstance(v, float) else v for k, v in rep.items()}

@@ -200,6 +200,8 @@ class GenerateRows:
                   "batch_started_at": started_at, "worker": self.worker, "run_id": self.run_id}
         ids = batch["id"].to_pylist()
         prompts = batch["prompt"].to_pylist()
+        # the processor's prepare stage renders the text to run beside the prompt as given
+        to_run = batch["text"].to_pylist() if "text" in batch.column_names else prompts
         input_errors = batch["input_error"].to_pylist()
         maybe_crash_on(prompts)
         rows: list[dict | None] = [None] * len(ids)
@@ -209,7 +211,7 @@ class GenerateRows:
                 rows[i] = self._error_row(ids[i], prompt, f"InputError: {error}")
                 continue
             try:  # one row at a time, so that one bad prompt does not fail the batch
-                texts[i] = self._prompt_text(prompt)
+                texts[i] = self._prompt_text(to_run[i])
                 self.engine.encode_prompt(texts[i])
                 runnable.append(i)
             except PromptError as e:

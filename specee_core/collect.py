@@ -94,11 +94,12 @@ def oracle_exit_layers(labels: torch.Tensor, num_layers: int) -> torch.Tensor:
     return first
 
 
-def predictor_dataset(z: torch.Tensor, labels: torch.Tensor, layer: int, max_gap: int = 3,
+def predictor_dataset(z: torch.Tensor, labels: torch.Tensor, layer: int, max_gap: int = 1,
                       seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Features [S, 3K] and labels [S] for the predictor after layer `layer` (1-based). The
-    shift uses the probabilities of a layer 1..max_gap below (random per sample), since at run
-    time the previous predictor may be several layers down; zeros when none is below."""
+    shift uses the probabilities of the layer below, as the engine computes them before a
+    predictor's layer (max_gap > 1: of a layer 1..max_gap below, random per sample); zeros at
+    layer 1."""
     g = torch.Generator().manual_seed(seed + layer)
     s = z.shape[0]
     zl = z[:, layer - 1]

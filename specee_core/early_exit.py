@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from specee_core.calibration import CALIBRATION_FILE, Calibration, calibrate_command, check_tolerance
-from specee_core.predictors import LayerPredictor, PredictorBank, exit_probability, predictor_features
+from specee_core.predictors import LayerPredictor, PredictorBank, candidate_probs, exit_probability, predictor_features
 from specee_core.sampling import sample
 from specee_core.scheduler import OnlineWindow, Schedule
 from specee_core.speculators import DraftHead, DraftSpeculator, PromptLookupSpeculator, Speculator
@@ -187,8 +187,22 @@ class CandidateScorer:
         # the fused kernel reads a dense head; a low-bit head's rows are dequantized here instead
         dense_head = isinstance(model.w.lm_head, torch.Tensor)
         self.fused = dense_head and (backend == "triton" or (backend == "auto" and dev.type == "cuda"))
-        if not self.fused:
-            self.w = (model.head_rows(cand) * model.w.norm).float()  # [N, K, D]
+        self._w = None if self.fused else (model.head_rows(cand) * model.w.norm).float()  # [N, K, D]
+
+    @property
+    def w(self) -> torch.Tensor:
+        """The candidates' LM-head rows with the final norm's weight folded in [N, K, D] (fp32)."""
+        if self._w is None:
+            self._w = (self.model.head_rows(self.cand) * self.model.w.norm).float()
+        return self._w
+
+    def probs(self, h: torch.Tensor, sel: torch.Tensor | None) -> torch.Tensor:
+        """The candidate probabilities [n, K] of pre-norm hidden states h [n, D] of the rows sel: a
+        predictor's previous-layer input (its feature p - prev)."""
+        hf = h.float()
+        r = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.model.config.rms_norm_eps)
+        w = self.w if sel is None else self.w[sel]
+        return candidate_probs(torch.bmm(w, hf.unsqueeze(-1)).squeeze(-1) * r)
 
     def __call__(self, h: torch.Tensor, sel: torch.Tensor | None, prev: torch.Tensor,
                  pred: LayerPredictor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -257,7 +271,7 @@ class Walk:
     cache_rows: torch.Tensor | None  # [n] cache rows of the running rows; None: every cache row
     pred_layers: list[frozenset[int]]  # per step row: the layers after which its predictor runs
     scorer: CandidateScorer  # the exit test over the proposal's candidates
-    prev: torch.Tensor  # [N, K] candidate probabilities at each row's last evaluated layer (zeros before)
+    prev: torch.Tensor  # [N, K] candidate probabilities at the layer below each row's next predictor (zeros at layer 1)
     done: list[bool]  # [N] exited, but still running layers (skip "batch")
 
 
@@ -335,6 +349,8 @@ class Stepper:
         walk, out = self._start(prop, rows)
         L = self.model.num_layers
         for i in range(L):
+            if 0 < i < L - 1:
+                self._probs_below(i + 1, walk)
             walk.h = self._run_layer(i, prop, walk)
             if i + 1 < L:
                 exits = self._decide_exits(i + 1, prop, walk, out, generator)
@@ -388,6 +404,21 @@ class Stepper:
                                             walk.cache_rows)
         return self.model.layer(i, walk.h, walk.rope, self.cache, walk.cache_rows)
 
+    def _probs_below(self, layer: int, walk: Walk) -> None:
+        """Before layer `layer` runs: the candidate probabilities of the layer below, for the rows whose
+        predictor runs at `layer` (its feature p - prev compares adjacent layers, as in training)."""
+        sel = [r for r, j in enumerate(walk.running) if layer in walk.pred_layers[j] and not walk.done[j]]
+        if not sel:
+            return
+        dev = self.model.device
+        js = [walk.running[r] for r in sel]
+        sel_dev, js_dev = _index(sel, len(walk.running), dev), _index(js, len(walk.prev), dev)
+        probs = walk.scorer.probs(walk.h[:, 0] if sel_dev is None else walk.h[sel_dev, 0], js_dev)
+        if js_dev is None:
+            walk.prev = probs
+        else:
+            walk.prev[js_dev] = probs
+
     def _decide_exits(self, layer: int, prop: Proposal, walk: Walk, out: Decisions, generator) -> list[int]:
         """The predictors scheduled after `layer` for the running rows; a row exits when its
         predictor fires and its token is verified. Writes the exits' decisions into out; returns
@@ -411,10 +442,6 @@ class Stepper:
         hs = walk.h[:, 0] if sel_dev is None else walk.h[sel_dev, 0]  # [S, D]
         prev = walk.prev if js_dev is None else walk.prev[js_dev]
         p_exit, prob, local = walk.scorer(hs, js_dev, prev, self.ee.predictors.layers[layer])
-        if js_dev is None:
-            walk.prev = prob
-        else:
-            walk.prev[js_dev] = prob
         for j in js:
             self.rows[prop.alive[j]].predictor_calls += 1
         fired = [q for q, f in enumerate((p_exit > self.thresholds[layer]).tolist()) if f]  # positions in sel

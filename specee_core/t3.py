@@ -57,11 +57,13 @@ def verify_with_exits(model, cache, draft: Draft, positions: torch.Tensor, anc: 
     h = m.embed(draft.tokens.to(dev))
     rope = m.rope_for(positions)
     for i in range(L):
+        if scorer is not None and 0 < i < L - 1 and i + 1 in t3.layers:  # the feature compares adjacent layers
+            prev = scorer.probs(h[known_dev], None)
         h = m.layer(i, h, rope, cache, rows, tree=anc)
         layer = i + 1
         if scorer is None or layer == L or layer not in t3.layers:
             continue
-        p_exit, prev, local = scorer(h[known_dev], None, prev, t3.predictors.layers[layer])
+        p_exit, _, local = scorer(h[known_dev], None, prev, t3.predictors.layers[layer])
         nxt = torch.full(known.shape, -1, dtype=torch.int64)
         nxt[known] = local.cpu()
         fired = torch.zeros(known.shape, dtype=torch.bool)
