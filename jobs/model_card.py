@@ -146,7 +146,7 @@ def render_imported(m: Path) -> str:
         f"weights) of {preds.get('num_prompts')} other training prompts (drawn from the rows after the draft's first "
         f"{preds.get('exclude_first', 0)}), {preds.get('steps')} decode steps",
         f"- Calibration: {cal.get('prompts')} further training prompts never used to train the predictors, "
-        f"{cal.get('tokens')} decode steps (`calibration.json`)",
+        f"{cal.get('tokens')} decode steps (`calibration.safetensors`)",
         f"- Schedule: {prof.get('num_prompts')} training prompts x {prof.get('max_new_tokens')} tokens in SpecEE mode "
         f"with every predictor on ({exit_rule(prof)})", "",
         "## Draft head (`draft/`)", "",
@@ -174,7 +174,7 @@ def render_imported(m: Path) -> str:
     for layer, r in preds.get("layers", {}).items():
         lines.append(f"| {layer} | {r['positive_rate']:.2f} | {r['predicted_rate']:.2f} | {r['precision']:.2f} | {r['recall']:.2f} |")
     if cal:
-        lines += ["", "## Calibrated thresholds (`calibration.json`)", "",
+        lines += ["", "## Calibrated thresholds (`calibration.safetensors`)", "",
                   "Per tolerance (`max_disagreement`, confidence 0.95): the layers that may exit and their thresholds "
                   "(specee_core.calibration; every other layer never exits at that tolerance).", "",
                   "| tolerance | layers: threshold |", "|---|---|"]

@@ -13,7 +13,7 @@ precision and recall, the speculator's decode hit rates (a draft head with a voc
 also over the whole vocabulary) and the oracle exit depth.
 
 With --calib-prompts N, N further prompts (never trained on) are decoded the same way and give
-<model>/calibration.json (specee_core.calibration: per layer and candidate threshold, the exits
+<model>/calibration.safetensors (specee_core.calibration: per layer and candidate threshold, the exits
 and disagreements with the full model, from which max_disagreement's thresholds are derived), the
 per-layer precision/recall curves on them in the report and, with --plot, a figure of them.
 """
@@ -51,8 +51,8 @@ class PredictorTrainConfig:
     weights: str = "fp32"  # specee_core.quant.WEIGHT_FORMATS: q4 on SmolLM2 is its own weights at q4 speed
     ckpt_dir: Path = Path("runs/train_predictors")  # the decode data, kept for reruns
     num_prompts: int = 128
-    calib_prompts: int = 0  # further prompts for calibration.json (0: none)
-    calibrate_only: bool = False  # keep the predictors beside the model; only (re)make calibration.json
+    calib_prompts: int = 0  # further prompts for calibration.safetensors (0: none)
+    calibrate_only: bool = False  # keep the predictors beside the model; only (re)make calibration.safetensors
     plot: Path | None = None  # the precision/recall curves of the calibration split
     max_new_tokens: int = 128
     batch_size: int = 16
@@ -194,14 +194,14 @@ def train(cfg: PredictorTrainConfig) -> dict:
 
 
 def calibrate(engine, bank: PredictorBank, prompts: list[str], cfg: PredictorTrainConfig) -> dict:
-    """calibration.json from full-depth decoding of the held-out prompts; returns the report's part:
+    """calibration.safetensors from full-depth decoding of the held-out prompts; returns the report's part:
     the split's size, per-layer precision/recall over the threshold grid, the thresholds at a few
     tolerances."""
     z, cand, final, _ = collect(engine, prompts, cfg, part="calib")
     labels = exit_labels(z, cand, final)
     p_exit, agree = {}, {}
     for layer in sorted(bank.layers):
-        x, y = predictor_dataset(z, labels, layer, seed=cfg.seed + 1000)
+        x, y = predictor_dataset(z, labels, layer, max_gap=1, seed=cfg.seed + 1000)  # the engine's feature
         with torch.no_grad():
             p_exit[layer] = exit_probability(x, bank.layers[layer])
         agree[layer] = y > 0.5
@@ -213,8 +213,8 @@ def calibrate(engine, bank: PredictorBank, prompts: list[str], cfg: PredictorTra
                   "threshold": c.thresholds,
                   "precision": [round(1 - k / n, 4) if n else None for n, k in zip(c.exits, c.disagree)],
                   "recall": [round((n - k) / max(int(agree[l].sum()), 1), 4) for n, k in zip(c.exits, c.disagree)]}
-              for l, c in cal.layers.items()}
-    at = {str(eps): {l: c.threshold for l, c in cal.thresholds(eps).items()} for eps in (0.01, 0.02, 0.05)}
+              for l, c in cal.layer_counts().items()}
+    at = {str(eps): {l: c.threshold for l, c in cal.thresholds(eps).items()} for eps in (0.01, 0.02, 0.05, 0.1)}
     if cfg.plot:
         plot_curves(curves, cfg.plot, f"{cfg.model.name}: exit predictors on {len(prompts)} held-out prompts "
                                       f"({cal.tokens} tokens)")

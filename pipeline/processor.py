@@ -73,6 +73,7 @@ class ProcessorConfig:
     torch_threads: int | None = None
     max_task_retries: int = 2  # a batch whose actor died runs again this often, then fails the dataset
     retune_every_tokens: int = 1024  # specee: the schedule store re-tunes after this many tokens
+    runtime_env: dict | None = None  # for the engine actors, e.g. {"env_vars": {...}}
 
     def __post_init__(self) -> None:
         self.stage()  # every engine setting is checked here, once, not in each actor
@@ -191,7 +192,8 @@ class Processor:
         ds = ds.map_batches(EngineRows, fn_constructor_kwargs={"stage": cfg.stage(), "run_id": self.run_id,
                                                                "store": self._store()},
                             batch_format="pyarrow", batch_size=cfg.batch_size, concurrency=cfg.concurrency,
-                            max_task_retries=cfg.max_task_retries, **cfg.resources())
+                            max_task_retries=cfg.max_task_retries, **cfg.resources(),
+                            **({"runtime_env": cfg.runtime_env} if cfg.runtime_env else {}))
         if self.postprocess is not None:
             ds = ds.map(self.postprocess, num_cpus=0)
         return ds

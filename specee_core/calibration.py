@@ -15,21 +15,23 @@ its exit threshold):
 - the threshold is the last one rejected; a layer with none never exits;
 - Bonferroni over the layers: with probability >= 1 - delta no layer's rate exceeds eps.
 
-The calibration file beside the predictors (calibration.json) keeps, per layer and candidate
-threshold, the exits and disagreements counted on the calibration set, so any (eps, delta) is
-derived at load without the data. The live audit of the batch job (pipeline.schedule_store)
+Layers are calibrated from the shallowest up, each on the calibration tokens that no shallower layer
+let exit (at run time a deeper predictor sees only the tokens that did not exit below it). The
+calibration file beside the predictors (calibration.safetensors) keeps, per calibration token and
+predictor layer, the exit probability and whether the exit would agree with the full model (about
+3 MB for SmolLM2's 23.7k tokens x 29 layers), so thresholds for any (eps, delta) are derived at load. The live audit of the batch job (pipeline.schedule_store)
 uses the same bounds on the tokens it re-runs to full depth.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-CALIBRATION_FILE = "calibration.json"
+CALIBRATION_FILE = "calibration.safetensors"
 # candidate thresholds on sigmoid(predictor), from the most to the least conservative: fine where
 # the predictors' confident exits are (a longer fixed sequence costs no confidence)
 THRESHOLD_GRID = (0.9999, 0.9995, 0.999, 0.998, 0.997, 0.996, 0.995, 0.9925, 0.99,
@@ -127,8 +129,8 @@ def lower_bound(disagree: int, n: int, delta: float) -> float:
 
 @dataclass
 class LayerCounts:
-    """One layer's calibration counts: at thresholds[j], exits[j] tokens would exit and
-    disagree[j] of them would emit another token than the full model."""
+    """One layer's counts: at thresholds[j], exits[j] tokens would exit and disagree[j] of them would
+    emit another token than the full model."""
     thresholds: list[float]
     exits: list[int]
     disagree: list[int]
@@ -136,63 +138,92 @@ class LayerCounts:
 
 @dataclass
 class Calibration:
-    """The counts of every layer with a predictor, over `tokens` calibration tokens from `prompts`
-    prompts never used to train the predictors."""
-    layers: dict[int, LayerCounts]
-    tokens: int
+    """Per calibration token (never used to train the predictors) and predictor layer: the exit
+    probability and whether the layer's exit choice agrees with the full model. `prompts`: how many
+    prompts the `tokens` tokens came from."""
+    layers: list[int]  # the predictor layers, ascending (columns of p_exit / agree)
+    p_exit: torch.Tensor  # [S, len(layers)] float32
+    agree: torch.Tensor  # [S, len(layers)] bool
     prompts: int
     source: str = ""
     meta: dict = field(default_factory=dict)
 
+    @property
+    def tokens(self) -> int:
+        return int(self.p_exit.shape[0])
+
     @classmethod
     def count(cls, p_exit: dict[int, torch.Tensor], agree: dict[int, torch.Tensor], prompts: int,
-              source: str = "", grid: tuple[float, ...] = THRESHOLD_GRID, meta: dict | None = None) -> Calibration:
+              source: str = "", meta: dict | None = None) -> Calibration:
         """From each layer's exit probabilities p_exit[l] [S] and whether its candidate-local argmax
-        is the full model's token agree[l] [S] (bool)."""
-        layers, tokens = {}, 0
-        for l, p in p_exit.items():
-            bad = ~agree[l]
-            tokens = max(tokens, len(p))
-            fired = [p > t for t in grid]
-            layers[l] = LayerCounts(list(grid), [int(f.sum()) for f in fired], [int((f & bad).sum()) for f in fired])
-        return cls(layers, tokens, prompts, source, meta or {})
+        is the full model's token agree[l] [S] (bool), over the same S tokens."""
+        layers = sorted(p_exit)
+        return cls(layers, torch.stack([p_exit[l].float() for l in layers], 1),
+                   torch.stack([agree[l].bool() for l in layers], 1), prompts, source, meta or {})
 
-    def thresholds(self, eps: float, confidence: float = 0.95) -> dict[int, CalibratedLayer]:
+    def layer_counts(self, grid: tuple[float, ...] = THRESHOLD_GRID) -> dict[int, LayerCounts]:
+        """Each layer on its own, over every token (the precision/recall curves of the report)."""
+        out = {}
+        for c, l in enumerate(self.layers):
+            fired = [self.p_exit[:, c] > t for t in grid]
+            bad = ~self.agree[:, c]
+            out[l] = LayerCounts(list(grid), [int(f.sum()) for f in fired], [int((f & bad).sum()) for f in fired])
+        return out
+
+    def thresholds(self, eps: float, confidence: float = 0.95,
+                   grid: tuple[float, ...] = THRESHOLD_GRID) -> dict[int, CalibratedLayer]:
         """Per layer: the lowest threshold certified at eps with confidence (see the module docstring),
-        or threshold None (never exits)."""
+        or threshold None (never exits). Layers are calibrated from the shallowest up, each on the
+        tokens that no shallower layer let exit: at run time a deeper predictor sees only the tokens
+        that did not exit below it, the harder ones."""
         check_tolerance(eps, confidence)
         delta = (1 - confidence) / max(len(self.layers), 1)
         out = {}
-        for l, c in sorted(self.layers.items()):
+        alive = torch.ones(self.tokens, dtype=torch.bool)
+        for c, l in enumerate(self.layers):
+            p, bad = self.p_exit[:, c], ~self.agree[:, c]
             chosen = None
-            for j, t in enumerate(c.thresholds):
-                if not testable(c.exits[j], eps, delta):
+            for t in grid:
+                fired = alive & (p > t)
+                n = int(fired.sum())
+                if not testable(n, eps, delta):
                     continue
-                if p_value(c.disagree[j], c.exits[j], eps) > delta:
+                k = int((fired & bad).sum())
+                if p_value(k, n, eps) > delta:
                     break
-                chosen = j
+                chosen = (t, n, k)
             if chosen is None:
                 out[l] = CalibratedLayer(None, 0, 0, None)
-            else:
-                n, k = c.exits[chosen], c.disagree[chosen]
-                out[l] = CalibratedLayer(c.thresholds[chosen], n, k, upper_bound(k, n, delta))
+                continue
+            t, n, k = chosen
+            out[l] = CalibratedLayer(t, n, k, upper_bound(k, n, delta))
+            alive &= ~(p > t)
         return out
 
     def save(self, path: str | Path) -> None:
-        d = asdict(self)
-        d["layers"] = {str(l): v for l, v in d["layers"].items()}
-        Path(path).write_text(json.dumps(d, indent=1))
+        from safetensors.torch import save_file
+
+        meta = {"layers": json.dumps(self.layers), "prompts": str(self.prompts), "source": self.source,
+                "meta": json.dumps(self.meta)}
+        save_file({"p_exit": self.p_exit.contiguous(), "agree": self.agree.to(torch.uint8).contiguous()}, str(path),
+                  metadata=meta)
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
+        from safetensors import SafetensorError, safe_open
+
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"calibration not found: {path}")
         try:
-            d = json.loads(path.read_text())
-            layers = {int(l): LayerCounts(**v) for l, v in d.pop("layers").items()}
-            return cls(layers=layers, **d)
-        except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as e:
+            with safe_open(str(path), framework="pt") as f:
+                md = f.metadata() or {}
+                p_exit, agree = f.get_tensor("p_exit"), f.get_tensor("agree").bool()
+            layers = json.loads(md["layers"])
+            if p_exit.shape != agree.shape or p_exit.shape[1] != len(layers):
+                raise ValueError(f"p_exit {tuple(p_exit.shape)}, agree {tuple(agree.shape)} for {len(layers)} layers")
+            return cls(layers, p_exit, agree, int(md["prompts"]), md.get("source", ""), json.loads(md.get("meta", "{}")))
+        except (SafetensorError, KeyError, ValueError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: not a valid calibration file ({e})") from None
 
 
@@ -213,6 +244,6 @@ class CalibratedLayer:
 
 
 def calibrate_command(model_dir) -> str:
-    """How to make calibration.json for a model (the message of a tolerance asked without one)."""
+    """How to make calibration.safetensors for a model (the message of a tolerance asked without one)."""
     return (f"python -m jobs.train_predictors --model {model_dir} --prompts prompts/instructions_train.jsonl "
             f"--calib-prompts 250")

@@ -2,7 +2,6 @@
 the live audit (in the stepper and in the schedule store)."""
 from __future__ import annotations
 
-import json
 import math
 import random
 import shutil
@@ -12,8 +11,7 @@ import torch
 
 from pipeline.schedule_store import ScheduleStore
 from specee_core import SpecEEEngine
-from specee_core.calibration import (CALIBRATION_FILE, Calibration, LayerCounts, lower_bound, p_value,
-                                     upper_bound)
+from specee_core.calibration import CALIBRATION_FILE, Calibration, lower_bound, p_value, upper_bound
 from specee_core.scheduler import Schedule, retune
 from tests.conftest import BUNDLED
 
@@ -48,15 +46,43 @@ def test_upper_bound_covers_the_true_rate():
     assert covered / 2000 >= 0.95
 
 
+def samples(grid: list[float], exits: list[int], disagree: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's tokens such that exits[j] of them score above grid[j] (descending) and disagree[j] of
+    those disagree (both counts non-decreasing): (p_exit [S], agree [S])."""
+    p, agree, prev_n, prev_k = [], [], 0, 0
+    bounds = [1.0] + list(grid)
+    for j, (n, k) in enumerate(zip(exits, disagree)):
+        mid = (bounds[j] + bounds[j + 1]) / 2
+        p += [mid] * (n - prev_n)
+        agree += [False] * (k - prev_k) + [True] * (n - prev_n - (k - prev_k))
+        prev_n, prev_k = n, k
+    p += [0.0] * 100  # tokens that never exit
+    agree += [True] * 100
+    return torch.tensor(p), torch.tensor(agree)
+
+
+def certify_all(layers, prompts: int = 1000) -> Calibration:
+    """Made-up calibration data on which every layer passes at the lowest candidate threshold: each
+    layer has its own 20000 confident, agreeing tokens (no shallower layer takes them)."""
+    n = 20000 * len(layers)
+    p, agree = {}, {}
+    for i, l in enumerate(layers):
+        p[l] = torch.zeros(n)
+        p[l][i * 20000 : (i + 1) * 20000] = 1.0
+        agree[l] = torch.ones(n, dtype=torch.bool)
+    return Calibration.count(p, agree, prompts=prompts)
+
+
 def synthetic_calibration() -> Calibration:
-    """Layer 1: exits always agree; layer 2: half of them disagree; layer 3: agree only at high
-    thresholds (the lower ones let bad exits through)."""
-    n = 20000
+    """Layer 1: exits always agree, only on the first fifth of the tokens; layer 2: half of its exits
+    disagree; layer 3: agrees only at high thresholds (the lower ones let bad exits through)."""
+    n = 100000
     p = torch.linspace(0, 1, n)
+    first = (torch.arange(n) < n // 5).float()  # sure, on the first fifth only
     good = torch.ones(n, dtype=torch.bool)
     coin = torch.arange(n) % 2 == 0
     high_only = p > 0.95
-    return Calibration.count({1: p, 2: p, 3: p}, {1: good, 2: coin, 3: high_only}, prompts=10)
+    return Calibration.count({1: first, 2: p, 3: p}, {1: good, 2: coin, 3: high_only}, prompts=10)
 
 
 def test_thresholds_per_layer():
@@ -66,6 +92,9 @@ def test_thresholds_per_layer():
     assert th[2].threshold is None  # never exits
     assert th[3].threshold is not None and th[3].threshold >= 0.95  # only where its exits agree
     assert th[3].bound <= 0.02
+    # layer 3 is calibrated on the tokens layer 1 did not take
+    assert th[3].exits == int(((torch.linspace(0, 1, 100000) > th[3].threshold)
+                               & (torch.arange(100000) >= 20000)).sum())
     # a looser tolerance never gives a higher threshold; a tighter one never a lower
     assert cal.thresholds(0.05)[3].threshold <= th[3].threshold
 
@@ -73,38 +102,41 @@ def test_thresholds_per_layer():
 def test_thresholds_with_too_few_exits_are_left_out_of_the_sequence():
     """A threshold whose exits are too few to pass at half the tolerance is skipped, not a failure
     that ends the sequence (the rule reads exit counts only)."""
-    grid = [0.999, 0.99, 0.9]
-    cal = Calibration({1: LayerCounts(grid, [50, 3000, 6000], [5, 10, 30])}, tokens=6000, prompts=5)
-    assert cal.thresholds(0.02)[1].threshold == 0.9
+    grid = (0.999, 0.99, 0.9)
+    p, agree = samples(list(grid), [50, 3000, 6000], [5, 10, 30])
+    cal = Calibration.count({1: p}, {1: agree}, prompts=5)
+    assert cal.thresholds(0.02, grid=grid)[1].threshold == 0.9
 
 
 def test_fixed_sequence_stops_at_the_first_failure():
     """Thresholds are tested from the most conservative down; one failing threshold ends the layer's
     sequence even when a lower one would pass on its own."""
-    grid = [0.99, 0.9, 0.5]
-    cal = Calibration({1: LayerCounts(grid, [2000, 2000, 2000], [0, 500, 0])}, tokens=2000, prompts=5)
-    assert cal.thresholds(0.02)[1].threshold == 0.99
+    grid = (0.99, 0.9, 0.5)
+    p, agree = samples(list(grid), [2000, 2100, 10000], [0, 60, 70])  # 0.5 alone: 0.7%, but 0.9 fails first
+    cal = Calibration.count({1: p}, {1: agree}, prompts=5)
+    assert cal.thresholds(0.02, grid=grid)[1].threshold == 0.99
 
 
 def test_bonferroni_over_layers():
     """The same counts pass with one layer and fail among many: each layer's test runs at delta / layers."""
-    counts = LayerCounts([0.9], [600], [0])  # enough exits to test at delta = 0.05, not at 0.05 / 200
-    one = Calibration({1: counts}, tokens=600, prompts=5)
-    many = Calibration({l: counts for l in range(1, 201)}, tokens=600, prompts=5)
-    assert one.thresholds(0.02)[1].threshold == 0.9
-    assert many.thresholds(0.02)[1].threshold is None
+    p, agree = samples([0.9], [600], [0])  # enough exits to test at delta = 0.05, not at 0.05 / 200
+    one = Calibration.count({1: p}, {1: agree}, prompts=5)
+    many = Calibration.count({l: p for l in range(1, 201)}, {l: agree for l in range(1, 201)}, prompts=5)
+    assert one.thresholds(0.02, grid=(0.9,))[1].threshold == 0.9
+    assert many.thresholds(0.02, grid=(0.9,))[1].threshold is None
 
 
 def test_calibration_file_roundtrip_and_errors(tmp_path):
     cal = synthetic_calibration()
-    cal.save(tmp_path / "c.json")
-    back = Calibration.load(tmp_path / "c.json")
-    assert back.layers[3] == cal.layers[3] and back.tokens == cal.tokens
-    with pytest.raises(FileNotFoundError, match="nope.json"):
-        Calibration.load(tmp_path / "nope.json")
-    (tmp_path / "bad.json").write_text("{")
-    with pytest.raises(ValueError, match="bad.json"):
-        Calibration.load(tmp_path / "bad.json")
+    cal.save(tmp_path / "c.safetensors")
+    back = Calibration.load(tmp_path / "c.safetensors")
+    assert back.layers == cal.layers and back.tokens == cal.tokens and torch.equal(back.agree, cal.agree)
+    assert back.thresholds(0.02) == cal.thresholds(0.02)
+    with pytest.raises(FileNotFoundError, match="nope.safetensors"):
+        Calibration.load(tmp_path / "nope.safetensors")
+    (tmp_path / "bad.safetensors").write_bytes(b"{")
+    with pytest.raises(ValueError, match="bad.safetensors"):
+        Calibration.load(tmp_path / "bad.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +147,7 @@ def calibrated_dir(tmp_path_factory):
     for f in BUNDLED.iterdir():
         (shutil.copytree if f.is_dir() else shutil.copy)(f, path / f.name)
     engine = SpecEEEngine.from_pretrained(path, dtype="float32")
-    grid = [0.99, 0.9, 0.5]
-    Calibration({l: LayerCounts(grid, [100000] * 3, [0] * 3) for l in engine.early_exit.predictors.layers},
-                tokens=100000, prompts=1000).save(path / CALIBRATION_FILE)
+    certify_all(sorted(engine.early_exit.predictors.layers)).save(path / CALIBRATION_FILE)
     return path
 
 
@@ -237,4 +267,4 @@ def test_bundled_smollm2_calibration_file_is_valid():
     path = BUNDLED.parent / "smollm2-135m-instruct" / CALIBRATION_FILE
     cal = Calibration.load(path)
     assert cal.prompts >= 100 and cal.tokens >= 5000
-    assert json.loads(path.read_text())["meta"]["exclude_first"] >= 0
+    assert cal.meta["exclude_first"] >= 0 and cal.layers == list(range(1, 30))

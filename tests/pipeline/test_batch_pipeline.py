@@ -365,7 +365,8 @@ def test_live_audit_closes_a_layer_made_bad_on_purpose(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from jobs import analyze, generate
-    from specee_core.calibration import CALIBRATION_FILE, Calibration, LayerCounts
+    from specee_core.calibration import CALIBRATION_FILE
+    from tests.test_calibration import certify_all
 
     model = tmp_path / "model"
     shutil.copytree(BUNDLED, model)
@@ -375,8 +376,7 @@ def test_live_audit_closes_a_layer_made_bad_on_purpose(tmp_path):
     tensors["layer.1.b2"] = torch.full_like(tensors["layer.1.b2"], 50.0)  # sigmoid = 1: always fires
     save_file(tensors, str(model / "predictors.safetensors"), metadata=meta)
     layers = json.loads(meta["layers"])
-    Calibration({l: LayerCounts([0.9], [100000], [0]) for l in layers}, tokens=100000,
-                prompts=1000).save(model / CALIBRATION_FILE)
+    certify_all(layers).save(model / CALIBRATION_FILE)
     rows = [{"id": f"r{i:02d}", "prompt": GOOD[i % len(GOOD)]} for i in range(24)]
     src = write_jsonl(tmp_path / "p.jsonl", rows)
     out = tmp_path / "out"

@@ -10,8 +10,9 @@ import time
 import httpx
 import pytest
 
-from specee_core.calibration import CALIBRATION_FILE, Calibration, LayerCounts
+from specee_core.calibration import CALIBRATION_FILE
 from tests.conftest import BUNDLED, add_early_exit_files, make_hf_model
+from tests.test_calibration import certify_all
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +38,7 @@ def dirs(tmp_path_factory):
     make_hf_model(chat, layers=2, hidden=64, heads=4, kv_heads=2, seed=1, max_pos=4096)  # room for long streams
     add_early_exit_files(chat, offline=(1,))  # random draft head and predictors; this app serves mode="specee"
     # a calibration that lets layer 1 exit at 0.5 for any tolerance (made-up counts: the request path is tested)
-    Calibration({1: LayerCounts([0.5], [100000], [0])}, tokens=100000, prompts=1000).save(chat / CALIBRATION_FILE)
+    certify_all([1]).save(chat / CALIBRATION_FILE)
     cfg = json.loads((chat / "tokenizer_config.json").read_text())
     (chat / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHAT_TEMPLATE}))
     return plain, chat
