@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from specee_core.calibration import CALIBRATION_FILE, Calibration, LayerCounts
+from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration, LayerCounts
 from tests.conftest import BUNDLED, add_early_exit_files, make_hf_model
 
 pytestmark = pytest.mark.slow

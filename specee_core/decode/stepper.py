@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from specee_core.engine import Batch, SpecEEEngine
-    from specee_core.kv_cache import KVCache
+    from specee_core.decode.engine import Batch, SpecEEEngine
+    from specee_core.model.kv_cache import KVCache
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Proposers for speculative decoding: per step, a draft of each row's continuation for the base
-model to verify (specee_core.acceptance), as a token tree.
+model to verify (specee_core.spec.acceptance), as a token tree.
 
 - DraftHeadProposer: the EAGLE-style draft head. A chain (width 1) or an EAGLE-2 tree: level by
   level, the `width` nodes with the highest cumulative draft log-probability are expanded into
@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specee_core.sampling import SamplingParams, probabilities
-from specee_core.speculators import ngram_matches
+from specee_core.decode.sampling import SamplingParams, probabilities
+from specee_core.early_exit.speculators import ngram_matches
 
 if TYPE_CHECKING:
-    from specee_core.engine import Batch
-    from specee_core.speculators import DraftSpeculator
+    from specee_core.decode.engine import Batch
+    from specee_core.early_exit.speculators import DraftSpeculator
 
 
 @dataclass
