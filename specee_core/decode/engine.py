@@ -18,8 +18,8 @@ from specee_core.model.model import LlamaModel
 from specee_core.decode.plan import (CostTable, Planner, SpecPlan, StepTimes, choose_dtype, cost_key, could_pay,
                                      load_costs)
 from specee_core.decode.sampling import SamplingParams, sample
-from specee_core.decode.stepper import StepOutput, StepperFactory
-from specee_core.decode.stops import StopMatcher
+from specee_core.decode.state import Batch
+from specee_core.decode.stepper import StepEngine, StepOutput, StepperFactory
 
 log = logging.getLogger(__name__)
 
@@ -49,32 +49,6 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-
-
-@dataclass
-class Batch:
-    """Decode state of one generate() batch. Row b of every tensor is prompt b of the batch."""
-    prompt_ids: list[list[int]]
-    params: SamplingParams
-    max_new: list[int]  # per row, clipped to the context
-    generated: list[list[int]]
-    exit_layers: list[list[int]]
-    finish: list[str | None]
-    texts: list[str | None]  # the text cut at a stop string; None = decode the tokens
-    positions: torch.Tensor  # [B] host: position of the next token to feed = len(prompt) + len(generated) - 1
-    next_tokens: torch.Tensor  # [B] device: the token to feed next
-    last_hidden: torch.Tensor | None = None  # [B, D] hidden state of the last fed token (draft heads use it)
-    t_first: float = 0.0
-    t_done: list[float] = field(default_factory=list)
-    on_token: Callable[[int, int], None] | None = None
-    mode: str = "dense"
-    stop_matchers: list[StopMatcher] = field(init=False)  # per row: the stop-string search of its text
-
-    def __post_init__(self) -> None:
-        self.stop_matchers = [StopMatcher(self.params.stop) for _ in self.prompt_ids]
-
-    def alive(self) -> list[int]:
-        return [b for b, f in enumerate(self.finish) if f is None]
 
 
 class SpecEEEngine:
@@ -525,7 +499,7 @@ def exit_stats(exit_layers: list[int], num_layers: int) -> dict:
 class DenseStepper:
     """mode="dense": one token per row per step through every layer."""
 
-    def __init__(self, engine: SpecEEEngine, batch: Batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor):
+    def __init__(self, engine: StepEngine, batch: Batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor):
         self.model, self.batch, self.cache = engine.model, batch, cache
 
     def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:

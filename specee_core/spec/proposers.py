@@ -20,7 +20,8 @@ from specee_core.decode.sampling import SamplingParams, probabilities
 from specee_core.early_exit.speculators import ngram_matches
 
 if TYPE_CHECKING:
-    from specee_core.decode.engine import Batch
+    from specee_core.decode.state import Batch
+    from specee_core.decode.stepper import StepEngine
     from specee_core.early_exit.speculators import DraftSpeculator
 
 
@@ -115,7 +116,7 @@ class Draft:
 
 
 class Proposer(Protocol):
-    def start(self, engine, batch: Batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
+    def start(self, engine: StepEngine, batch: Batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
         """After the prefill; prefill_hidden [B, T, D] right-padded, lens [B]."""
 
     def admit(self, batch: Batch, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
