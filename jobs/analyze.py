@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from pipeline.output import EXIT_PLOT
-from specee_core.calibration import upper_bound
+from specee_core.early_exit.calibration import upper_bound
 
 
 @dataclass

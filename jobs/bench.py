@@ -44,8 +44,8 @@ import torch
 from jobs.cli import parse_config
 from jobs.build_corpus import sample_snippets
 from specee_core import SpecEEEngine
-from specee_core.plan import machine_facts
-from specee_core.sampling import SamplingParams
+from specee_core.decode.plan import machine_facts
+from specee_core.decode.sampling import SamplingParams
 from specee_eval import metrics
 from specee_eval.forced import Forcing
 
@@ -64,7 +64,7 @@ class BenchConfig:
     prompts_file: str = "prompts/instructions_heldout.jsonl"  # JSONL with a "prompt" field; "": corpus snippets
     chat: str = "auto"  # prompts through the chat template: "auto" (when the model has one) | "true" | "false"
     dtype: str = "auto"  # of the engine and of transformers; auto: bf16 where the hardware computes it natively
-    weights: str = "auto"  # the engine's weight format: auto | fp32 | bf16 | q8 | q4 (specee_core.quant)
+    weights: str = "auto"  # the engine's weight format: auto | fp32 | bf16 | q8 | q4 (specee_core.model.quant)
     gguf: str = ""  # the llamacpp variant's file; "": the GGUF the model was converted from (the shipped one)
     modes: str = "hf,hf_lookup,dense,auto,specee,spec_chain,spec_lookup_first,spec_tree,spec_tree_lookup,spec_t3,spec_lookup"
     dtypes: str = ""  # e.g. float32,bfloat16,q8,q4,q4/bfloat16 (q4 weights, bf16 activations): also time dense in
@@ -111,7 +111,7 @@ def load_llamacpp(cfg: BenchConfig):
         from llama_cpp import Llama
     except ImportError as e:
         raise ValueError("the llamacpp variant needs llama-cpp-python (see the README's 'llama.cpp as a peer')") from e
-    from specee_core.gguf import default_gguf_path
+    from specee_core.model.gguf import default_gguf_path
 
     path = Path(cfg.gguf) if cfg.gguf else default_gguf_path()
     if not path.is_file():
@@ -299,8 +299,8 @@ def read_bandwidth_gb_s(mb: int = 512, repeats: int = 5) -> float:
 
 def weight_bytes_per_token(engine: SpecEEEngine) -> int:
     """Bytes a batch-1 decode step must read: every decoder layer's weights and the LM head, in their format."""
-    from specee_core.model import ModelWeights
-    from specee_core.quant import weight_bytes
+    from specee_core.model.model import ModelWeights
+    from specee_core.model.quant import weight_bytes
 
     w = engine.model.w
     return weight_bytes(ModelWeights(embed=w.lm_head, layers=w.layers, norm=w.norm, lm_head=w.lm_head))

@@ -13,8 +13,8 @@ project's exit rule: the argmax among the k candidates) and specee_full (the pap
 the predictor fires, then the full LM head's argmax must be one of the k candidates and is
 emitted), spec_t3 (spec_tree with T3 exits inside verification). specee, specee_full and spec_t3
 run once per --thresholds value (raw, uncalibrated), and specee once more per --max-disagreement
-value (thresholds calibrated per layer to that tolerance: specee_core.calibration). dense_q8 / dense_q4: dense decoding on the weights quantized at load
-(specee_core.quant; activations in fp32), agreement measured against dense in --dtype: with
+value (thresholds calibrated per layer to that tolerance: specee_core.early_exit.calibration). dense_q8 / dense_q4: dense decoding on the weights quantized at load
+(specee_core.model.quant; activations in fp32), agreement measured against dense in --dtype: with
 --dtype float32 that is the quantization's own cost.
 
 Generation is interleaved: for each batch of problems every mode runs in turn (the order rotating
@@ -39,8 +39,8 @@ import torch
 from jobs.bench import git_commit
 from jobs.cli import parse_config
 from specee_core import SpecEEEngine
-from specee_core.engine import DenseStepper
-from specee_core.sampling import SamplingParams
+from specee_core.decode.engine import DenseStepper
+from specee_core.decode.sampling import SamplingParams
 from specee_eval import humaneval, metrics
 from specee_eval.forced import Forcing
 from specee_eval.sandbox import Limits, run_many
@@ -63,7 +63,7 @@ class EvalConfig:
     batch_size: int = 1  # problems per generate call
     max_new_tokens: int = 256  # a row that never closes its code block stops here
     dtype: str = "bfloat16"
-    weights: str = "auto"  # specee_core.quant.WEIGHT_FORMATS; q4 with --dtype float32: SmolLM2's own fp32 model
+    weights: str = "auto"  # specee_core.model.quant.WEIGHT_FORMATS; q4 with --dtype float32: SmolLM2's own fp32 model
     chat: str = "auto"  # "auto" (the chat template when the model has one) | "true" | "false"
     tree_depth: int = 5  # spec_tree and spec_t3's draft tree
     tree_width: int = 4

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobs.cli import parse_config
-from specee_core.gguf import DEFAULT_GGUF_SHA256, convert_gguf, default_gguf_path
+from specee_core.model.gguf import DEFAULT_GGUF_SHA256, convert_gguf, default_gguf_path
 
 
 @dataclass

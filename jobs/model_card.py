@@ -176,7 +176,7 @@ def render_imported(m: Path) -> str:
     if cal:
         lines += ["", "## Calibrated thresholds (`calibration.safetensors`)", "",
                   "Per tolerance (`max_disagreement`, confidence 0.95): the layers that may exit and their thresholds "
-                  "(specee_core.calibration; every other layer never exits at that tolerance).", "",
+                  "(specee_core.early_exit.calibration; every other layer never exits at that tolerance).", "",
                   "| tolerance | layers: threshold |", "|---|---|"]
         for eps, th in cal.get("thresholds", {}).items():
             ok = {l: t for l, t in th.items() if t is not None}

@@ -16,8 +16,8 @@ import torch
 
 from jobs.cli import emit_json, parse_config
 from specee_core import SpecEEEngine
-from specee_core.config import resolve_dtype
-from specee_core.plan import CostTable, machine_facts
+from specee_core.model.config import resolve_dtype
+from specee_core.decode.plan import CostTable, machine_facts
 
 
 @dataclass
@@ -55,9 +55,9 @@ def run(cfg: PlanConfig) -> dict:
     engine.prepare_plan(cfg.sizes, spec)
     out = {"model": str(cfg.model), **machine_facts(engine.device), **engine.weights_info()}
     if cfg.weights == "auto" and cfg.dtype == "auto":  # what auto would load at each batch size
-        from specee_core.loader import find_model_dir
-        from specee_core.plan import choose_dtype
-        from specee_core.weight_plan import choose_weights
+        from specee_core.model.loader import find_model_dir
+        from specee_core.decode.plan import choose_dtype
+        from specee_core.model.weight_plan import choose_weights
 
         dev, model_dir = torch.device(cfg.device), find_model_dir(cfg.model)
         out["weights_by_batch"] = {str(b): choose_weights(model_dir, engine.config, dev, choose_dtype(dev)[0], b)[2]

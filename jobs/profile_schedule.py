@@ -23,8 +23,8 @@ from pathlib import Path
 from jobs.cli import parse_config
 from jobs.train_predictors import optional_path, training_prompts
 from specee_core import SpecEEEngine
-from specee_core.early_exit import SCHEDULE_FILE
-from specee_core.scheduler import Schedule, select_offline_layers
+from specee_core.early_exit.step import SCHEDULE_FILE
+from specee_core.early_exit.scheduler import Schedule, select_offline_layers
 
 
 @dataclass
@@ -33,7 +33,7 @@ class ProfileConfig:
     corpus: Path = Path("data/corpus")
     prompts: Path | None = None  # instruction rows {"id", "prompt"} (JSON lines) instead of corpus snippets
     dtype: str = "float32"  # the engine's dtype: profile in the one it will serve with
-    weights: str = "fp32"  # specee_core.quant.WEIGHT_FORMATS
+    weights: str = "fp32"  # specee_core.model.quant.WEIGHT_FORMATS
     num_prompts: int = 48
     max_new_tokens: int = 96
     coverage: float = 0.8

@@ -13,7 +13,7 @@ precision and recall, the speculator's decode hit rates (a draft head with a voc
 also over the whole vocabulary) and the oracle exit depth.
 
 With --calib-prompts N, N further prompts (never trained on) are decoded the same way and give
-<model>/calibration.safetensors (specee_core.calibration: per layer and candidate threshold, the exits
+<model>/calibration.safetensors (specee_core.early_exit.calibration: per layer and candidate threshold, the exits
 and disagreements with the full model, from which max_disagreement's thresholds are derived), the
 per-layer precision/recall curves on them in the report and, with --plot, a figure of them.
 """
@@ -31,11 +31,12 @@ from jobs.cli import parse_config
 from jobs.build_corpus import sample_snippets
 from jobs.make_distill_data import render_prompt, sample_prompts
 from specee_core import SpecEEEngine
-from specee_core.collect import collect_exit_data, exit_labels, hit_rates, oracle_exit_layers, predictor_dataset
-from specee_core.early_exit import DRAFT_DIR, PREDICTORS_FILE
-from specee_core.calibration import CALIBRATION_FILE, Calibration
-from specee_core.predictors import PredictorBank, classification_report, exit_probability, train_layer
-from specee_core.speculators import DraftHead, DraftSpeculator, PromptLookupSpeculator, Speculator
+from specee_core.early_exit.collect import (collect_exit_data, exit_labels, hit_rates, oracle_exit_layers,
+                                            predictor_dataset)
+from specee_core.early_exit.step import DRAFT_DIR, PREDICTORS_FILE
+from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration
+from specee_core.early_exit.predictors import PredictorBank, classification_report, exit_probability, train_layer
+from specee_core.early_exit.speculators import DraftHead, DraftSpeculator, PromptLookupSpeculator, Speculator
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class PredictorTrainConfig:
     exclude: Path | None = None  # JSON lines whose ids --prompts skips (e.g. the draft's distill data)
     exclude_first: int = 0  # skip the first N rows of --prompts (the draft's distillation took --limit N)
     dtype: str = "float32"  # the engine's dtype: decode in the one it will serve with
-    weights: str = "fp32"  # specee_core.quant.WEIGHT_FORMATS: q4 on SmolLM2 is its own weights at q4 speed
+    weights: str = "fp32"  # specee_core.model.quant.WEIGHT_FORMATS: q4 on SmolLM2 is its own weights at q4 speed
     ckpt_dir: Path = Path("runs/train_predictors")  # the decode data, kept for reruns
     num_prompts: int = 128
     calib_prompts: int = 0  # further prompts for calibration.safetensors (0: none)

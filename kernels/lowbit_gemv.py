@@ -1,7 +1,7 @@
 """Low-bit GEMV / small GEMM on CUDA: y[B, O] = x[B, I] @ dequant(W)[O, I]^T, each weight tile read
 once per program and dequantized in registers, beside its plain-torch reference.
 
-Weight planes (specee_core.quant.QuantWeight, llama.cpp's blocks of 32 along I):
+Weight planes (specee_core.model.quant.QuantWeight, llama.cpp's blocks of 32 along I):
     q4 (Q4_1): qs uint8 [O, I/2]: block g's element j < 16 is the low nibble of byte 16g + j,
                element j + 16 its high nibble; d, m fp16 [O, I/32]; w = d * q + m
     q8 (Q8_0): qs int8 [O, I]; d fp16 [O, I/32]; w = d * q
@@ -99,8 +99,8 @@ def lowbit_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.T
 
 
 def lowbit_linear_reference(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-    """The same product in plain torch: dequantize (specee_core.quant's reference), then F.linear in fp32."""
-    from specee_core.quant import QuantWeight, dequantize_reference
+    """The same product in plain torch: dequantize (specee_core.model.quant's reference), then F.linear in fp32."""
+    from specee_core.model.quant import QuantWeight, dequantize_reference
 
     _check(x, qs, d, m)
     qw = QuantWeight("q4" if m is not None else "q8", qs, d, m)

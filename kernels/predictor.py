@@ -10,7 +10,7 @@ candidate tokens, should this token exit here? Per row:
 
 plus the candidate with the largest logit (as a token id). The kernel does all of it in one
 program per row, so the K LM-head rows are read once and nothing of size [B, 3K] or [B, H]
-touches global memory. The torch reference takes features and MLP from specee_core.predictors,
+touches global memory. The torch reference takes features and MLP from specee_core.early_exit.predictors,
 their one definition (the engine's CPU scorer and the training data use it too).
 
 `rmsnorm_cand_logits` is the optional companion: RMSNorm folded into the candidate logits.
@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from specee_core.predictors import LayerPredictor, exit_probability, predictor_features
+from specee_core.early_exit.predictors import LayerPredictor, exit_probability, predictor_features
 
 try:
     import triton
@@ -300,7 +300,7 @@ def fused_predictor_reference(
     b2: torch.Tensor,  # [1]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-torch `fused_predictor`: same arguments, same outputs, fp32 math; any device and
-    layout. Features and MLP are specee_core.predictors' (the one definition the engine's CPU
+    layout. Features and MLP are specee_core.early_exit.predictors' (the one definition the engine's CPU
     scorer and the training data use too)."""
     named = dict(h_normed=h_normed, cand_ids=cand_ids, lm_head_weight=lm_head_weight, prev_prob=prev_prob,
                  w1=w1, b1=b1, w2=w2, b2=b2)

@@ -35,8 +35,8 @@ from pipeline.output import DoneIds, OutputDir
 from pipeline.prompts import read_prompts
 from pipeline.schedule_store import remote_store
 from pipeline.stage import OUTPUT_SCHEMA, GenerateRows, StageConfig
-from specee_core.early_exit import initial_schedule
-from specee_core.scheduler import Schedule
+from specee_core.early_exit.step import initial_schedule
+from specee_core.early_exit.scheduler import Schedule
 
 log = logging.getLogger(__name__)
 

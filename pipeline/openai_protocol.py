@@ -92,7 +92,7 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
     mode: Literal["auto", "dense", "specee", "spec"] | None = None  # extension: override the server's decode mode
     # extension, mode specee: exit thresholds calibrated so that at most this share of exited tokens
-    # differs from the full model's choice (specee_core.calibration)
+    # differs from the full model's choice (specee_core.early_exit.calibration)
     max_disagreement: float | None = Field(None, gt=0, lt=1, allow_inf_nan=False)
 
     @field_validator("stop")

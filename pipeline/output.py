@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from specee_core.scheduler import Schedule
+from specee_core.early_exit.scheduler import Schedule
 
 log = logging.getLogger(__name__)
 

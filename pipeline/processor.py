@@ -107,7 +107,7 @@ class PrepareRows:
     tokenizer."""
 
     def __init__(self, model: str, chat: bool | None):
-        from specee_core.loader import load_tokenizer
+        from specee_core.model.loader import load_tokenizer
 
         self.tok = load_tokenizer(model)
         has_template = getattr(self.tok, "chat_template", None) is not None
@@ -207,7 +207,7 @@ class Processor:
             from pathlib import Path
 
             from pipeline.schedule_store import remote_store
-            from specee_core.early_exit import initial_schedule
+            from specee_core.early_exit.step import initial_schedule
 
             opts = cfg.engine_options
             self.store_name = f"specee-schedule-{self.run_id}"

@@ -3,14 +3,14 @@ statistics and re-tunes the SpecEE predictor schedule while the run goes on.
 
 Engines report each batch's statistics (fire and forget) and pick up the latest version before
 their next batch without waiting for it (pipeline.stage). Every `retune_every_tokens` generated
-tokens the store applies the scheduler's own update rule (specee_core.scheduler.retune) to the
+tokens the store applies the scheduler's own update rule (specee_core.early_exit.scheduler.retune) to the
 exit histogram of the tokens seen since the last re-tune, and publishes a new numbered version
 when the chosen layers change. The driver saves each version as it appears.
 
 With a tolerance (max_disagreement), the store also audits: engines run a share of their exited
 tokens on to full depth anyway (EarlyExitOptions.audit_fraction) and report, per exit layer, how
 many they checked and how many the full model would have chosen differently. The store keeps
-each layer's counts with running confidence bounds (specee_core.calibration's exact binomial (Clopper-Pearson) bounds,
+each layer's counts with running confidence bounds (specee_core.early_exit.calibration's exact binomial (Clopper-Pearson) bounds,
 Bonferroni over the layers) and, when a layer's lower bound passes the tolerance (the audit has
 shown, at the stated confidence, that the layer disagrees more than allowed), publishes a new
 version with that layer closed to exits. The bound is checked after every report: looking often
@@ -27,8 +27,8 @@ import logging
 from dataclasses import asdict
 from typing import Sequence
 
-from specee_core.calibration import check_tolerance, lower_bound, upper_bound
-from specee_core.scheduler import Schedule, disable_layers, retune
+from specee_core.early_exit.calibration import check_tolerance, lower_bound, upper_bound
+from specee_core.early_exit.scheduler import Schedule, disable_layers, retune
 
 log = logging.getLogger(__name__)
 

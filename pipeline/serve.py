@@ -7,7 +7,7 @@ Routes: POST /v1/completions, POST /v1/chat/completions (when the tokenizer has 
 GET /v1/models, GET /healthz.
 
 Batching (`batching`): "continuous" (default) runs every request, streaming or not, through
-specee_core.continuous: prompts join the running batch at decode-step boundaries, leave it when they
+specee_core.decode.continuous: prompts join the running batch at decode-step boundaries, leave it when they
 finish, get free rows in turn per request (a 1000-prompt request does not starve a 1-prompt one),
 and long prompts are prefilled in chunks between decode steps. "request" is the earlier shape, kept
 for comparison (jobs.bench_serve): non-streaming requests that arrive together are batched
@@ -45,12 +45,12 @@ from ray.serve import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specee_core import PromptError, SpecEEEngine
-from specee_core.continuous import Request as EngineRequest
-from specee_core.continuous import Runner, Scheduler, Watchdog
-from specee_core.engine import MODES
-from specee_core.plan import machine_facts
-from specee_core.sampling import SamplingParams
-from specee_core.stops import cut_at_stop
+from specee_core.decode.continuous import Request as EngineRequest
+from specee_core.decode.continuous import Runner, Scheduler, Watchdog
+from specee_core.decode.engine import MODES
+from specee_core.decode.plan import machine_facts
+from specee_core.decode.sampling import SamplingParams
+from specee_core.decode.stops import cut_at_stop
 from pipeline.openai_protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRequest, CompletionRequest, chat_chunk,
                                       chat_response, completion_chunk, completion_response, error_body, new_id,
                                       parse_body, specee_summary, sse, usage, usage_chunk)

@@ -11,12 +11,12 @@ import pyarrow as pa
 import ray
 
 from specee_core import PromptError, SpecEEEngine
-from specee_core.config import resolve_dtype
-from specee_core.quant import WEIGHT_FORMATS
-from specee_core.engine import MODES
-from specee_core.plan import machine_facts
-from specee_core.scheduler import Schedule
-from specee_core.spec_decode import SpecOptions
+from specee_core.model.config import resolve_dtype
+from specee_core.model.quant import WEIGHT_FORMATS
+from specee_core.decode.engine import MODES
+from specee_core.decode.plan import machine_facts
+from specee_core.early_exit.scheduler import Schedule
+from specee_core.spec.spec_decode import SpecOptions
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class StageConfig:
     mode: str = "auto"  # lossless: dense or speculative decoding per step, by the measured plan
     device: str = "cpu"
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16; auto: bf16 where the hardware computes it natively
-    weights: str = "auto"  # auto | fp32 | bf16 | q8 | q4 (specee_core.quant); auto: the checkpoint's own low-bit
+    weights: str = "auto"  # auto | fp32 | bf16 | q8 | q4 (specee_core.model.quant); auto: the checkpoint's own low-bit
     #                        format where it has one and it is faster here at batch_size, else the dtype
     max_new_tokens: int = 64
     temperature: float = 0.0

@@ -1,7 +1,7 @@
 """SpecEE: a Llama-family inference engine with speculative early exiting."""
-from specee_core.config import ModelConfig
-from specee_core.engine import EngineOptions, GenerationResult, PromptError, SpecEEEngine
-from specee_core.loader import load_model, load_tokenizer
+from specee_core.model.config import ModelConfig
+from specee_core.decode.engine import EngineOptions, GenerationResult, PromptError, SpecEEEngine
+from specee_core.model.loader import load_model, load_tokenizer
 
 __all__ = ["EngineOptions", "GenerationResult", "ModelConfig", "PromptError", "SpecEEEngine", "load_model",
            "load_tokenizer"]

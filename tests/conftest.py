@@ -57,10 +57,10 @@ def tiny_model_dir(tmp_path_factory):
 
 def add_early_exit_files(path: Path, *, k: int = 4, seed: int = 0, offline=(1, 2)) -> None:
     """Random (untrained) draft head, predictors after every layer, and a schedule beside a model."""
-    from specee_core.config import ModelConfig
-    from specee_core.predictors import ExitMLP, PredictorBank
-    from specee_core.scheduler import Schedule
-    from specee_core.speculators import DraftHead
+    from specee_core.model.config import ModelConfig
+    from specee_core.early_exit.predictors import ExitMLP, PredictorBank
+    from specee_core.early_exit.scheduler import Schedule
+    from specee_core.early_exit.speculators import DraftHead
 
     cfg = ModelConfig.from_file(path / "config.json")
     torch.manual_seed(seed)

@@ -11,8 +11,8 @@ import torch
 
 from pipeline.schedule_store import ScheduleStore
 from specee_core import SpecEEEngine
-from specee_core.calibration import CALIBRATION_FILE, Calibration, lower_bound, p_value, upper_bound
-from specee_core.scheduler import Schedule, retune
+from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration, lower_bound, p_value, upper_bound
+from specee_core.early_exit.scheduler import Schedule, retune
 from tests.conftest import BUNDLED
 
 PROMPTS = ["def add(a, b):\n", "import os\n\ndef main():\n", "class Stack:\n    def push(self, x):\n",

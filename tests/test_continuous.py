@@ -1,4 +1,4 @@
-"""Continuous batching (specee_core.continuous) on the trained bundled model in fp32: every prompt of
+"""Continuous batching (specee_core.decode.continuous) on the trained bundled model in fp32: every prompt of
 requests that arrive while others decode, with chunked prefill, fewer rows than prompts, stop strings
 and different lengths, gets exactly what it gets when run alone, in every mode; admission is fair
 per request; cancellation frees rows; failures stay with their request."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from specee_core import SpecEEEngine
-from specee_core.continuous import CancelledRequest, Request, Runner, Scheduler
-from specee_core.sampling import SamplingParams
+from specee_core.decode.continuous import CancelledRequest, Request, Runner, Scheduler
+from specee_core.decode.sampling import SamplingParams
 from tests.conftest import BUNDLED
 
 PROMPTS = ["def add(a, b):\n", "import os\n", "class Point:\n    def __init__(self", "for i in range(10):\n",

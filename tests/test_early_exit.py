@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specee_core import SpecEEEngine
-from specee_core.scheduler import Schedule, retune, select_offline_layers
+from specee_core.early_exit.scheduler import Schedule, retune, select_offline_layers
 
 PROMPTS = ["def f(x):\n    return x", "import os\n", "class A:\n    pass\n\nclass B(A):", "for i in range(10):"]
 
@@ -109,7 +109,7 @@ def test_bad_options_are_rejected(ee_model_dir):
 
 def test_candidate_scorer_equals_kernel_reference(ee_model_dir):
     from kernels import fused_predictor_reference
-    from specee_core.early_exit import CandidateScorer
+    from specee_core.early_exit.step import CandidateScorer
 
     engine = SpecEEEngine.from_pretrained(ee_model_dir, dtype="float32")
     m, pred = engine.model, engine.early_exit.predictors.layers[1]
@@ -128,7 +128,7 @@ def test_candidate_scorer_equals_kernel_reference(ee_model_dir):
 def test_draft_vocab_subset_limits_candidates(tmp_path, ee_model_dir, monkeypatch):
     import shutil
 
-    from specee_core.speculators import DraftHead, DraftSpeculator
+    from specee_core.early_exit.speculators import DraftHead, DraftSpeculator
 
     shutil.copytree(ee_model_dir, tmp_path, dirs_exist_ok=True)
     head = DraftHead.load(tmp_path / "draft", SpecEEEngine.from_pretrained(tmp_path, dtype="float32").config)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from specee_core import SpecEEEngine, load_model, load_tokenizer
-from specee_core.gguf import (DEFAULT_GGUF_SHA256, IMPORT_RECORD, check_gguf, convert_gguf, default_gguf_path,
-                              sha256_of)
+from specee_core.model.gguf import (DEFAULT_GGUF_SHA256, IMPORT_RECORD, check_gguf, convert_gguf, default_gguf_path,
+                                    sha256_of)
 from tests.conftest import REPO
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

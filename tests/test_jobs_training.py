@@ -9,8 +9,8 @@ import torch
 
 from jobs.make_distill_data import DistillConfig, distill, is_heldout_id, manifest_path, read_jsonl
 from jobs.train_draft import DraftTrainConfig, train
-from specee_core.config import ModelConfig
-from specee_core.speculators import DraftHead
+from specee_core.model.config import ModelConfig
+from specee_core.early_exit.speculators import DraftHead
 
 
 def write_prompts(path, n: int) -> None:

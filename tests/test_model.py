@@ -141,8 +141,8 @@ def test_smaller_batch_reuses_the_cache_memory(tiny_model_dir):
 
 
 def test_fused_rms_norm_and_rope_forms_equal_the_reference_formulas():
-    from specee_core.model import RMSNorm, rms_norm
-    from specee_core.rope import apply_rope
+    from specee_core.model.model import RMSNorm, rms_norm
+    from specee_core.model.rope import apply_rope
 
     x, w = torch.randn(3, 5, 96), torch.randn(96)
     torch.testing.assert_close(RMSNorm(w, 1e-5)(x), rms_norm(x, w, 1e-5), atol=1e-6, rtol=1e-5)
@@ -162,7 +162,7 @@ def test_packed_bf16_linear_is_bit_identical_to_f_linear(tiny_model_dir):
     whole model's logits equal those of plain F.linear, bit for bit, for a prefill and decode steps."""
     import torch.nn.functional as F
 
-    from specee_core.model import Linear
+    from specee_core.model.model import Linear
 
     w, b = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
     lin = Linear(w, b)
@@ -187,7 +187,7 @@ def test_packed_bf16_linear_is_bit_identical_to_f_linear(tiny_model_dir):
 def test_ragged_chunk_near_the_end_of_the_cache_writes_only_its_valid_entries():
     """Row 0 nearly full, row 1 short, a chunk of 3 with valid counts [1, 3]: row 0's padding would
     run past the last slot. The valid entries land where they belong; nothing overflows."""
-    from specee_core.kv_cache import KVCache
+    from specee_core.model.kv_cache import KVCache
 
     cache = KVCache(num_layers=1, batch=2, num_kv_heads=1, max_len=10, head_dim=2, dtype=torch.float32, device="cpu")
     cache.append(0, None, torch.zeros(2, 1, 8, 2), torch.zeros(2, 1, 8, 2), n_valid=torch.tensor([8, 2]))

@@ -1,13 +1,13 @@
-"""specee_core.predictors: one definition of the exit predictor's math (features, MLP), the same
+"""specee_core.early_exit.predictors: one definition of the exit predictor's math (features, MLP), the same
 bits whether training, the engine's CPU scorer or the kernel's torch reference computes it."""
 from __future__ import annotations
 
 import torch
 
 from kernels import fused_predictor_reference
-from specee_core.collect import predictor_dataset
-from specee_core.predictors import (ExitMLP, PredictorBank, candidate_probs, exit_probability,
-                                    predictor_features)
+from specee_core.early_exit.collect import predictor_dataset
+from specee_core.early_exit.predictors import (ExitMLP, PredictorBank, candidate_probs, exit_probability,
+                                               predictor_features)
 
 K = 4
 

@@ -1,4 +1,4 @@
-"""Low-bit weights (specee_core.quant): quantizing equals gguf's own reference byte for byte, the
+"""Low-bit weights (specee_core.model.quant): quantizing equals gguf's own reference byte for byte, the
 CPU kernel equals the plain-torch reference, SmolLM2's converted weights quantize back into the
 GGUF file's own blocks, and every mode runs on every weight format."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specee_core import SpecEEEngine
-from specee_core.quant import QuantLinear, QuantWeight, dequantize_reference, linear_reference, quantize
+from specee_core.model.quant import QuantLinear, QuantWeight, dequantize_reference, linear_reference, quantize
 from tests.conftest import BUNDLED, add_early_exit_files, make_hf_model
 
 gguf_quants = pytest.importorskip("gguf.quants")
@@ -115,7 +115,7 @@ def test_bf16_activation_kernel_equals_its_reference(fmt, rows):
 def test_quant_linear_dispatch_equals_reference(rows, path):
     """The fused kernel and dequantize + GEMM (and whichever the measured crossover picks) equal the
     reference, with a bias, for 3-d input and in bf16 activations."""
-    from specee_core.quant import DENSE_ROW_CANDIDATES, dense_rows
+    from specee_core.model.quant import DENSE_ROW_CANDIDATES, dense_rows
 
     qw = quantize(random_weight(80, 128), "q4")
     bias = torch.randn(80)
@@ -150,7 +150,7 @@ def fp32_and_q4_dequantized(tmp_path_factory, ee_model_dir):
     """The tiny model with q4 weights, and an fp32 engine whose matrices are the q4 weights dequantized."""
     q4 = SpecEEEngine.from_pretrained(ee_model_dir, dtype="float32", weights="q4")
     ref = SpecEEEngine.from_pretrained(ee_model_dir, dtype="float32")
-    from specee_core.model import LayerLinears, LlamaModel
+    from specee_core.model.model import LayerLinears, LlamaModel
 
     m, w = ref.model, ref.model.w
     for lw, qlw in zip(w.layers, q4.model.w.layers):
@@ -201,8 +201,8 @@ def test_smollm2_quantizes_back_into_the_gguf_files_own_blocks():
     directory runs the file's own blocks."""
     from gguf import GGUFReader
 
-    from specee_core.gguf import default_gguf_path
-    from specee_core.loader import read_state_dict
+    from specee_core.model.gguf import default_gguf_path
+    from specee_core.model.loader import read_state_dict
     from tests.test_smollm2 import need_model
 
     model_dir = need_model()
@@ -240,7 +240,7 @@ def test_smollm2_quantizes_back_into_the_gguf_files_own_blocks():
 
 def test_fused_layer_pieces_equal_the_unfused_ones(ee_model_dir):
     """norm + qkv, o + residual and the whole MLP as one kernel call each equal the plain pieces."""
-    from specee_core.model import FusedLowbitLinears, LayerLinears
+    from specee_core.model.model import FusedLowbitLinears, LayerLinears
 
     e = SpecEEEngine.from_pretrained(ee_model_dir, dtype="float32", weights="q4")
     m = e.model

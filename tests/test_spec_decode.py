@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from specee_core import SpecEEEngine, load_model
-from specee_core.acceptance import accept_greedy, accept_sampled
-from specee_core.proposers import Draft
+from specee_core.spec.acceptance import accept_greedy, accept_sampled
+from specee_core.spec.proposers import Draft
 from tests.conftest import BUNDLED, make_hf_model
 
 CODE = ["import os\nimport sys\n\n\ndef main(argv=None):\n", "class Point:\n    def __init__(self, x, y):\n",

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from specee_core import SpecEEEngine
-from specee_core.engine import DenseStepper
-from specee_core.sampling import SamplingParams
+from specee_core.decode.engine import DenseStepper
+from specee_core.decode.sampling import SamplingParams
 from specee_eval.forced import Forcing
 
 from tests.conftest import BUNDLED

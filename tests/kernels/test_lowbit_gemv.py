@@ -14,7 +14,7 @@ if not HAS_CUDA:
 
 from kernels import triton_mode  # noqa: E402
 from kernels.lowbit_gemv import lowbit_linear, lowbit_linear_reference  # noqa: E402
-from specee_core.quant import quantize  # noqa: E402
+from specee_core.model.quant import quantize  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 needs_kernel = pytest.mark.skipif(not (triton_mode() == "interpreter" or (HAS_CUDA and triton_mode() == "compiled")),

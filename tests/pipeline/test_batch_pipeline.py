@@ -255,7 +255,7 @@ def test_specee_retunes_within_one_run_without_new_actors(tmp_path):
     exploration step every 2nd token: exploring, the first layer always accepts, so the store
     re-tunes the wrong start [3] to [1] while the run goes on; the same two actors (one process
     each) pick the new version up between batches, rows record it, and every version is saved."""
-    from specee_core.scheduler import Schedule
+    from specee_core.early_exit.scheduler import Schedule
     from tests.conftest import add_early_exit_files
 
     model = tmp_path / "model"
@@ -317,7 +317,7 @@ def test_a_mode_the_model_cannot_run_fails_the_job_at_start(tmp_path, ee_model_d
 @pytest.mark.skipif(not (BUNDLED / "predictors.safetensors").is_file(),
                     reason="needs the bundled model with its draft head, predictors and schedule")
 def test_specee_retune_moves_a_wrong_schedule_towards_the_profile(tmp_path):
-    from specee_core.scheduler import Schedule
+    from specee_core.early_exit.scheduler import Schedule
 
     profile = Schedule.load(BUNDLED / "schedule.json")
     num_layers = profile.num_layers
@@ -365,7 +365,7 @@ def test_live_audit_closes_a_layer_made_bad_on_purpose(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from jobs import analyze, generate
-    from specee_core.calibration import CALIBRATION_FILE
+    from specee_core.early_exit.calibration import CALIBRATION_FILE
     from tests.test_calibration import certify_all
 
     model = tmp_path / "model"

@@ -15,7 +15,7 @@ from pipeline.output import DoneIds, OutputDir
 from pipeline.prompts import PROMPT_SCHEMA, infer_format, to_prompt_table
 from pipeline.schedule_store import ScheduleStore
 from pipeline.stage import OUTPUT_SCHEMA, StageConfig
-from specee_core.scheduler import Schedule
+from specee_core.early_exit.scheduler import Schedule
 
 REPO = Path(__file__).resolve().parents[2]
 L = 8

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from specee_core.calibration import CALIBRATION_FILE
+from specee_core.early_exit.calibration import CALIBRATION_FILE
 from tests.conftest import BUNDLED, add_early_exit_files, make_hf_model
 from tests.test_calibration import certify_all
 

@@ -1,6 +1,6 @@
 """The SpecEE engine: loading, batched prefill and the decode loop (the only place that
 advances positions). Dense decoding runs every layer; mode="specee" hands each decode step
-to the early-exit stepper (specee_core.early_exit)."""
+to the early-exit stepper (specee_core.early_exit.step)."""
 from __future__ import annotations
 
 import functools
@@ -12,13 +12,14 @@ from typing import Callable
 
 import torch
 
-from specee_core.config import ModelConfig, resolve_dtype
-from specee_core.loader import find_model_dir, load_model, load_tokenizer
-from specee_core.model import LlamaModel
-from specee_core.plan import CostTable, Planner, SpecPlan, StepTimes, choose_dtype, cost_key, could_pay, load_costs
-from specee_core.sampling import SamplingParams, sample
-from specee_core.stepper import StepOutput, StepperFactory
-from specee_core.stops import StopMatcher
+from specee_core.model.config import ModelConfig, resolve_dtype
+from specee_core.model.loader import find_model_dir, load_model, load_tokenizer
+from specee_core.model.model import LlamaModel
+from specee_core.decode.plan import (CostTable, Planner, SpecPlan, StepTimes, choose_dtype, cost_key, could_pay,
+                                     load_costs)
+from specee_core.decode.sampling import SamplingParams, sample
+from specee_core.decode.state import Batch
+from specee_core.decode.stepper import StepEngine, StepOutput, StepperFactory
 
 log = logging.getLogger(__name__)
 
@@ -50,40 +51,14 @@ class EngineOptions:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
 
 
-@dataclass
-class Batch:
-    """Decode state of one generate() batch. Row b of every tensor is prompt b of the batch."""
-    prompt_ids: list[list[int]]
-    params: SamplingParams
-    max_new: list[int]  # per row, clipped to the context
-    generated: list[list[int]]
-    exit_layers: list[list[int]]
-    finish: list[str | None]
-    texts: list[str | None]  # the text cut at a stop string; None = decode the tokens
-    positions: torch.Tensor  # [B] host: position of the next token to feed = len(prompt) + len(generated) - 1
-    next_tokens: torch.Tensor  # [B] device: the token to feed next
-    last_hidden: torch.Tensor | None = None  # [B, D] hidden state of the last fed token (draft heads use it)
-    t_first: float = 0.0
-    t_done: list[float] = field(default_factory=list)
-    on_token: Callable[[int, int], None] | None = None
-    mode: str = "dense"
-    stop_matchers: list[StopMatcher] = field(init=False)  # per row: the stop-string search of its text
-
-    def __post_init__(self) -> None:
-        self.stop_matchers = [StopMatcher(self.params.stop) for _ in self.prompt_ids]
-
-    def alive(self) -> list[int]:
-        return [b for b, f in enumerate(self.finish) if f is None]
-
-
 class SpecEEEngine:
     def __init__(self, model: LlamaModel, tokenizer, options: EngineOptions | None = None, early_exit=None,
                  draft_head=None):
         self.model = model
         self.tokenizer = tokenizer
         self.options = options or EngineOptions()
-        self.early_exit = early_exit  # specee_core.early_exit.EarlyExit, when draft/predictors are present
-        self.draft_head = draft_head  # specee_core.speculators.DraftHead, when draft/ is present
+        self.early_exit = early_exit  # specee_core.early_exit.step.EarlyExit, when draft/predictors are present
+        self.draft_head = draft_head  # specee_core.early_exit.speculators.DraftHead, when draft/ is present
         self._draft_runner = None  # its DraftSpeculator for modes spec and auto, built on first use
         self._plans: dict[tuple[int, bool], SpecPlan] = {}  # mode="auto": per (deepest chain, draft head)
         self._costs: CostTable | None = None  # the plans' measured cost table, loaded on first use
@@ -109,12 +84,12 @@ class SpecEEEngine:
 
     @property
     def schedule(self):
-        """The active predictor schedule (specee_core.scheduler.Schedule), or None without predictors."""
+        """The active predictor schedule (specee_core.early_exit.scheduler.Schedule), or None without predictors."""
         return None if self.early_exit is None else self.early_exit.schedule
 
     def with_options(self, **early_exit_options) -> SpecEEEngine:
         """An engine sharing this one's weights with some early-exit options changed
-        (threshold, verify, kv_mode, ...: see specee_core.early_exit.EarlyExitOptions)."""
+        (threshold, verify, kv_mode, ...: see specee_core.early_exit.step.EarlyExitOptions)."""
         if self.early_exit is None:
             raise ValueError("this engine has no predictors: early-exit options do not apply")
         twin = SpecEEEngine(self.model, self.tokenizer, self.options, self.early_exit.with_options(**early_exit_options),
@@ -135,14 +110,14 @@ class SpecEEEngine:
                         **options) -> SpecEEEngine:
         """Load the model and tokenizer from a local HF-layout directory, plus the draft head,
         predictors and schedule stored beside it when present. dtype "auto": bf16 where the hardware
-        computes it natively (CUDA, CPUs with avx512_bf16/AMX), else fp32 (specee_core.plan.choose_dtype);
-        float32 equals transformers token for token. weights (specee_core.quant.WEIGHT_FORMATS): "auto"
+        computes it natively (CUDA, CPUs with avx512_bf16/AMX), else fp32 (specee_core.decode.plan.choose_dtype);
+        float32 equals transformers token for token. weights (specee_core.model.quant.WEIGHT_FORMATS): "auto"
         (with dtype "auto": the checkpoint's own low-bit format where it has one and its kernel is
         faster here at max_batch_size rows; else the matrices in dtype), "fp32" / "bf16" (sets the
         dtype), "q8" / "q4" (quantized at load; activations in fp32 unless dtype says otherwise).
-        options: EngineOptions fields and early-exit options (see specee_core.early_exit.EarlyExitOptions)."""
-        from specee_core.quant import LOW_BIT, WEIGHT_FORMATS, dtype_name
-        from specee_core.weight_plan import choose_weights
+        options: EngineOptions fields and early-exit options (see specee_core.early_exit.step.EarlyExitOptions)."""
+        from specee_core.model.quant import LOW_BIT, WEIGHT_FORMATS, dtype_name
+        from specee_core.model.weight_plan import choose_weights
 
         if weights != "auto" and weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights={weights!r}: expected 'auto' or one of {WEIGHT_FORMATS}")
@@ -171,7 +146,7 @@ class SpecEEEngine:
             chosen, weights_reason = None, "the dtype asked for"
         model = load_model(path, device=device, dtype=dtype, weights=chosen)
         tokenizer = load_tokenizer(path)
-        from specee_core.early_exit import load_draft_head, load_early_exit
+        from specee_core.early_exit.step import load_draft_head, load_early_exit
 
         model_dir = find_model_dir(path)
         draft_head = load_draft_head(model_dir, model)
@@ -238,7 +213,7 @@ class SpecEEEngine:
         exception raised by on_token cancels the call and propagates (the cache is reset per call).
 
         max_disagreement (mode "specee"): exit thresholds calibrated so that at most this share of
-        exited tokens differs from the full model's choice (specee_core.calibration); None: the
+        exited tokens differs from the full model's choice (specee_core.early_exit.calibration); None: the
         engine's own setting."""
         if isinstance(prompts, str):
             raise PromptError("prompts must be a list of strings, got a single string")
@@ -256,7 +231,7 @@ class SpecEEEngine:
 
     def weights_info(self) -> dict:
         """The weight format in use, why, and its resident bytes (recorded beside the dtype everywhere)."""
-        from specee_core.quant import weight_bytes
+        from specee_core.model.quant import weight_bytes
 
         return {"weights": self.model.weight_format, "weights_reason": self.weights_reason,
                 "weight_mb": round(weight_bytes(self.model.w) / 1e6, 1), "quant_error": self.model.w.quant_error}
@@ -305,7 +280,7 @@ class SpecEEEngine:
         return plan
 
     def _spec_options(self, spec: dict, planned: bool):
-        from specee_core.spec_decode import SpecOptions
+        from specee_core.spec.spec_decode import SpecOptions
 
         unknown = set(spec) - set(SpecOptions.__dataclass_fields__)
         if unknown:
@@ -321,17 +296,17 @@ class SpecEEEngine:
         return opts.proposer == "draft" or (opts.proposer == "auto" and self.draft_head is not None)
 
     def _draft_speculator(self):
-        from specee_core.speculators import DraftSpeculator
+        from specee_core.early_exit.speculators import DraftSpeculator
 
         if self._draft_runner is None:  # the draft layer's weights, prepared once
             self._draft_runner = DraftSpeculator(self.draft_head, self.model, k=1)
         return self._draft_runner
 
     def _spec_factory(self, spec: dict, planned: bool):
-        """The stepper factory of mode="spec" (options: specee_core.spec_decode.SpecOptions fields) or,
+        """The stepper factory of mode="spec" (options: specee_core.spec.spec_decode.SpecOptions fields) or,
         planned, of mode="auto", and the cache slots a verify chunk may need past a row's last token (rows
         are padded to one width)."""
-        from specee_core.spec_decode import DraftHeadProposer, LookupProposer, SpecStepper
+        from specee_core.spec.spec_decode import DraftHeadProposer, LookupProposer, SpecStepper
 
         opts = self._spec_options(spec, planned)
         use_draft = self._uses_draft(opts)
@@ -343,7 +318,7 @@ class SpecEEEngine:
         if opts.t3:
             if not use_draft or self.early_exit is None:
                 raise ValueError("spec option t3 needs a draft head and exit predictors beside the model")
-            from specee_core.t3 import T3
+            from specee_core.spec.t3 import T3
 
             t3 = T3.of(self.early_exit, opts.width)
         plan = self.spec_plan(spec) if planned else None
@@ -372,7 +347,7 @@ class SpecEEEngine:
             on_token: Callable[[int, int], None] | None = None, mode: str | None = None,
             cache_headroom: int = 0) -> list[GenerationResult]:
         """Lower-level generate over token ids: new_stepper(engine, batch, cache, prefill_hidden, lens)
-        builds the batch's Stepper (specee_core.stepper; None: dense), whose step returns what it
+        builds the batch's Stepper (specee_core.decode.stepper; None: dense), whose step returns what it
         decided for the alive rows. mode names
         the results' stats["mode"] (default: "dense" without a stepper, else "specee"); cache_headroom:
         KV slots allocated past each batch's longest row."""
@@ -524,7 +499,7 @@ def exit_stats(exit_layers: list[int], num_layers: int) -> dict:
 class DenseStepper:
     """mode="dense": one token per row per step through every layer."""
 
-    def __init__(self, engine: SpecEEEngine, batch: Batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor):
+    def __init__(self, engine: StepEngine, batch: Batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor):
         self.model, self.batch, self.cache = engine.model, batch, cache
 
     def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:

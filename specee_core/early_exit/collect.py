@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specee_core.predictors import candidate_probs, predictor_features
-from specee_core.sampling import SamplingParams
-from specee_core.speculators import Speculator
-from specee_core.stepper import StepOutput
+from specee_core.early_exit.predictors import candidate_probs, predictor_features
+from specee_core.decode.sampling import SamplingParams
+from specee_core.early_exit.speculators import Speculator
+from specee_core.decode.stepper import StepOutput
 
 
 @dataclass

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specee_core.config import ModelConfig
-from specee_core.kv_cache import KVCache
-from specee_core.quant import QuantLinear, QuantWeight, embedding, cpu_kernel, take_rows
-from specee_core.rope import RotaryEmbedding, apply_rope
+from specee_core.model.config import ModelConfig
+from specee_core.model.kv_cache import KVCache
+from specee_core.model.quant import QuantLinear, QuantWeight, embedding, cpu_kernel, take_rows
+from specee_core.model.rope import RotaryEmbedding, apply_rope
 
 
-Weight = torch.Tensor | QuantWeight  # a matrix in the model dtype, or low-bit blocks (specee_core.quant)
+Weight = torch.Tensor | QuantWeight  # a matrix in the model dtype, or low-bit blocks (specee_core.model.quant)
 
 
 @dataclass
@@ -205,7 +205,7 @@ class LlamaModel:
 
     @property
     def weight_format(self) -> str:
-        """How the layers' matrices are stored: "q4" / "q8" (specee_core.quant) or the dtype ("fp32", "bf16", "fp16")."""
+        """How the layers' matrices are stored: "q4" / "q8" (specee_core.model.quant) or the dtype ("fp32", "bf16", "fp16")."""
         w = self.w.layers[0].wqkv
         return w.fmt if isinstance(w, QuantWeight) else {torch.float32: "fp32", torch.bfloat16: "bf16",
                                                           torch.float16: "fp16"}[w.dtype]

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specee_core.acceptance import Verdict, accept_greedy
-from specee_core.early_exit import CandidateScorer, EarlyExit
-from specee_core.predictors import PredictorBank
-from specee_core.proposers import Draft
+from specee_core.spec.acceptance import Verdict, accept_greedy
+from specee_core.early_exit.step import CandidateScorer, EarlyExit
+from specee_core.early_exit.predictors import PredictorBank
+from specee_core.spec.proposers import Draft
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Reads config.json and one of: model.safetensors, model.safetensors.index.json (sharded), or
 pytorch_model.bin (torch.load with weights_only=True). A .gguf file, or a directory holding one
-.gguf and no config.json, is converted once into a cache directory (specee_core.gguf) and loaded
+.gguf and no config.json, is converted once into a cache directory (specee_core.model.gguf) and loaded
 from there. Every problem is an error that names the file and what is wrong.
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from specee_core.config import ModelConfig, resolve_dtype
-from specee_core.model import LayerWeights, LlamaModel, ModelWeights, Weight
-from specee_core.quant import LOW_BIT, QK, quantize
+from specee_core.model.config import ModelConfig, resolve_dtype
+from specee_core.model.model import LayerWeights, LlamaModel, ModelWeights, Weight
+from specee_core.model.quant import LOW_BIT, QK, quantize
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def find_model_dir(path: str | Path) -> Path:
 
 
 def _gguf_dir(gguf_path: Path) -> Path:
-    from specee_core.gguf import converted_dir
+    from specee_core.model.gguf import converted_dir
 
     model_dir = converted_dir(gguf_path)
     log.info("%s: loading its conversion in %s", gguf_path, model_dir)
@@ -93,7 +93,7 @@ def read_state_dict(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str,
 
 def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin: dict[str, Path],
                   device: torch.device, dtype: torch.dtype, model_dir: Path, weights: str | None = None) -> ModelWeights:
-    """weights "q4" / "q8": the layers' matrices quantized at load (specee_core.quant), the embedding /
+    """weights "q4" / "q8": the layers' matrices quantized at load (specee_core.model.quant), the embedding /
     LM head in q8; anything else: every tensor in dtype."""
     c = config
     q, kv, d, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.hidden_size, c.intermediate_size
@@ -165,7 +165,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: str | torch.dtype | None = None, weights: str | None = None) -> LlamaModel:
     """Load config and weights from a local HF-layout directory. dtype None: fp32 on CPU, the
     checkpoint's own dtype on CUDA; "auto": bf16 where the hardware computes it natively, else fp32.
-    weights: None (the matrices in dtype) or a low-bit format of specee_core.quant ("q8", "q4"),
+    weights: None (the matrices in dtype) or a low-bit format of specee_core.model.quant ("q8", "q4"),
     quantized at load; the activations stay in dtype."""
     if weights is not None and weights not in LOW_BIT:
         raise ValueError(f"weights={weights!r}: expected None or one of {LOW_BIT}")
@@ -173,7 +173,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     config = ModelConfig.from_file(model_dir / "config.json")
     device = torch.device(device)
     if dtype == "auto":
-        from specee_core.plan import choose_dtype
+        from specee_core.decode.plan import choose_dtype
 
         dtype = choose_dtype(device)[0]
     if dtype is None:

@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specee_core.config import ModelConfig
-from specee_core.kv_cache import KVCache
-from specee_core.loader import read_state_dict
-from specee_core.model import LayerWeights, Linear, LlamaModel, ModelWeights, make_linear, rms_norm
-from specee_core.quant import select_rows
-from specee_core.rope import apply_rope
+from specee_core.model.config import ModelConfig
+from specee_core.model.kv_cache import KVCache
+from specee_core.model.loader import read_state_dict
+from specee_core.model.model import LayerWeights, Linear, LlamaModel, ModelWeights, make_linear, rms_norm
+from specee_core.model.quant import select_rows
+from specee_core.model.rope import apply_rope
 
 log = logging.getLogger(__name__)
 

@@ -13,15 +13,15 @@ import time
 
 import torch
 
-from specee_core.model import make_linear
-from specee_core.quant import LOW_BIT, QK, cpu_kernel, dtype_name, random_weight
+from specee_core.model.model import make_linear
+from specee_core.model.quant import LOW_BIT, QK, cpu_kernel, dtype_name, random_weight
 
 
 def checkpoint_format(model_dir) -> tuple[str | None, str]:
     """The low-bit format the checkpoint's layer matrices came in: "q4" / "q8" when model_dir is a
     conversion of a GGUF whose quantized tensors are all Q4_1 / Q8_0 (its import record says so; the
     values then quantize back into the file's own blocks exactly), else None. With a description."""
-    from specee_core.gguf import ImportRecord
+    from specee_core.model.gguf import ImportRecord
 
     rec = ImportRecord.read(model_dir)
     if rec is None:

@@ -4,7 +4,7 @@ predictor fires and the token is verified against the speculator's candidates.
 Files beside the model (all optional; predictors are what turns the mode on):
     predictors.safetensors   per-layer exit MLPs (+ k and the layer list in its metadata)
     draft/                   EAGLE-1-layout draft head (config.json + weights)
-    schedule.json            the offline predictor layers (specee_core.scheduler.Schedule)
+    schedule.json            the offline predictor layers (specee_core.early_exit.scheduler.Schedule)
 """
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from specee_core.calibration import CALIBRATION_FILE, Calibration, calibrate_command, check_tolerance
-from specee_core.predictors import LayerPredictor, PredictorBank, candidate_probs, exit_probability, predictor_features
-from specee_core.sampling import sample
-from specee_core.scheduler import OnlineWindow, Schedule
-from specee_core.speculators import DraftHead, DraftSpeculator, PromptLookupSpeculator, Speculator
-from specee_core.stepper import StepOutput
+from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration, calibrate_command, check_tolerance
+from specee_core.early_exit.predictors import LayerPredictor, PredictorBank, candidate_probs, exit_probability, predictor_features
+from specee_core.decode.sampling import sample
+from specee_core.early_exit.scheduler import OnlineWindow, Schedule
+from specee_core.early_exit.speculators import DraftHead, DraftSpeculator, PromptLookupSpeculator, Speculator
+from specee_core.decode.stepper import StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class EarlyExitOptions:
     # exit when sigmoid(predictor) > threshold; > 1 switches exits off. 0.9, not the paper's 0.5:
     # on specee-tiny 0.5 agreed with dense on 60% of teacher-forced tokens, 0.9 on 84%
     threshold: float = 0.9
-    # the quality contract (specee_core.calibration): per-layer thresholds such that the share of
+    # the quality contract (specee_core.early_exit.calibration): per-layer thresholds such that the share of
     # exited tokens that differ from the full model's argmax stays <= max_disagreement with this
     # confidence on held-out calibration data. None: the raw `threshold` above, uncalibrated.
     max_disagreement: float | None = None
@@ -128,7 +128,7 @@ def initial_schedule(model_dir: str | Path) -> Schedule:
         return Schedule.load(model_dir / SCHEDULE_FILE)
     if not (model_dir / PREDICTORS_FILE).is_file():
         raise FileNotFoundError(f"mode='specee' needs {PREDICTORS_FILE} beside the model in {model_dir}")
-    from specee_core.config import ModelConfig
+    from specee_core.model.config import ModelConfig
 
     layers = sorted(PredictorBank.load(model_dir / PREDICTORS_FILE).layers)
     num_layers = ModelConfig.from_file(model_dir / "config.json").num_hidden_layers
@@ -179,7 +179,7 @@ class CandidateScorer:
     On CUDA (or backend="triton") each call is one fused Triton launch (kernels.predictor).
     Otherwise the candidate LM-head rows are gathered once per step with the final RMSNorm's
     weight folded in, so a layer's candidate logits are a norm scalar and one batched dot
-    product; features and MLP are specee_core.predictors' (as in kernels.fused_predictor_reference)."""
+    product; features and MLP are specee_core.early_exit.predictors' (as in kernels.fused_predictor_reference)."""
 
     def __init__(self, model, cand: torch.Tensor, backend: str):
         self.model, self.cand = model, cand

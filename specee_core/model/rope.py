@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from specee_core.config import ModelConfig
+from specee_core.model.config import ModelConfig
 
 
 def base_inv_freq(theta: float, dim: int, device=None) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Proposers for speculative decoding: per step, a draft of each row's continuation for the base
-model to verify (specee_core.acceptance), as a token tree.
+model to verify (specee_core.spec.acceptance), as a token tree.
 
 - DraftHeadProposer: the EAGLE-style draft head. A chain (width 1) or an EAGLE-2 tree: level by
   level, the `width` nodes with the highest cumulative draft log-probability are expanded into
@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specee_core.sampling import SamplingParams, probabilities
-from specee_core.speculators import ngram_matches
+from specee_core.decode.sampling import SamplingParams, probabilities
+from specee_core.early_exit.speculators import ngram_matches
 
 if TYPE_CHECKING:
-    from specee_core.engine import Batch
-    from specee_core.speculators import DraftSpeculator
+    from specee_core.decode.state import Batch
+    from specee_core.decode.stepper import StepEngine
+    from specee_core.early_exit.speculators import DraftSpeculator
 
 
 @dataclass
@@ -115,7 +116,7 @@ class Draft:
 
 
 class Proposer(Protocol):
-    def start(self, engine, batch: Batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
+    def start(self, engine: StepEngine, batch: Batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
         """After the prefill; prefill_hidden [B, T, D] right-padded, lens [B]."""
 
     def admit(self, batch: Batch, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:

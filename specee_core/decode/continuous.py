@@ -34,9 +34,10 @@ from typing import Callable
 
 import torch
 
-from specee_core.engine import Batch, DenseStepper, GenerationResult, PromptError, SpecEEEngine
-from specee_core.sampling import SamplingParams, sample
-from specee_core.stops import StopMatcher
+from specee_core.decode.engine import DenseStepper, GenerationResult, PromptError, SpecEEEngine
+from specee_core.decode.sampling import SamplingParams, sample
+from specee_core.decode.state import Batch
+from specee_core.decode.stops import StopMatcher
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from specee_core.engine import Batch, SpecEEEngine
-    from specee_core.kv_cache import KVCache
+    from specee_core.decode.state import Batch
+    from specee_core.model.kv_cache import KVCache
+    from specee_core.model.model import LlamaModel
 
 
 @dataclass
@@ -27,6 +28,14 @@ class StepOutput:
     # [N, D] the final-normed hidden state the last token was chosen from, where the stepper's differs from
     # final_norm(hidden) or it keeps no hidden (early exit: the exit layer's); measurement reads it, the engine not
     normed: torch.Tensor | None = None
+
+
+class StepEngine(Protocol):
+    """What a stepper (and a proposer) may read of the engine that builds it: the model. The engine
+    (specee_core.decode.engine.SpecEEEngine) is one; steppers do not import it."""
+
+    @property
+    def model(self) -> LlamaModel: ...
 
 
 class Stepper(Protocol):
@@ -49,7 +58,7 @@ class Stepper(Protocol):
 
 
 class StepperFactory(Protocol):
-    def __call__(self, engine: SpecEEEngine, batch: Batch, cache: KVCache, prefill_hidden: torch.Tensor,
+    def __call__(self, engine: StepEngine, batch: Batch, cache: KVCache, prefill_hidden: torch.Tensor,
                  lens: torch.Tensor) -> Stepper:
         """prefill_hidden [B, T, D]: the prefill's last hidden states (right-padded); lens [B]."""
         ...
