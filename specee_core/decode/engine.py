@@ -252,6 +252,8 @@ class SpecEEEngine:
             ee = self.early_exit
             if max_disagreement is not None and max_disagreement != ee.options.max_disagreement:
                 ee = ee.with_options(max_disagreement=max_disagreement)
+            if not ee.exit_layers():  # no layer may exit (tolerance, audit): dense, without draft or predictors
+                return None, 0
             return ee.new_stepper, 0
         if mode in ("spec", "auto"):
             return self._spec_factory(spec or {}, planned=mode == "auto")

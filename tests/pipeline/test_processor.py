@@ -50,7 +50,7 @@ def test_a_users_dataset_through_the_processor(tmp_path, engine):
     expect = engine.generate(chat, max_new_tokens=8, mode="dense")
     for i, r in enumerate(expect):
         row = df.loc[f"q{i}"]
-        assert row["error"] is None and row["completion"] == r.text and row["prompt"] == QUESTIONS[i]
+        assert pd.isna(row["error"]) and row["completion"] == r.text and row["prompt"] == QUESTIONS[i]
         assert row["completion_tokens"] == len(r.token_ids) and row["chars"] == len(r.text)
         assert row["topic"] == "python" and row["mode"] == "dense"
     assert df.loc["empty", "error"].startswith("InputError: prompt is empty")
@@ -66,7 +66,7 @@ def test_chat_messages(engine):
     out = build_processor(ProcessorConfig(model=str(SMOLLM2), **SETTINGS))(ray.data.from_items(msgs))
     df = out.to_pandas().set_index("id")
     ref = engine.generate([engine.chat_prompt(msgs[0]["prompt"])], max_new_tokens=8, mode="dense")[0]
-    assert df.loc["ok", "completion"] == ref.text and df.loc["ok", "error"] is None
+    assert df.loc["ok", "completion"] == ref.text and pd.isna(df.loc["ok", "error"])
     assert "chat messages must be" in df.loc["bad", "error"]
 
 
