@@ -120,16 +120,15 @@ class RowStats:
 
 
 def actor_resources(cfg: BatchConfig) -> dict:
-    """num_cpus / num_gpus per actor: one GPU and one CPU each on GPUs, else an equal share of
-    the cluster's CPUs (fractional: two actors on two CPUs get 1 each, four get 0.5)."""
-    gpus = cfg.gpus_per_actor if cfg.gpus_per_actor is not None else (1 if cfg.stage.device.startswith("cuda") else 0)
-    if cfg.cpus_per_actor is not None:
-        cpus = cfg.cpus_per_actor
-    elif gpus:
-        cpus = 1
-    else:
-        total = ray.cluster_resources().get("CPU", 1)
-        cpus = max(0.25, math.floor(4 * total / cfg.num_actors) / 4)
+    return share_resources(cfg.stage.device, cfg.cpus_per_actor, cfg.gpus_per_actor, cfg.num_actors)
+
+
+def share_resources(device: str, cpus: float | None, gpus: float | None, actors: int) -> dict:
+    """num_cpus / num_gpus per engine actor (None: chosen): one GPU and one CPU each on GPUs, else an
+    equal share of the cluster's CPUs (fractional: two actors on two CPUs get 1 each, four get 0.5)."""
+    gpus = gpus if gpus is not None else (1 if device.startswith("cuda") else 0)
+    if cpus is None:
+        cpus = 1 if gpus else max(0.25, math.floor(4 * ray.cluster_resources().get("CPU", 1) / actors) / 4)
     return {"num_cpus": cpus, "num_gpus": gpus}
 
 

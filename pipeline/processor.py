@@ -19,7 +19,8 @@ when the model has one, unless chat=False) or a list of chat messages ({"role", 
    PromptError, or the engine's exception for that row alone) and the per-row statistics the batch job
    writes (pipeline.stage.OUTPUT_SCHEMA). Detokenizing happens in the engine, as tokens are chosen,
    because stop strings are matched on the text. The input's other columns are carried through;
-4. an optional user `postprocess` (row -> row).
+4. an optional user `postprocess` (row -> row), run in the engine actors on their output rows (the
+   engine's columns keep their types even where a batch holds only error rows).
 
 In mode "specee" the processor starts a schedule store actor (pipeline.schedule_store) on its first
 call: engines report exit statistics to it, pick up re-tuned versions (and, with a tolerance, the
@@ -40,6 +41,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+import numpy as np
+import pandas as pd
 import pyarrow as pa
 import ray
 
@@ -91,15 +94,9 @@ class ProcessorConfig:
                            engine_options=dict(self.engine_options), spec=dict(self.spec))
 
     def resources(self) -> dict:
-        gpus = self.num_gpus if self.num_gpus is not None else (1 if self.device.startswith("cuda") else 0)
-        if self.num_cpus is not None:
-            cpus = self.num_cpus
-        elif gpus:
-            cpus = 1
-        else:
-            total = ray.cluster_resources().get("CPU", 1)
-            cpus = max(0.25, int(4 * total / self.concurrency) / 4)
-        return {"num_cpus": cpus, "num_gpus": gpus}
+        from pipeline.batch import share_resources
+
+        return share_resources(self.device, self.num_cpus, self.num_gpus, self.concurrency)
 
 
 class PrepareRows:
@@ -115,21 +112,24 @@ class PrepareRows:
         if self.chat and not has_template:
             raise ValueError(f"chat=True but {model} has no chat template")
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    def __call__(self, batch: pd.DataFrame) -> pa.Table:
+        # pandas batches: Ray Data concatenates them without casting, where Arrow blocks of one column typed
+        # null (a block whose prompts are all missing) and string cannot be concatenated
         for name in ("id", "prompt"):
-            if name not in batch.column_names:
-                raise ValueError(f"the processor's input needs columns 'id' and 'prompt'; got {batch.column_names}")
+            if name not in batch.columns:
+                raise ValueError(f"the processor's input needs columns 'id' and 'prompt'; got {list(batch.columns)}")
         texts, errors, shown = [], [], []
-        for prompt in batch["prompt"].to_pylist():
+        for prompt in batch["prompt"].tolist():
+            prompt = to_python(prompt)
             text, error = self._text(prompt)
             texts.append(text)
             errors.append(error)
             shown.append(prompt if isinstance(prompt, str) or prompt is None else json.dumps(prompt)[:10000])
-        ids = [None if i is None else str(i) for i in batch["id"].to_pylist()]
-        keep = [c for c in batch.column_names if c not in ("id", "prompt", *INTERNAL)]
+        ids = [None if is_missing(i) else str(i) for i in batch["id"].tolist()]
+        keep = [c for c in batch.columns if c not in ("id", "prompt", *INTERNAL)]
         return pa.table({"id": pa.array(ids, pa.string()), "prompt": pa.array(shown, pa.string()),
                          "text": pa.array(texts, pa.string()), "input_error": pa.array(errors, pa.string()),
-                         **{c: batch[c] for c in keep}})
+                         **{c: pa.array([to_python(v) for v in batch[c].tolist()]) for c in keep}})
 
     def _text(self, prompt) -> tuple[str | None, str | None]:
         if isinstance(prompt, str):
@@ -160,15 +160,40 @@ class EngineRows:
     """Stage 3: one engine per actor (pipeline.stage.GenerateRows); the input's own columns are
     carried through to the output rows."""
 
-    def __init__(self, stage: StageConfig, run_id: str, store: str | None):
+    def __init__(self, stage: StageConfig, run_id: str, store: str | None,
+                 postprocess: Callable[[dict], dict] | None = None):
         self.rows = GenerateRows(stage, run_id, store)
+        self.postprocess = postprocess
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        out = self.rows(batch.select(["id", "prompt", "text", "input_error"]))
-        for name in batch.column_names:
+    def __call__(self, batch: pd.DataFrame) -> pa.Table:
+        mine = pa.table({c: pa.array([None if is_missing(v) else v for v in batch[c].tolist()], pa.string())
+                         for c in ("id", "prompt", "text", "input_error")})
+        out = self.rows(mine)
+        for name in batch.columns:
             if name not in OUTPUT_SCHEMA.names and name not in INTERNAL:
-                out = out.append_column(name, batch[name])
-        return out
+                out = out.append_column(name, pa.array([to_python(v) for v in batch[name].tolist()]))
+        if self.postprocess is None:
+            return out
+        # the user's postprocess runs here, on typed rows, and the engine's columns keep their types: a
+        # batch whose completions are all null (error rows) must not become a column of Arrow type null
+        rows = [self.postprocess(r) for r in out.to_pylist()]
+        names = list(dict.fromkeys(k for r in rows for k in r))
+        types = {f.name: f.type for f in OUTPUT_SCHEMA}
+        return pa.table({n: pa.array([r.get(n) for r in rows], types.get(n)) for n in names})
+
+
+def is_missing(v) -> bool:
+    """None, NaN or pandas' NA (how pandas batches hold a missing cell)."""
+    return v is None or (not isinstance(v, (str, bytes, list, dict, np.ndarray)) and bool(pd.isna(v)))
+
+
+def to_python(v):
+    """A pandas cell as plain Python: numpy arrays (Arrow lists) as lists, NaN as None."""
+    if isinstance(v, np.ndarray):
+        return [to_python(x) for x in v.tolist()]
+    if isinstance(v, dict):
+        return {k: to_python(x) for k, x in v.items()}
+    return None if is_missing(v) else v
 
 
 class Processor:
@@ -183,19 +208,18 @@ class Processor:
 
     def __call__(self, ds: ray.data.Dataset) -> ray.data.Dataset:
         cfg = self.config
-        # the user's row functions and the prepare stage reserve no CPU: they are light next to the
+        # the user's preprocess and the prepare stage reserve no CPU: they are light next to the
         # engine, whose actors may hold every CPU of the cluster while the stream still flows
         if self.preprocess is not None:
             ds = ds.map(self.preprocess, num_cpus=0)
         ds = ds.map_batches(PrepareRows, fn_constructor_kwargs={"model": cfg.model, "chat": cfg.chat},
-                            batch_format="pyarrow", concurrency=1, num_cpus=0, batch_size=cfg.batch_size)
+                            batch_format="pandas", concurrency=1, num_cpus=0, batch_size=cfg.batch_size)
         ds = ds.map_batches(EngineRows, fn_constructor_kwargs={"stage": cfg.stage(), "run_id": self.run_id,
-                                                               "store": self._store()},
-                            batch_format="pyarrow", batch_size=cfg.batch_size, concurrency=cfg.concurrency,
+                                                               "store": self._store(),
+                                                               "postprocess": self.postprocess},
+                            batch_format="pandas", batch_size=cfg.batch_size, concurrency=cfg.concurrency,
                             max_task_retries=cfg.max_task_retries, **cfg.resources(),
                             **({"runtime_env": cfg.runtime_env} if cfg.runtime_env else {}))
-        if self.postprocess is not None:
-            ds = ds.map(self.postprocess, num_cpus=0)
         return ds
 
     def _store(self) -> str | None:

@@ -61,15 +61,19 @@ def samples(grid: list[float], exits: list[int], disagree: list[int]) -> tuple[t
     return torch.tensor(p), torch.tensor(agree)
 
 
-def certify_all(layers, prompts: int = 1000) -> Calibration:
-    """Made-up calibration data on which every layer passes at the lowest candidate threshold: each
-    layer has its own 20000 confident, agreeing tokens (no shallower layer takes them)."""
-    n = 20000 * len(layers)
+def certify_all(layers, prompts: int = 1000, strict: bool = False) -> Calibration:
+    """Made-up calibration data on which every layer passes: each layer has its own 20000 confident,
+    agreeing tokens (no shallower layer takes them), so it exits at the lowest candidate threshold; with
+    strict, also 20000 tokens at 0.9997 that disagree, which stop its sequence at 0.9999."""
+    block = 40000 if strict else 20000
+    n = block * len(layers)
     p, agree = {}, {}
     for i, l in enumerate(layers):
-        p[l] = torch.zeros(n)
-        p[l][i * 20000 : (i + 1) * 20000] = 1.0
-        agree[l] = torch.ones(n, dtype=torch.bool)
+        p[l], agree[l] = torch.zeros(n), torch.ones(n, dtype=torch.bool)
+        p[l][i * block : i * block + 20000] = 1.0
+        if strict:
+            p[l][i * block + 20000 : (i + 1) * block] = 0.9997
+            agree[l][i * block + 20000 : (i + 1) * block] = False
     return Calibration.count(p, agree, prompts=prompts)
 
 

@@ -15,7 +15,6 @@ import ray
 import torch
 
 from pipeline.batch import BatchConfig, run
-from pipeline.local_ray import init_ray
 from pipeline.prompts import read_prompts
 from pipeline.stage import CRASH_ON_ENV, CRASH_ONCE_ENV, OUTPUT_SCHEMA, StageConfig
 from tests.conftest import BUNDLED, REPO, make_hf_model
@@ -25,11 +24,7 @@ GOOD = ["def add(a, b):\n", "import os\n", "class Point:\n    def __init__(self"
         "x = [1, 2, 3]\n", "with open(path) as f:\n", "return sorted(", "try:\n    import json\n"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    init_ray("local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_cluster")  # tests/pipeline/conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -376,7 +371,7 @@ def test_live_audit_closes_a_layer_made_bad_on_purpose(tmp_path):
     tensors["layer.1.b2"] = torch.full_like(tensors["layer.1.b2"], 50.0)  # sigmoid = 1: always fires
     save_file(tensors, str(model / "predictors.safetensors"), metadata=meta)
     layers = json.loads(meta["layers"])
-    certify_all(layers).save(model / CALIBRATION_FILE)
+    certify_all(layers, strict=True).save(model / CALIBRATION_FILE)  # every layer may exit above 0.9999
     rows = [{"id": f"r{i:02d}", "prompt": GOOD[i % len(GOOD)]} for i in range(24)]
     src = write_jsonl(tmp_path / "p.jsonl", rows)
     out = tmp_path / "out"

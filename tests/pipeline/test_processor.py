@@ -8,7 +8,6 @@ import pytest
 import ray
 
 from pipeline import ProcessorConfig, build_processor
-from pipeline.local_ray import init_ray
 from pipeline.stage import CRASH_ONCE_ENV
 from specee_core import SpecEEEngine
 from tests.conftest import REPO
@@ -20,11 +19,7 @@ QUESTIONS = ["Write a Python function that reverses a string.", "What does os.pa
 SETTINGS = dict(mode="dense", dtype="float32", weights="q4", max_new_tokens=8, batch_size=4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    init_ray("local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_cluster")  # tests/pipeline/conftest.py
 
 
 @pytest.fixture(scope="module")
