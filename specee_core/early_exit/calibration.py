@@ -147,6 +147,7 @@ class Calibration:
     prompts: int
     source: str = ""
     meta: dict = field(default_factory=dict)
+    _thresholds: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def tokens(self) -> int:
@@ -175,7 +176,14 @@ class Calibration:
         """Per layer: the lowest threshold certified at eps with confidence (see the module docstring),
         or threshold None (never exits). Layers are calibrated from the shallowest up, each on the
         tokens that no shallower layer let exit: at run time a deeper predictor sees only the tokens
-        that did not exit below it, the harder ones."""
+        that did not exit below it, the harder ones. Cached per (eps, confidence, grid): Serve may ask
+        for a tolerance on every request."""
+        key = (eps, confidence, tuple(grid))
+        if key not in self._thresholds:
+            self._thresholds[key] = self._calibrate(eps, confidence, grid)
+        return dict(self._thresholds[key])
+
+    def _calibrate(self, eps: float, confidence: float, grid: tuple[float, ...]) -> dict[int, CalibratedLayer]:
         check_tolerance(eps, confidence)
         delta = (1 - confidence) / max(len(self.layers), 1)
         out = {}

@@ -156,10 +156,8 @@ def load_early_exit(model_dir: Path, model, tokenizer, draft_head: DraftHead | N
     schedule = Schedule.load(opts.schedule) if opts.schedule else initial_schedule(model_dir)
     if schedule.num_layers != model.num_layers:
         raise ValueError(f"schedule is for {schedule.num_layers} layers, the model has {model.num_layers}")
-    schedule = Schedule(num_layers=schedule.num_layers, offline_layers=schedule.offline_layers,
-                        window=schedule.window if opts.window is None else opts.window,
-                        offsets=schedule.offsets if opts.offsets is None else opts.offsets,
-                        version=schedule.version, source=schedule.source, disabled_layers=schedule.disabled_layers)
+    schedule = replace(schedule, window=schedule.window if opts.window is None else opts.window,
+                       offsets=schedule.offsets if opts.offsets is None else opts.offsets)
     draft = None if draft_head is None else DraftSpeculator(draft_head, model, k=predictors.k)
     if opts.speculator == "draft":
         if draft is None:
@@ -187,22 +185,23 @@ class CandidateScorer:
         # the fused kernel reads a dense head; a low-bit head's rows are dequantized here instead
         dense_head = isinstance(model.w.lm_head, torch.Tensor)
         self.fused = dense_head and (backend == "triton" or (backend == "auto" and dev.type == "cuda"))
-        self._w = None if self.fused else (model.head_rows(cand) * model.w.norm).float()  # [N, K, D]
+        self._w = None  # the torch path's candidate rows, gathered on first use
 
-    @property
-    def w(self) -> torch.Tensor:
-        """The candidates' LM-head rows with the final norm's weight folded in [N, K, D] (fp32)."""
+    def _logits(self, h: torch.Tensor, sel: torch.Tensor | None) -> torch.Tensor:
+        """Candidate logits z [n, K] of pre-norm hidden states h [n, D] of the rows sel: the candidates'
+        LM-head rows with the final norm's weight folded in (gathered once per step), a norm scalar and
+        one batched dot product."""
         if self._w is None:
-            self._w = (self.model.head_rows(self.cand) * self.model.w.norm).float()
-        return self._w
+            self._w = (self.model.head_rows(self.cand) * self.model.w.norm).float()  # [N, K, D]
+        hf = h.float()
+        r = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.model.config.rms_norm_eps)  # [n, 1]
+        w = self._w if sel is None else self._w[sel]
+        return torch.bmm(w, hf.unsqueeze(-1)).squeeze(-1) * r
 
     def probs(self, h: torch.Tensor, sel: torch.Tensor | None) -> torch.Tensor:
         """The candidate probabilities [n, K] of pre-norm hidden states h [n, D] of the rows sel: a
         predictor's previous-layer input (its feature p - prev)."""
-        hf = h.float()
-        r = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.model.config.rms_norm_eps)
-        w = self.w if sel is None else self.w[sel]
-        return candidate_probs(torch.bmm(w, hf.unsqueeze(-1)).squeeze(-1) * r)
+        return candidate_probs(self._logits(h, sel))
 
     def __call__(self, h: torch.Tensor, sel: torch.Tensor | None, prev: torch.Tensor,
                  pred: LayerPredictor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -216,10 +215,7 @@ class CandidateScorer:
             # the kernel reads rows at stride D; the fp32 CPU norm returns a strided view
             return predictor_forward(m.final_norm(h).contiguous(), cand, m.w.lm_head, prev, pred.w1, pred.b1,
                                      pred.w2, pred.b2, backend="triton")
-        hf = h.float()
-        r = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + m.config.rms_norm_eps)  # [n, 1]
-        w = self.w if sel is None else self.w[sel]
-        z = torch.bmm(w, hf.unsqueeze(-1)).squeeze(-1) * r  # [n, K]
+        z = self._logits(h, sel)
         x, p = predictor_features(z, prev)
         return exit_probability(x, pred), p, cand.gather(1, z.argmax(-1, keepdim=True)).squeeze(1)
 
@@ -282,6 +278,11 @@ class Decisions:
     layers: list[int]  # [N] the exit layer; L when every layer ran
     hidden: torch.Tensor  # [N, D] the final-normed hidden state whose logits chose the token
     choice: torch.Tensor  # [N] the exit's greedy choice (what the audit compares; = tokens when greedy)
+
+
+def _scheduled(layer: int, walk: Walk) -> list[int]:
+    """The rows of walk.h whose predictor runs after `layer` (still deciding: not exited)."""
+    return [r for r, j in enumerate(walk.running) if layer in walk.pred_layers[j] and not walk.done[j]]
 
 
 def _index(indices: list[int], count: int, device) -> torch.Tensor | None:
@@ -407,7 +408,7 @@ class Stepper:
     def _probs_below(self, layer: int, walk: Walk) -> None:
         """Before layer `layer` runs: the candidate probabilities of the layer below, for the rows whose
         predictor runs at `layer` (its feature p - prev compares adjacent layers, as in training)."""
-        sel = [r for r, j in enumerate(walk.running) if layer in walk.pred_layers[j] and not walk.done[j]]
+        sel = _scheduled(layer, walk)
         if not sel:
             return
         dev = self.model.device
@@ -423,7 +424,7 @@ class Stepper:
         """The predictors scheduled after `layer` for the running rows; a row exits when its
         predictor fires and its token is verified. Writes the exits' decisions into out; returns
         them as rows of walk.h."""
-        sel = [r for r, j in enumerate(walk.running) if layer in walk.pred_layers[j] and not walk.done[j]]
+        sel = _scheduled(layer, walk)
         if not sel:
             return []
         t0 = time.perf_counter()
