@@ -40,6 +40,7 @@ from specee_core.early_exit.scheduler import Schedule
 
 log = logging.getLogger(__name__)
 
+EXECUTORS = ("processor", "driver")
 CALLS_PER_ACTOR = 2  # batches queued on each actor, so that it starts the next as soon as one ends
 TASK_RETRIES = 2  # a batch whose actor dies is run again twice; then its rows one by one, then error rows
 
@@ -63,6 +64,9 @@ class BatchConfig:
     flush_every_s: float = 60.0  # also write a part file this often, so a crash loses little work
     runtime_env: dict | None = None  # for the actors, e.g. {"env_vars": {...}}
     show_progress: bool = True
+    # "processor": the rows go through pipeline.processor (Ray Data's streaming executor and actor pool);
+    # "driver": the hand-written actor pool below (kept for jobs.bench_pipeline's comparison)
+    executor: str = "processor"
 
     def __post_init__(self) -> None:
         self.input = [self.input] if isinstance(self.input, str) else list(self.input)
@@ -75,6 +79,8 @@ class BatchConfig:
             raise ValueError(f"cpus_per_actor must be > 0, got {self.cpus_per_actor}")
         if self.schedule is not None and self.stage.mode != "specee":
             raise ValueError(f"a schedule only applies to mode='specee', mode is {self.stage.mode!r}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
 
 
 @dataclass
@@ -268,6 +274,97 @@ def run(cfg: BatchConfig) -> dict:
     schedule = starting_schedule(cfg, out)
     inputs = read_prompts(cfg.input, input_format=cfg.input_format, prompt_column=cfg.prompt_column,
                           id_column=cfg.id_column, limit=cfg.limit)
+    total = count_to_do(inputs, done)
+    log.info("run %s: %d rows to do (%d already in %s); %d actors with %s; mode %s; executor %s", run_id, total,
+             len(done), out.root, cfg.num_actors, actor_resources(cfg), cfg.stage.mode, cfg.executor)
+    stats = RowStats()
+    writer = Writer(out, run_id, cfg.rows_per_file, cfg.flush_every_s)
+    progress = Progress(total, cfg.show_progress)
+
+    def sink(rows: pa.Table) -> None:
+        stats.add(rows)
+        writer.add(rows)
+        progress.update(rows.num_rows, stats, pc.max(rows["schedule_version"]).as_py())
+
+    execute = run_processor if cfg.executor == "processor" else run_driver
+    try:
+        store_state, engine_info = execute(cfg, run_id, inputs, done, schedule, out, sink, writer)
+    finally:
+        writer.flush()  # complete rows are kept even when the run stops with an error
+        progress.close()
+    if stats.rows != total:  # each row comes back once; anything else is a bug worth stopping for
+        raise RuntimeError(f"expected {total} rows, got {stats.rows}")
+    summary = summarize(cfg, out, run_id, stats, store_state, time.time() - t0, engine_info)
+    out.write_summary(summary)
+    return summary
+
+
+def processor_config(cfg: BatchConfig, out: OutputDir, schedule: Schedule | None):
+    """The job's settings as the processor's (specee: starting from the schedule saved in the output)."""
+    from pipeline.processor import ProcessorConfig
+
+    st = cfg.stage
+    return ProcessorConfig(model=st.model, mode=st.mode, max_new_tokens=st.max_new_tokens, concurrency=cfg.num_actors,
+                           batch_size=st.batch_size, num_cpus=cfg.cpus_per_actor, num_gpus=cfg.gpus_per_actor,
+                           device=st.device, dtype=st.dtype, weights=st.weights, temperature=st.temperature,
+                           top_p=st.top_p, top_k=st.top_k, stop=st.stop, seed=st.seed, chat=st.chat,
+                           engine_options=dict(st.engine_options), spec=dict(st.spec), torch_threads=st.torch_threads,
+                           retune_every_tokens=cfg.retune_every_tokens, retune_min_exits=cfg.retune_min_exits,
+                           schedule=None if schedule is None else str(out.schedule_path(schedule.version)),
+                           runtime_env=cfg.runtime_env)
+
+
+def skip_done(done: DoneIds) -> Callable[[pa.Table], pa.Table]:
+    """A Ray Data batch function dropping the rows whose id is in done."""
+    def keep(block: pa.Table) -> pa.Table:
+        return block.filter(pa.array(~done.mask(block["id"].to_pylist()))) if block.num_rows else block
+    return keep
+
+
+def run_processor(cfg: BatchConfig, run_id: str, inputs: ray.data.Dataset, done: DoneIds, schedule: Schedule | None,
+                  out: OutputDir, sink: Callable[[pa.Table], None], writer: Writer) -> tuple[dict | None, list[dict]]:
+    """read -> pipeline.processor -> rows to sink, as Ray Data streams them. Returns the schedule store's
+    state and what the engines ran with."""
+    from pipeline.processor import build_processor
+
+    processor = build_processor(processor_config(cfg, out, schedule), run_id=run_id)
+    todo = inputs.map_batches(skip_done(done), batch_format="pyarrow", batch_size=None, num_cpus=0) if len(done) \
+        else inputs
+    rows = processor(todo)
+    versions = SavedVersions(processor.store, out, schedule)
+    came_back = 0
+    try:
+        try:
+            for block in rows.iter_batches(batch_format="pyarrow", batch_size=None):
+                if block.num_rows:
+                    came_back += block.num_rows
+                    sink(block.select(OUTPUT_SCHEMA.names).cast(OUTPUT_SCHEMA))
+                if writer.due():
+                    writer.flush()
+                versions.poll()
+        except Exception as e:
+            reason = start_failure(e)
+            if reason is not None and not came_back:
+                raise RuntimeError(f"an engine actor could not start: {reason}") from e
+            raise
+        versions.poll(wait=True)
+        return (processor.schedule_state() if versions.store is not None else None), processor.engines()
+    finally:
+        processor.shutdown()
+
+
+def start_failure(e: BaseException) -> str | None:
+    """The reason an engine actor's constructor raised, when that is what e (from Ray Data) reports."""
+    text = str(e)
+    if "creation task" not in text and "__init__" not in text:
+        return None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else text
+
+
+def run_driver(cfg: BatchConfig, run_id: str, inputs: ray.data.Dataset, done: DoneIds, schedule: Schedule | None,
+               out: OutputDir, sink: Callable[[pa.Table], None], writer: Writer) -> tuple[dict | None, list[dict]]:
+    """The hand-written actor pool (stream): rows to sink as each call returns."""
     resources = actor_resources(cfg)
     store_name = f"specee-schedule-{run_id}"
     opts = cfg.stage.engine_options
@@ -276,14 +373,9 @@ def run(cfg: BatchConfig) -> dict:
         if cfg.stage.mode == "specee" else None
     engine = ray.remote(GenerateRows).options(max_restarts=-1, max_task_retries=TASK_RETRIES,
                                               runtime_env=cfg.runtime_env, **resources)
-    # the actors load the model while the rows to do are counted
     actors = [engine.remote(cfg.stage, run_id, store_name if store else None) for _ in range(cfg.num_actors)]
-    stats, versions = RowStats(), SavedVersions(store, out, schedule)
-    progress = None
+    versions = SavedVersions(store, out, schedule)
     try:
-        total = count_to_do(inputs, done)
-        log.info("run %s: %d rows to do (%d already in %s); %d actors with %s; mode %s", run_id, total, len(done),
-                 out.root, cfg.num_actors, resources, cfg.stage.mode)
         try:  # waits for the first actor to load (and measure)
             first = ray.get(actors[0].describe.remote())
         except ray.exceptions.RayActorError as e:
@@ -293,9 +385,7 @@ def run(cfg: BatchConfig) -> dict:
             raise
         log.info("engine: %s (%s), %s weights (%s)%s", first["dtype"], first["dtype_reason"], first["weights"],
                  first["weights_reason"], plan_line(first.get("plan")))
-        progress = Progress(total, cfg.show_progress)
-        stream(actors, batches_to_do(inputs, done, cfg.stage.batch_size), Writer(out, run_id, cfg.rows_per_file,
-               cfg.flush_every_s), stats, progress, versions,
+        stream(actors, batches_to_do(inputs, done, cfg.stage.batch_size), writer, sink, versions,
                lambda batch, error: error_rows(batch, error, cfg.stage.mode, run_id))
         versions.poll(wait=True)
         store_state = ray.get(store.state.remote()) if versions.store is not None else None
@@ -305,18 +395,12 @@ def run(cfg: BatchConfig) -> dict:
             log.warning("could not read the engines' plans for the summary: %s", e)
             engine_info = [first]
     finally:
-        if progress is not None:
-            progress.close()
         for a in actors + ([store] if store else []):
             ray.kill(a)
-    if stats.rows != total:  # each call's rows come back once; anything else is a bug worth stopping for
-        raise RuntimeError(f"expected {total} rows, got {stats.rows}")
-    summary = summarize(cfg, out, run_id, stats, store_state, time.time() - t0, engine_info)
-    out.write_summary(summary)
-    return summary
+    return store_state, engine_info
 
 
-def stream(actors: list, batches: Iterator[pa.Table], writer: Writer, stats: RowStats, progress: Progress,
+def stream(actors: list, batches: Iterator[pa.Table], writer: Writer, sink: Callable[[pa.Table], None],
            versions: SavedVersions, failed: Callable[[pa.Table, str], pa.Table]) -> None:
     """Keep every actor CALLS_PER_ACTOR batches busy until the input runs out; write rows as they return.
 
@@ -328,48 +412,42 @@ def stream(actors: list, batches: Iterator[pa.Table], writer: Writer, stats: Row
     in_flight: dict = {}
     singles: deque[pa.Table] = deque()  # rows of batches that killed their actor, to run alone
     exhausted = False
-    try:
-        while True:
-            # suspects (rows of a batch that killed its actor) run alone, one at a time: a poisonous row
-            # must not take the calls queued beside it down with it
-            while free and not any(alone for _, _, alone in in_flight.values()) and (singles or not exhausted):
-                if singles and in_flight:
-                    break  # let the pool drain first
-                alone = bool(singles)
-                batch = singles.popleft() if alone else next(batches, None)
-                if batch is None:
-                    exhausted = True
-                    break
-                actor = free.popleft()
-                in_flight[actor.generate_batch.remote(batch)] = (actor, batch, alone)
-            if not in_flight:
+    while True:
+        # suspects (rows of a batch that killed its actor) run alone, one at a time: a poisonous row
+        # must not take the calls queued beside it down with it
+        while free and not any(alone for _, _, alone in in_flight.values()) and (singles or not exhausted):
+            if singles and in_flight:
+                break  # let the pool drain first
+            alone = bool(singles)
+            batch = singles.popleft() if alone else next(batches, None)
+            if batch is None:
+                exhausted = True
                 break
-            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=1.0)
-            for ref in ready:
-                actor, batch, _ = in_flight.pop(ref)
-                free.append(actor)
-                try:
-                    rows = ray.get(ref).cast(OUTPUT_SCHEMA)
-                except ray.exceptions.RayActorError as e:
-                    reason = [line for line in str(e).splitlines() if line.strip()][-1]
-                    if "creation task" in str(e):  # a constructor that raised: no batch can run
-                        raise RuntimeError(f"an engine actor could not start: {reason}") from e
-                    if batch.num_rows > 1:
-                        log.warning("an engine actor died %d times on a batch of %d rows; running them one by one",
-                                    1 + TASK_RETRIES, batch.num_rows)
-                        singles.extend(batch.slice(i, 1) for i in range(batch.num_rows))
-                        continue
-                    rows = failed(batch, f"WorkerDied: the engine process died {1 + TASK_RETRIES} times on this row "
-                                         f"({reason})")
-                stats.add(rows)
-                writer.add(rows)
-                version = pc.max(rows["schedule_version"]).as_py()
-                progress.update(rows.num_rows, stats, version)
-            if writer.due():
-                writer.flush()
-            versions.poll()
-    finally:
-        writer.flush()  # complete rows are kept even when the run stops with an error
+            actor = free.popleft()
+            in_flight[actor.generate_batch.remote(batch)] = (actor, batch, alone)
+        if not in_flight:
+            break
+        ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=1.0)
+        for ref in ready:
+            actor, batch, _ = in_flight.pop(ref)
+            free.append(actor)
+            try:
+                rows = ray.get(ref).cast(OUTPUT_SCHEMA)
+            except ray.exceptions.RayActorError as e:
+                reason = [line for line in str(e).splitlines() if line.strip()][-1]
+                if "creation task" in str(e):  # a constructor that raised: no batch can run
+                    raise RuntimeError(f"an engine actor could not start: {reason}") from e
+                if batch.num_rows > 1:
+                    log.warning("an engine actor died %d times on a batch of %d rows; running them one by one",
+                                1 + TASK_RETRIES, batch.num_rows)
+                    singles.extend(batch.slice(i, 1) for i in range(batch.num_rows))
+                    continue
+                rows = failed(batch, f"WorkerDied: the engine process died {1 + TASK_RETRIES} times on this row "
+                                     f"({reason})")
+            sink(rows)
+        if writer.due():
+            writer.flush()
+        versions.poll()
 
 
 def error_rows(batch: pa.Table, error: str, mode: str, run_id: str) -> pa.Table:

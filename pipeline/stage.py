@@ -107,7 +107,8 @@ class GenerateRows:
     then picked up before each batch without waiting (a request is kept in flight and only read
     once answered), and each batch's exit statistics are sent back without waiting either."""
 
-    def __init__(self, cfg: StageConfig, run_id: str, store: str | None = None, schedule: Schedule | None = None):
+    def __init__(self, cfg: StageConfig, run_id: str, store=None, schedule: Schedule | None = None):
+        """store: the schedule store actor, or its name (None: none)."""
         import torch
 
         self.cfg = cfg
@@ -133,7 +134,7 @@ class GenerateRows:
             if schedule is not None:
                 self.engine.set_schedule(schedule)
             if store is not None:
-                self.store = ray.get_actor(store)
+                self.store = ray.get_actor(store) if isinstance(store, str) else store
                 self._sync_schedule(wait_s=60.0)
         self.schedule_version = self._version()
         log.info("actor %s: %s on %s, mode %s, schedule v%s", self.worker, cfg.model, cfg.device, cfg.mode,
@@ -194,10 +195,7 @@ class GenerateRows:
         started_at, t0 = time.time(), time.perf_counter()
         self._sync_schedule()
         self.schedule_version = self._version()
-        self.batches += 1
-        common = {"mode": self.cfg.mode, "schedule_version": self.schedule_version, "num_layers": self.num_layers,
-                  "batch_id": f"{self.worker}-{self.batches}", "batch_rows": batch.num_rows,
-                  "batch_started_at": started_at, "worker": self.worker, "run_id": self.run_id}
+        common = self._common(batch.num_rows, started_at)
         ids = batch["id"].to_pylist()
         prompts = batch["prompt"].to_pylist()
         # the processor's prepare stage renders the text to run beside the prompt as given
@@ -226,6 +224,20 @@ class GenerateRows:
         self._report(rows)
         maybe_crash_once()
         return pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA)
+
+    def _common(self, rows: int, started_at: float) -> dict:
+        """The columns every row of one call shares (a new batch_id per call)."""
+        self.batches += 1
+        return {"mode": self.cfg.mode, "schedule_version": self.schedule_version, "num_layers": self.num_layers,
+                "batch_id": f"{self.worker}-{self.batches}", "batch_rows": rows, "batch_started_at": started_at,
+                "worker": self.worker, "run_id": self.run_id}
+
+    def error_rows(self, batch: pa.Table, error: str) -> pa.Table:
+        """OUTPUT_SCHEMA error rows for every row of batch, without running it (a row that keeps killing
+        its process)."""
+        common = {**self._common(batch.num_rows, time.time()), "batch_s": 0.0}
+        return pa.Table.from_pylist([{**common, **self._error_row(i, p, error)} for i, p in
+                                     zip(batch["id"].to_pylist(), batch["prompt"].to_pylist())], schema=OUTPUT_SCHEMA)
 
     def _prompt_text(self, prompt) -> str:
         """What the engine runs for a row's prompt: the prompt itself, or in chat mode the chat template

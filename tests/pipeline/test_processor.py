@@ -48,7 +48,7 @@ def test_a_users_dataset_through_the_processor(tmp_path, engine):
         assert pd.isna(row["error"]) and row["completion"] == r.text and row["prompt"] == QUESTIONS[i]
         assert row["completion_tokens"] == len(r.token_ids) and row["chars"] == len(r.text)
         assert row["topic"] == "python" and row["mode"] == "dense"
-    assert df.loc["empty", "error"].startswith("InputError: prompt is empty")
+    assert df.loc["empty", "error"] == "PromptError: prompt is empty"
     assert df.loc["none", "error"].startswith("InputError: prompt must be a string")
     assert df.loc["long", "error"].startswith("PromptError:") and "context" in df.loc["long", "error"]
     assert (df.loc[["empty", "none", "long"], "topic"] == "bad").all()
