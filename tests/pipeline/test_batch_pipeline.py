@@ -155,7 +155,7 @@ def test_killed_actor_loses_and_duplicates_nothing(tmp_path, model_dir, capfd, e
     """The actor process dies after generating a batch, before returning it: Ray restarts the
     same actor (new process) and retries its batches (max_restarts=-1, max_task_retries). The
     driver's actors take their constructor arguments inline, so Ray has no reason to warn that the
-    restart could fail. Ray Data's pool keeps them in the object store and Ray warns
+    restart could fail. Ray Data's pool keeps them in the object store and Ray may warn
     (ray-project/ray#53727), but the dataset holds those objects while it runs: the restart works."""
     src = write_jsonl(tmp_path / "p.jsonl", [{"id": f"r{i}", "prompt": p} for i, p in enumerate(GOOD)])
     marker = tmp_path / "crashed"
@@ -168,8 +168,8 @@ def test_killed_actor_loses_and_duplicates_nothing(tmp_path, model_dir, capfd, e
     assert summary["rows"] == len(GOOD) and summary["errors"] == 0
     actors = df["worker"].str.split(":").str[0]
     assert actors.nunique() == 1  # one actor, restarted in place, not a second one
-    warned = "constructor arguments in the object store" in capfd.readouterr().err
-    assert warned == (executor == "processor")
+    if executor == "driver":  # Ray Data's pool may print it (once per driver process), ours never
+        assert "constructor arguments in the object store" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("executor", ["processor", "driver"])
