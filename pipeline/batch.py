@@ -1,19 +1,19 @@
-"""The batch generation driver: prompt files -> one streaming pass -> Parquet.
+"""The batch generation job: prompt files -> pipeline.processor -> Parquet, in one streaming pass.
 
-Ray Data reads the prompt files as a stream of blocks. The driver drops the rows already in the
-output, cuts the rest into engine batches and hands each to the least busy of a pool of engine
-actors (pipeline.stage.GenerateRows), which load the model once and live for the whole run. Rows
-come back as they finish and are written as part files. In SpecEE mode a named schedule store
-actor (pipeline.schedule_store) gathers each batch's exit statistics and re-tunes the predictor
-schedule every N generated tokens; engines pick up new versions between batches, every row
-records the version it ran with, and the driver saves each version under _schedules/.
+Ray Data reads the prompt files as a stream of blocks; a filter drops the ids already in the output
+(resume), and the rest go through the processor (pipeline.processor: prepare, engine actors in Ray
+Data's actor pool that load the model once and live for the whole run). The driver iterates the
+output rows as Ray Data streams them and writes them as part files; rows reach a file only after
+their batch returned, so a lost actor (restarted by Ray, its batch rerun) neither loses nor
+duplicates rows. In SpecEE mode the processor's schedule store actor (pipeline.schedule_store)
+gathers each batch's exit statistics and re-tunes the predictor schedule every N generated tokens;
+engines pick up new versions between batches, every row records the version it ran with, and the
+driver saves each version under _schedules/.
 
-Why our own actors and not Ray Data's ActorPoolStrategy: Ray Data hands its actors their code
-through the object store, which Ray warns makes actor restarts unreliable (ray-project/ray#53727).
-Ours take a StageConfig of plain values and two names, inline, so Ray restarts a lost actor
-anywhere and retries its batches (max_restarts=-1, max_task_retries=TASK_RETRIES). A batch's rows
-are written once its call returns, so a lost actor neither loses nor duplicates rows; a row that
-kills its actor every time becomes an error row.
+executor="driver" runs the same rows through the hand-written actor pool the job had before the
+processor (stream(): each actor kept CALLS_PER_ACTOR batches busy, inline constructor arguments,
+TASK_RETRIES retries, then the batch's rows one by one and error rows). jobs.bench_pipeline compares
+the two on the same rows and tests/pipeline/test_chaos.py kills actors under both.
 """
 from __future__ import annotations
 

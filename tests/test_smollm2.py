@@ -13,12 +13,17 @@ import pytest
 import torch
 
 from specee_core import SpecEEEngine
+from specee_core.decode.plan import native_bf16
 from tests.conftest import REPO
 from tests.test_positions import assert_steps_match, record_step_logits
 
 log = logging.getLogger(__name__)
 MODEL = REPO / "models" / "smollm2-135m-instruct"
 N_PROMPTS, N_TOKENS = 8, 64
+# bf16 without native support (AVX2: torch converts around fp32 GEMMs) runs 3-4x slower than fp32; the
+# bf16 bounds are checked there on the first half of the prompts (a position or weight bug still parts
+# every prompt within its first tokens)
+BF16_PROMPTS = N_PROMPTS if native_bf16(torch.device("cpu")) else N_PROMPTS // 2
 
 
 def need_model() -> Path:
@@ -87,7 +92,7 @@ def test_bf16_agreement_with_transformers_bf16_is_bounded(prompts):
     engine = SpecEEEngine.from_pretrained(MODEL, dtype="bfloat16")
     same = total = 0
     firsts = []
-    for p in prompts:
+    for p in prompts[:BF16_PROMPTS]:
         ours = engine.generate([p], max_new_tokens=N_TOKENS, ignore_eos=True, mode="dense")[0].token_ids
         ref = hf_greedy(hf, engine, p, N_TOKENS)
         m = min(len(ours), len(ref))
@@ -154,6 +159,7 @@ def test_bf16_spec_agreement_with_dense_is_bounded(prompts):
     paths may part; bounded like bf16 against transformers: every prompt agrees on its first 8 tokens
     and the median first divergence is at least 16."""
     engine = SpecEEEngine.from_pretrained(need_model(), dtype="bfloat16")
+    prompts = prompts[:BF16_PROMPTS]
     dense = engine.generate(prompts, max_new_tokens=N_TOKENS, mode="dense")
     spec = engine.generate(prompts, max_new_tokens=N_TOKENS, mode="spec",
                            spec={"proposer": "draft", "depth": 5, "width": 4, "nodes": 16, "step_budget": None})
