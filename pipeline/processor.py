@@ -246,7 +246,8 @@ class EngineRows:
             log.warning("a call of %d rows died before: running its rows one by one", len(ids))
             out = pa.concat_tables([self._alone(mine.slice(i, 1)) for i in range(len(ids))])
         self._end(key)
-        self._describe()  # mode auto: the plan's choices so far
+        if self.rows.cfg.mode == "auto":  # the plan's choices so far (other modes: as described at start)
+            self._describe()
         return out
 
     def _alone(self, row: pa.Table) -> pa.Table:
