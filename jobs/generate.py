@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--audit-fraction", type=float, default=None,
                    help="specee: share of decode steps whose exited rows still run every layer, to check the "
                         "tolerance live (default 0.05 with --max-disagreement, else 0)")
+    p.add_argument("--specee-gate", choices=["auto", "measured", "off"], default=None,
+                   help="specee: run whole steps dense where SpecEE's steps measure slower than dense ones "
+                        "(measured; auto = measured on CPUs, off on CUDA; off: every step SpecEE)")
     p.add_argument("--spec-proposer", choices=["auto", "draft", "lookup"], default=None,
                    help="spec, auto: draft head, prompt lookup, or auto (the draft head when the model has one)")
     p.add_argument("--spec-depth", type=int, default=None,
@@ -113,6 +116,8 @@ def build_config(args: argparse.Namespace):
     audit = args.audit_fraction if args.audit_fraction is not None else (0.05 if args.max_disagreement else 0.0)
     if audit:
         early_exit["audit_fraction"] = audit
+    if args.specee_gate is not None:
+        early_exit["gate"] = args.specee_gate
     spec = {k: v for k, v in (("proposer", args.spec_proposer), ("depth", args.spec_depth),
                               ("width", args.spec_width), ("lookup", args.spec_lookup),
                               ("t3", args.spec_t3 or None)) if v is not None}

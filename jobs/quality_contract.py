@@ -11,10 +11,13 @@ compared with the full model's argmax on the same prefix). So the audited disagr
 these prompts, reported with its exact (Clopper-Pearson) upper bound at --confidence. Each point's tokens are then
 compared with dense's (first divergence, identical share). The point "exits off" (threshold 2: the
 predictors run at their layers, none fires) measures the predictors' and draft head's overhead.
+The quality runs take every step as a SpecEE step (gate "off"): what the exits themselves cost.
 
 Speed: batch --speed-batch rows, the points without audit and dense interleaved over --rounds
-rounds (the order rotating), tokens generated / seconds of the generate calls. JSON with the commit
-and the machine (CPU capability).
+rounds (the order rotating), tokens generated / seconds of the generate calls; each point once with
+every step a SpecEE step (gate "off") and once with the engine's default, the measured pay-off gate
+(EarlyExitOptions.gate: dense steps where SpecEE's do not beat them), unless --gates says otherwise.
+JSON with the commit and the machine (CPU capability).
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ class ContractConfig:
     batch_size: int = 16  # rows per generate call for the quality runs
     speed_batch: int = 1  # rows per generate call for the timed runs
     speed_prompts: int = 8
+    gates: str = "off,auto"  # the speed runs' EarlyExitOptions.gate values (the quality runs: "off")
     rounds: int = 3
     threads: int = 0
     out: Path | None = None
@@ -72,8 +76,8 @@ class ContractConfig:
         return pts + [{"name": "exits off", "threshold": EXITS_OFF}]
 
 
-def point_engine(engine: SpecEEEngine, point: dict, audit: bool, confidence: float) -> SpecEEEngine:
-    opts = {"audit_fraction": 1.0 if audit else 0.0}
+def point_engine(engine: SpecEEEngine, point: dict, audit: bool, confidence: float, gate: str = "off") -> SpecEEEngine:
+    opts = {"audit_fraction": 1.0 if audit else 0.0, "gate": gate}
     if "max_disagreement" in point:
         opts.update(max_disagreement=point["max_disagreement"], confidence=confidence)
     else:
@@ -111,9 +115,12 @@ def quality(engine: SpecEEEngine, point: dict, prompts: list[str], dense: list[l
 
 
 def speed(engine: SpecEEEngine, points: list[dict], prompts: list[str], cfg: ContractConfig) -> dict:
-    """Tokens/s of dense and every point (no audit), interleaved rounds at cfg.speed_batch rows."""
+    """Tokens/s of dense and every point (no audit) under every gate of cfg.gates, interleaved rounds at
+    cfg.speed_batch rows. Keys: the point's name (gate "off"), "<name> + gate" (gate "auto")."""
     runs = {"dense": (engine, "dense")}
-    runs.update({p["name"]: (point_engine(engine, p, audit=False, confidence=cfg.confidence), "specee") for p in points})
+    for gate in [g for g in cfg.gates.split(",") if g]:
+        runs.update({speed_name(p["name"], gate): (point_engine(engine, p, False, cfg.confidence, gate), "specee")
+                     for p in points})
     names = list(runs)
     for eng, mode in runs.values():  # warm-up
         eng.generate(prompts[:1], max_new_tokens=4, mode=mode, ignore_eos=True)
@@ -142,6 +149,10 @@ def speed(engine: SpecEEEngine, points: list[dict], prompts: list[str], cfg: Con
     return out
 
 
+def speed_name(point: str, gate: str) -> str:
+    return point if gate == "off" else f"{point} + gate" if gate == "auto" else f"{point} + gate {gate}"
+
+
 def plot(result: dict, path: Path) -> None:
     """Left: audited disagreement (with its upper bound) per point against the tolerance; right: speed
     against dense and layers run."""
@@ -165,8 +176,10 @@ def plot(result: dict, path: Path) -> None:
     a.set_ylabel("share of exited tokens the full model would not emit")
     a.legend(fontsize=8)
     sp = result["speed"]
-    b.plot(list(x), [sp[n]["vs_dense_median_of_rounds"] for n in names], "o-",
-           label="tokens/s vs dense (median of rounds)")
+    for gate, style in (("off", "o-"), ("auto", "o:")):
+        if speed_name(names[0], gate) in sp:
+            b.plot(list(x), [sp[speed_name(n, gate)]["vs_dense_median_of_rounds"] for n in names], style,
+                   label=f"tokens/s vs dense, {'every step SpecEE' if gate == 'off' else 'with the pay-off gate'}")
     b.plot(list(x), [p["layer_fraction"] for p in pts], "s--", label="layers run (share)")
     b.plot(list(x), [p["first_divergence_median"] / result["config"]["max_new_tokens"] for p in pts], "^:",
            label="median first divergence / tokens")
@@ -224,15 +237,19 @@ def run(cfg: ContractConfig) -> dict:
 
 
 def markdown(result: dict) -> str:
+    gates = [g for g in result["config"].get("gates", "off").split(",") if g]
+    speed = result["speed"]
+    head = " | ".join(f"tokens/s{'' if g == 'off' else ' ' + speed_name('', g).strip()} (vs dense)" for g in gates)
     lines = ["| point | audited disagreement (bound) | exits | layers run | first divergence (median of "
-             f"{result['config']['max_new_tokens']}) | identical | tokens/s (vs dense, median of rounds) |", "|---|---|---|---|---|---|---|"]
+             f"{result['config']['max_new_tokens']}) | identical | {head} |", "|---|---|---|---|---|---|" + "---|" * len(gates)]
     for p in result["points"]:
         b = p["disagreement_upper_bound"]
-        s = result["speed"][p["name"]]
+        cells = " | ".join(f"{speed[n]['tokens_per_s']:.1f} ({speed[n]['vs_dense_median_of_rounds']:.2f}x)"
+                           for n in (speed_name(p["name"], g) for g in gates))
         lines.append(f"| {p['name']} | {p['disagreement']:.4f} ({'-' if b is None else f'{b:.4f}'}) | "
                      f"{p['exit_share']:.2f} | {p['layer_fraction']:.3f} | {p['first_divergence_median']:g} | "
-                     f"{p['identical']:.2f} | {s['tokens_per_s']:.1f} ({s['vs_dense_median_of_rounds']:.2f}x) |")
-    lines.append(f"| dense | 0 | 0 | 1.000 | all | 1.00 | {result['speed']['dense']['tokens_per_s']:.1f} |")
+                     f"{p['identical']:.2f} | {cells} |")
+    lines.append(f"| dense | 0 | 0 | 1.000 | all | 1.00 | {speed['dense']['tokens_per_s']:.1f} |" + " |" * (len(gates) - 1))
     return "\n".join(lines)
 
 

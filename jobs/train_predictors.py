@@ -35,7 +35,8 @@ from specee_core.early_exit.collect import (collect_exit_data, exit_labels, hit_
                                             predictor_dataset)
 from specee_core.early_exit.step import DRAFT_DIR, PREDICTORS_FILE
 from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration
-from specee_core.early_exit.predictors import PredictorBank, classification_report, exit_probability, train_layer
+from specee_core.early_exit.predictors import (FEATURE_SETS, PredictorBank, classification_report, exit_probability,
+                                               train_layer)
 from specee_core.early_exit.speculators import DraftHead, DraftSpeculator, PromptLookupSpeculator, Speculator
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,10 @@ class PredictorTrainConfig:
     batch_size: int = 16
     k: int = 4
     speculator: str = "draft"  # whose candidates the predictors learn on: "draft" | "lookup"
+    # predictors' feature set (specee_core.early_exit.predictors.FEATURE_SETS): "zpdq" adds the draft's
+    # confidence in its candidates (needs speculator "draft"), "zpd" is the paper's; "auto": zpdq with
+    # the draft, zpd with prompt lookup (which has no confidence)
+    features: str = "auto"
     epochs: int = 100
     max_gap: int = 1  # the feature p - prev compares with the layer this far below (1: adjacent, as the engine)
     max_samples: int = 16000  # per layer
@@ -71,6 +76,8 @@ class PredictorTrainConfig:
         self.plot = optional_path(self.plot)
         if self.speculator not in ("draft", "lookup"):
             raise ValueError(f"speculator must be 'draft' or 'lookup', got {self.speculator!r}")
+        if self.features not in (*FEATURE_SETS, "auto"):
+            raise ValueError(f"features must be one of {sorted(FEATURE_SETS)} or 'auto', got {self.features!r}")
 
 
 def optional_path(p) -> Path | None:
@@ -98,9 +105,12 @@ class ShadowSpeculator(Speculator):
         self.main.start(prompt_ids, features, lens, max_len)
         self.shadow.start(prompt_ids, features, lens, max_len)
 
-    def propose(self, rows, history, tokens, features) -> torch.Tensor:
+    def propose_scored(self, rows, history, tokens, features) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.cands.append(self.shadow.propose(rows, history, tokens, features).cpu())
-        return self.main.propose(rows, history, tokens, features)
+        return self.main.propose_scored(rows, history, tokens, features)
+
+    def propose(self, rows, history, tokens, features) -> torch.Tensor:
+        return self.propose_scored(rows, history, tokens, features)[0]
 
 
 def make_speculator(engine, model_dir: Path, kind: str, k: int):
@@ -115,7 +125,8 @@ def make_speculator(engine, model_dir: Path, kind: str, k: int):
 
 
 def collect(engine, prompts: list[str], cfg: PredictorTrainConfig, part: str = "train"):
-    """(z [S, L-1, K], cand [S, K], final [S], cand_whole [S, K] or None) from full-depth decoding,
+    """(z [S, L-1, K], cand [S, K], final [S], q [S, K] or None, cand_whole [S, K] or None) from full-depth
+    decoding (q: the speculator's own probabilities of its candidates),
     cached in --ckpt-dir so that a rerun with the same settings trains without decoding again.
     cand_whole: the draft head's candidates over the whole vocabulary when it ranks a subset."""
     key = {k: str(getattr(cfg, k)) for k in ("model", "corpus", "prompts", "exclude", "exclude_first", "dtype",
@@ -126,17 +137,17 @@ def collect(engine, prompts: list[str], cfg: PredictorTrainConfig, part: str = "
         saved = torch.load(path, weights_only=True)
         if saved["key"] == key:
             log.info("decode data loaded from %s", path)
-            return saved["z"], saved["cand"], saved["final"], saved["cand_whole"]
+            return saved["z"], saved["cand"], saved["final"], saved["q"], saved["cand_whole"]
     speculator = make_speculator(engine, cfg.model, cfg.speculator, cfg.k)
     shadow = None
     if isinstance(speculator, DraftSpeculator) and speculator.subset is not None:
         head = DraftHead.load(cfg.model / DRAFT_DIR, engine.config)
         shadow = speculator = ShadowSpeculator(speculator, DraftSpeculator(head, engine.model, k=cfg.k, use_subset=False))
-    z, cand, final = collect_exit_data(engine, prompts, speculator, cfg.max_new_tokens).tensors()
+    z, cand, final, q = collect_exit_data(engine, prompts, speculator, cfg.max_new_tokens).tensors()
     cand_whole = None if shadow is None else torch.cat(shadow.cands)
     cfg.ckpt_dir.mkdir(parents=True, exist_ok=True)
-    torch.save({"key": key, "z": z, "cand": cand, "final": final, "cand_whole": cand_whole}, path)
-    return z, cand, final, cand_whole
+    torch.save({"key": key, "z": z, "cand": cand, "final": final, "q": q, "cand_whole": cand_whole}, path)
+    return z, cand, final, q, cand_whole
 
 
 def train(cfg: PredictorTrainConfig) -> dict:
@@ -157,7 +168,12 @@ def train(cfg: PredictorTrainConfig) -> dict:
         (cfg.model / "predictors_report.json").write_text(json.dumps(report, indent=2))
         return report
     t0 = time.perf_counter()
-    z, cand, final, cand_whole = collect(engine, prompts, cfg)
+    z, cand, final, q, cand_whole = collect(engine, prompts, cfg)
+    features = cfg.features if cfg.features != "auto" else ("zpd" if q is None else "zpdq")
+    if features == "zpdq" and q is None:
+        raise ValueError(f"features 'zpdq' need a speculator that scores its candidates (the draft head); "
+                         f"--speculator {cfg.speculator} does not")
+    q = q if features == "zpdq" else None
     labels = exit_labels(z, cand, final)  # [S, L-1]
     collect_s = time.perf_counter() - t0
     oracle = oracle_exit_layers(labels, L).float()
@@ -178,13 +194,14 @@ def train(cfg: PredictorTrainConfig) -> dict:
     val, tr = order[:n_val], order[n_val:][: cfg.max_samples]
     mlps = {}
     for layer in range(1, L):
-        x, y = predictor_dataset(z, labels, layer, max_gap=cfg.max_gap, seed=cfg.seed)
-        mlps[layer] = train_layer(x[tr], y[tr], cfg.k, epochs=cfg.epochs, seed=cfg.seed + layer)
+        x, y = predictor_dataset(z, labels, layer, max_gap=cfg.max_gap, seed=cfg.seed, draft_prob=q)
+        mlps[layer] = train_layer(x[tr], y[tr], epochs=cfg.epochs, seed=cfg.seed + layer)
         rep = classification_report(mlps[layer], x[val], y[val])
         report["layers"][layer] = {k: round(v, 4) if isinstance(v, float) else v for k, v in rep.items()}
         print(json.dumps({"layer": layer, **report["layers"][layer]}), flush=True)
-    meta = {"speculator": cfg.speculator, "label": "local", "steps": s, "train_samples_per_layer": len(tr)}
-    bank = PredictorBank.from_mlps(cfg.k, mlps, meta)
+    meta = {"speculator": cfg.speculator, "label": "local", "steps": s, "train_samples_per_layer": len(tr),
+            "features": features}
+    bank = PredictorBank.from_mlps(cfg.k, mlps, meta, features=features)
     bank.save(cfg.model / PREDICTORS_FILE)
     if calib:
         report["calibration"] = calibrate(engine, bank, calib, cfg)
@@ -198,11 +215,13 @@ def calibrate(engine, bank: PredictorBank, prompts: list[str], cfg: PredictorTra
     """calibration.safetensors from full-depth decoding of the held-out prompts; returns the report's part:
     the split's size, per-layer precision/recall over the threshold grid, the thresholds at a few
     tolerances."""
-    z, cand, final, _ = collect(engine, prompts, cfg, part="calib")
+    z, cand, final, q, _ = collect(engine, prompts, cfg, part="calib")
     labels = exit_labels(z, cand, final)
     p_exit, agree = {}, {}
+    q = q if bank.reads_draft_prob else None
     for layer in sorted(bank.layers):
-        x, y = predictor_dataset(z, labels, layer, max_gap=1, seed=cfg.seed + 1000)  # the engine's feature
+        x, y = predictor_dataset(z, labels, layer, max_gap=1, seed=cfg.seed + 1000,  # the engine's feature
+                                 draft_prob=q)
         with torch.no_grad():
             p_exit[layer] = exit_probability(x, bank.layers[layer])
         agree[layer] = y > 0.5

@@ -65,7 +65,7 @@ def add_early_exit_files(path: Path, *, k: int = 4, seed: int = 0, offline=(1, 2
     cfg = ModelConfig.from_file(path / "config.json")
     torch.manual_seed(seed)
     DraftHead(cfg).save(path / "draft")
-    PredictorBank.from_mlps(k, {l: ExitMLP(k) for l in range(1, cfg.num_hidden_layers)}).save(path / "predictors.safetensors")
+    PredictorBank.from_mlps(k, {l: ExitMLP(3 * k) for l in range(1, cfg.num_hidden_layers)}).save(path / "predictors.safetensors")
     Schedule(num_layers=cfg.num_hidden_layers, offline_layers=list(offline)).save(path / "schedule.json")
 
 

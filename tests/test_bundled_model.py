@@ -102,7 +102,8 @@ def test_specee_skips_layers_and_agrees_with_dense(engine):
     ids = [engine.encode_prompt(p) for p in PROMPTS]
     probe = Forcing([r.token_ids for r in dense])
     probe.register(ids)
-    spec = engine.run(ids, SamplingParams(max_new_tokens=48, ignore_eos=True), probe.factory(engine.early_exit.new_stepper))
+    every_step = engine.early_exit.with_options(gate="off")  # the exits themselves, not the pay-off gate's choice
+    spec = engine.run(ids, SamplingParams(max_new_tokens=48, ignore_eos=True), probe.factory(every_step.new_stepper))
     layers = [l for r in spec for l in r.exit_layers[1:]]
     frac = sum(layers) / len(layers) / engine.config.num_hidden_layers
     agree = probe.accuracy
@@ -118,7 +119,7 @@ def test_recompute_keeps_the_kv_cache_exact(engine, batch):
     from specee_eval.forced import Forcing
 
     eng = SpecEEEngine(engine.model, engine.tokenizer, engine.options,
-                       engine.early_exit.with_options(kv_mode="recompute", skip="row"))
+                       engine.early_exit.with_options(kv_mode="recompute", skip="row", gate="off"))
     eng.options = type(engine.options)(max_batch_size=batch)
     dense = engine.generate(PROMPTS, max_new_tokens=32, ignore_eos=True, mode="dense")
     ids = [eng.encode_prompt(p) for p in PROMPTS]

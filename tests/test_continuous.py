@@ -21,7 +21,9 @@ PROMPTS = ["def add(a, b):\n", "import os\n", "class Point:\n    def __init__(se
 
 @pytest.fixture(scope="module")
 def engine():
-    return SpecEEEngine.from_pretrained(BUNDLED, dtype="float32")
+    # gate off: which steps SpecEE's pay-off gate runs dense depends on timing; here every SpecEE step
+    # must be one, so that a row's exits are the same in a shared batch and alone
+    return SpecEEEngine.from_pretrained(BUNDLED, dtype="float32", gate="off")
 
 
 @pytest.fixture(scope="module")

@@ -137,8 +137,9 @@ def test_draft_vocab_subset_limits_candidates(tmp_path, ee_model_dir, monkeypatc
     engine = SpecEEEngine.from_pretrained(tmp_path, speculator="draft", threshold=0.0, dtype="float32")
     seen = []
     assert isinstance(engine.early_exit.speculator, DraftSpeculator)
-    original = DraftSpeculator.propose  # steppers draft with forks of it: record at the class
-    monkeypatch.setattr(DraftSpeculator, "propose", lambda self, *a: seen.append(original(self, *a)) or seen[-1])
+    original = DraftSpeculator.propose_scored  # steppers draft with forks of it: record at the class
+    monkeypatch.setattr(DraftSpeculator, "propose_scored",
+                        lambda self, *a: seen.append(original(self, *a)[0]) or (seen[-1], None))
     engine.generate(PROMPTS[:2], max_new_tokens=6, mode="specee")
     cands = torch.cat(seen)
     assert ((cands >= 100) & (cands < 400)).all() and cands.shape[1] == 4
@@ -182,3 +183,135 @@ def test_triton_backend_decides_like_the_torch_path(ee_model_dir):
     for skip in ("row", "batch"):
         assert out[f"triton-{skip}"] == out[f"torch-{skip}"]
         assert max(l for _, layers in out[f"triton-{skip}"] for l in layers[1:]) < L  # exits happened
+
+
+def _draft_confidence_bank(k: int, layers: list[int], tau: float):
+    """Predictors of feature set "zpdq" that read only the draft's top probability q0: p_exit > 0.5
+    exactly when q0 > tau (one hidden unit, w1 on the fourth feature block)."""
+    from specee_core.early_exit.predictors import HIDDEN, LayerPredictor, PredictorBank
+
+    w1 = torch.zeros(HIDDEN, 4 * k)
+    w1[0, 3 * k] = 1.0
+    w2 = torch.zeros(1, HIDDEN)
+    w2[0, 0] = 100.0
+    b2 = torch.tensor([-100.0 * tau])
+    return PredictorBank(k, {l: LayerPredictor(w1.clone(), torch.zeros(HIDDEN), w2.clone(), b2.clone()) for l in layers},
+                         features="zpdq")
+
+
+def test_draft_confidence_predictors_read_the_drafts_probabilities(tmp_path, ee_model_dir, monkeypatch):
+    """A "zpdq" bank gets the draft's probabilities of the very candidates it scores, row by row: with
+    predictors that fire iff the draft's top probability passes 0.5, and a draft made sure on alternate
+    steps (row 0 on even steps, row 1 on odd ones), each row exits at the first predictor layer exactly
+    on its sure steps and runs every layer on the others."""
+    import shutil
+
+    from specee_core.early_exit.speculators import DraftSpeculator
+
+    shutil.copytree(ee_model_dir, tmp_path, dirs_exist_ok=True)
+    _draft_confidence_bank(4, [1, 2, 3], 0.5).save(tmp_path / "predictors.safetensors")
+    L, calls = 4, []
+    original = DraftSpeculator.propose_scored
+
+    def alternating(self, rows, *a):
+        ids, q = original(self, rows, *a)
+        step = len(calls)
+        calls.append(list(rows))
+        sure = torch.tensor([(b + step) % 2 == 0 for b in rows])
+        return ids, torch.where(sure[:, None], torch.tensor([0.9, 0.05, 0.03, 0.02]), torch.tensor([0.3, 0.3, 0.2, 0.2]))
+
+    monkeypatch.setattr(DraftSpeculator, "propose_scored", alternating)
+    engine = SpecEEEngine.from_pretrained(tmp_path, speculator="draft", threshold=0.5, explore_every=1,
+                                          kv_mode="recompute", dtype="float32")
+    assert engine.early_exit.predictors.reads_draft_prob
+    res = engine.generate(PROMPTS[:2], max_new_tokens=9, mode="specee", ignore_eos=True)
+    assert all(c == [0, 1] for c in calls) and len(calls) == 8
+    for b, r in enumerate(res):
+        assert r.exit_layers[1:] == [1 if (b + step) % 2 == 0 else L for step in range(8)]
+    # prompt lookup has no probabilities to give these predictors: a clear error, not zeros
+    with pytest.raises(ValueError, match="read the draft head's confidence"):
+        SpecEEEngine.from_pretrained(tmp_path, speculator="lookup", dtype="float32")
+
+
+def test_old_predictor_files_load_as_the_papers_features(ee_model_dir):
+    from specee_core.early_exit.predictors import PredictorBank
+
+    bank = PredictorBank.load(ee_model_dir / "predictors.safetensors")
+    assert bank.features == "zpd" and bank.width == 12 and not bank.reads_draft_prob
+
+
+def test_pay_off_gate_backs_off_while_specee_loses_and_stays_while_it_wins():
+    from specee_core.early_exit.scheduler import PayOffGate
+
+    def run(gate: PayOffGate, spec_s: float, dense_s: float, steps: int) -> str:
+        kinds = []
+        for _ in range(steps):
+            kinds.append("d" if gate.dense_next() else "s")
+            gate.record(dense_s if kinds[-1] == "d" else spec_s)
+        return "".join(kinds)
+
+    # SpecEE slower: a window, the dense probe, then dense stretches of 4, 8, 16 (capped) between windows
+    lose = run(PayOffGate(window=3, probe=2, backoff=4, max_backoff=16, recheck=100), 1.2, 1.0, 60)
+    assert lose.startswith("sss" + "dd" + "dddd" + "sss" + "dddddddd" + "sss" + "d" * 16 + "sss" + "d" * 16)
+    # SpecEE faster: only the probes run dense (one after the first window, then every `recheck` steps)
+    win = run(PayOffGate(window=3, probe=2, backoff=4, recheck=9), 0.8, 1.0, 30)
+    assert win == "sss" + "dd" + "sssssssss" + "dd" + "sssssssss" + "dd" + "sss"
+    # untimed (audited) steps count as steps but not as times
+    g = PayOffGate(window=2, probe=1, backoff=1)
+    for t in (None, None, None, None):
+        g.record(t)
+    assert g.mode == "specee" and g.dense_steps == 0 and g.specee_steps == 4
+    # times compare within a batch size: a dense time at 4 rows says nothing about SpecEE at 1 row
+    g = PayOffGate(window=2, probe=1, backoff=5)
+    for t, n in ((3.0, 1), (3.0, 1), (1.0, 4)):  # window at 1 row, probe at 4 rows (the batch changed)
+        g.record(t, n)
+    assert g.mode == "specee"  # nothing comparable: SpecEE goes on, and probes again
+    for t, n in ((3.0, 1), (3.0, 1), (1.0, 1)):
+        g.record(t, n)
+    assert g.mode == "dense"  # 3 s against 1 s at 1 row
+    with pytest.raises(ValueError, match="window, probe and backoff"):
+        PayOffGate(window=0)
+
+
+def test_gated_dense_steps_keep_tokens_and_the_draft_in_step(ee_model_dir, monkeypatch):
+    """With exits that never fire, the measured gate runs dense steps (CPU, SpecEE made to lose) and the
+    tokens stay dense's; the draft head takes the dense steps' pairs in with its next proposal, so every
+    proposal after a dense stretch equals the one an ungated run makes at the same position."""
+    from specee_core.early_exit import scheduler
+    from specee_core.early_exit.speculators import DraftSpeculator
+
+    def small(self):  # small windows, and SpecEE steps made to look 10x slower than dense ones
+        self.window, self.probe, self.backoff = 3, 2, 4
+        self._left, self._next_backoff = 3, 4
+
+    monkeypatch.setattr(scheduler.PayOffGate, "__post_init__", small)
+    real_record = scheduler.PayOffGate.record
+    monkeypatch.setattr(scheduler.PayOffGate, "record", lambda self, s, n: real_record(
+        self, None if s is None else s * (10 if self.mode == "specee" else 1), n))
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, speculator="draft", threshold=2.0, gate="measured",
+                                          dtype="float32")
+    gated_ee, ungated_ee = engine.early_exit, engine.early_exit.with_options(gate="off")
+    assert gated_ee.gate is not None and ungated_ee.gate is None
+    proposals = []  # (draft cache lengths after the proposal, candidates)
+    real = DraftSpeculator.propose_scored
+
+    def recorded(self, rows, *a):
+        ids, q = real(self, rows, *a)
+        proposals.append((tuple(self.cache.lengths[0, rows].tolist()), ids.tolist()))
+        return ids, q
+
+    monkeypatch.setattr(DraftSpeculator, "propose_scored", recorded)
+    dense = engine.generate(PROMPTS[:2], max_new_tokens=30, mode="dense", ignore_eos=True)
+    engine.early_exit = ungated_ee
+    everywhere = dict(proposals) if not engine.generate(PROMPTS[:2], max_new_tokens=30, mode="specee",
+                                                        ignore_eos=True)[0].stats["gated_dense_steps"] else None
+    assert everywhere is not None and len(everywhere) == 29
+    proposals.clear()
+    engine.early_exit = gated_ee
+    gated = engine.generate(PROMPTS[:2], max_new_tokens=30, mode="specee", ignore_eos=True)
+    for d, g in zip(dense, gated):
+        assert g.token_ids == d.token_ids
+        assert g.stats["gated_dense_steps"] >= 10
+    assert 5 <= len(proposals) < 20
+    for lengths, cand in proposals:  # the cache holds every position so far, and drafts what it drafts ungated
+        assert cand == everywhere[lengths]

@@ -23,7 +23,7 @@ def test_features_are_logits_probabilities_and_shift():
 
 def test_training_module_saved_bank_and_kernel_reference_agree_bit_for_bit():
     torch.manual_seed(0)
-    mlp = ExitMLP(K)
+    mlp = ExitMLP(3 * K)
     pred = PredictorBank.from_mlps(K, {3: mlp}).layers[3]
     g = torch.Generator().manual_seed(1)
     h, lm = torch.randn(6, 32, generator=g), torch.randn(50, 32, generator=g)

@@ -17,9 +17,12 @@ class ExitData:
     z: list[torch.Tensor] = field(default_factory=list)  # per step [N, L-1, K] candidate logits after layer l
     cand: list[torch.Tensor] = field(default_factory=list)  # per step [N, K]
     final: list[torch.Tensor] = field(default_factory=list)  # per step [N] the full-depth token
+    q: list[torch.Tensor] = field(default_factory=list)  # per step [N, K] the speculator's own candidate probabilities
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return torch.cat(self.z), torch.cat(self.cand), torch.cat(self.final)
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(z [S, L-1, K], cand [S, K], final [S], q [S, K] or None when the speculator scores nothing)."""
+        q = torch.cat(self.q) if self.q and len(self.q) == len(self.z) else None
+        return torch.cat(self.z), torch.cat(self.cand), torch.cat(self.final), q
 
 
 class CollectStepper:
@@ -40,7 +43,7 @@ class CollectStepper:
             self.histories[b].extend(batch.generated[b][len(self.histories[b]) - len(batch.prompt_ids[b]):])
         idx = torch.tensor(alive, device=m.device)
         toks = batch.next_tokens[idx]
-        cand = self.spec.propose(alive, self.histories, toks, self.features[idx])  # [N, K]
+        cand, q = self.spec.propose_scored(alive, self.histories, toks, self.features[idx])  # [N, K] each
         w_cand = m.head_rows(cand)  # [N, K, D]
         h = m.embed(toks[:, None])
         rope = m.rope_for(batch.positions[idx.cpu()].to(m.device)[:, None])
@@ -54,6 +57,8 @@ class CollectStepper:
         self.data.z.append(torch.stack(zs, 1).cpu())
         self.data.cand.append(cand.cpu())
         self.data.final.append(tok.cpu())
+        if q is not None:
+            self.data.q.append(q.float().cpu())
         self.features[idx] = hn
         return StepOutput([[t] for t in tok.tolist()], [[m.num_layers]] * len(alive))
 
@@ -95,11 +100,11 @@ def oracle_exit_layers(labels: torch.Tensor, num_layers: int) -> torch.Tensor:
 
 
 def predictor_dataset(z: torch.Tensor, labels: torch.Tensor, layer: int, max_gap: int = 1,
-                      seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features [S, 3K] and labels [S] for the predictor after layer `layer` (1-based). The
-    shift uses the probabilities of the layer below, as the engine computes them before a
-    predictor's layer (max_gap > 1: of a layer 1..max_gap below, random per sample); zeros at
-    layer 1."""
+                      seed: int = 0, draft_prob: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features [S, 3K] (with draft_prob [S, K], the speculator's candidate probabilities: [S, 4K]) and
+    labels [S] for the predictor after layer `layer` (1-based). The shift uses the probabilities of
+    the layer below, as the engine computes them before a predictor's layer (max_gap > 1: of a layer
+    1..max_gap below, random per sample); zeros at layer 1."""
     g = torch.Generator().manual_seed(seed + layer)
     s = z.shape[0]
     zl = z[:, layer - 1]
@@ -109,5 +114,5 @@ def predictor_dataset(z: torch.Tensor, labels: torch.Tensor, layer: int, max_gap
     has = below >= 1
     if has.any():
         prev[has] = candidate_probs(z[has.nonzero().squeeze(1), below[has] - 1])
-    x, _ = predictor_features(zl, prev)
+    x, _ = predictor_features(zl, prev, draft_prob)
     return x, labels[:, layer - 1].float()

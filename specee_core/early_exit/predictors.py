@@ -1,5 +1,13 @@
 """Per-layer exit predictors (SpecEE T1): features from the k candidate rows of the LM head,
-a 2-layer MLP per layer, stored together in one safetensors file with JSON metadata."""
+a 2-layer MLP per layer, stored together in one safetensors file with JSON metadata.
+
+Two feature sets (the file's metadata says which):
+- "zpd" (the paper's, 3K): the candidates' logits z at the layer, their softmax p, and p's shift
+  from the layer below;
+- "zpdq" (4K): the same and q, the draft head's own probabilities of its candidates. At a middle
+  layer of a small model the candidates' ranking is close to chance; a confident draft says which
+  candidate is likely right, and the layer's ranking agreeing with it is what makes an exit safe
+  (on SmolLM2-135M the exits the quality contract certifies come almost only from such tokens)."""
 from __future__ import annotations
 
 import json
@@ -16,10 +24,13 @@ log = logging.getLogger(__name__)
 HIDDEN = 512
 
 
+FEATURE_SETS = {"zpd": 3, "zpdq": 4}  # feature set -> feature width in units of K
+
+
 @dataclass
 class LayerPredictor:
-    """One layer's exit MLP: Linear(3K, H) -> ReLU -> Linear(H, 1) (H = 512)."""
-    w1: torch.Tensor  # [H, 3K]
+    """One layer's exit MLP: Linear(F, H) -> ReLU -> Linear(H, 1) (H = 512; F = 3K or 4K, FEATURE_SETS)."""
+    w1: torch.Tensor  # [H, F]
     b1: torch.Tensor  # [H]
     w2: torch.Tensor  # [1, H]
     b2: torch.Tensor  # [1]
@@ -35,12 +46,15 @@ def candidate_probs(z: torch.Tensor) -> torch.Tensor:
     return z.float().softmax(-1)
 
 
-def predictor_features(z: torch.Tensor, prev_prob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def predictor_features(z: torch.Tensor, prev_prob: torch.Tensor,
+                       draft_prob: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate logits z [N, K] and the probabilities prev_prob [N, K] at the row's previous
-    evaluated layer (zeros at the first) -> (features [N, 3K] = [z, p, p - prev_prob], p [N, K]), fp32."""
+    evaluated layer (zeros at the first) -> (features [N, 3K] = [z, p, p - prev_prob], p [N, K]), fp32;
+    with the draft's probabilities of its candidates draft_prob [N, K]: features [N, 4K] = [..., draft_prob]."""
     z = z.float()
     p = candidate_probs(z)
-    return torch.cat((z, p, p - prev_prob.float()), dim=-1), p
+    parts = (z, p, p - prev_prob.float()) + (() if draft_prob is None else (draft_prob.float(),))
+    return torch.cat(parts, dim=-1), p
 
 
 def exit_logit(x: torch.Tensor, pred: LayerPredictor) -> torch.Tensor:
@@ -54,11 +68,12 @@ def exit_probability(x: torch.Tensor, pred: LayerPredictor) -> torch.Tensor:
 
 
 class ExitMLP(nn.Module):
-    """A trainable LayerPredictor; forward gives logits (exit_logit), the sigmoid is the caller's."""
+    """A trainable LayerPredictor over `width` features; forward gives logits (exit_logit), the sigmoid
+    is the caller's."""
 
-    def __init__(self, k: int, hidden: int = HIDDEN):
+    def __init__(self, width: int, hidden: int = HIDDEN):
         super().__init__()
-        self.fc1 = nn.Linear(3 * k, hidden)
+        self.fc1 = nn.Linear(width, hidden)
         self.fc2 = nn.Linear(hidden, 1)
 
     def weights(self) -> LayerPredictor:
@@ -70,23 +85,38 @@ class ExitMLP(nn.Module):
 
 
 class PredictorBank:
-    """Predictors by 1-based layer. `k`: candidates per row the predictors were trained for."""
+    """Predictors by 1-based layer. `k`: candidates per row the predictors were trained for;
+    `features`: their feature set (FEATURE_SETS; "zpdq" needs a speculator that scores its candidates)."""
 
-    def __init__(self, k: int, layers: dict[int, LayerPredictor], meta: dict | None = None):
+    def __init__(self, k: int, layers: dict[int, LayerPredictor], meta: dict | None = None, features: str = "zpd"):
+        if features not in FEATURE_SETS:
+            raise ValueError(f"features must be one of {sorted(FEATURE_SETS)}, got {features!r}")
         self.k = k
         self.layers = layers
         self.meta = meta or {}
+        self.features = features
+
+    @property
+    def width(self) -> int:
+        """The predictors' input width."""
+        return FEATURE_SETS[self.features] * self.k
+
+    @property
+    def reads_draft_prob(self) -> bool:
+        """Whether the features include the speculator's probabilities of its candidates."""
+        return self.features == "zpdq"
 
     @classmethod
-    def from_mlps(cls, k: int, mlps: dict[int, ExitMLP], meta: dict | None = None) -> PredictorBank:
+    def from_mlps(cls, k: int, mlps: dict[int, ExitMLP], meta: dict | None = None,
+                  features: str = "zpd") -> PredictorBank:
         layers = {l: LayerPredictor(m.fc1.weight.detach(), m.fc1.bias.detach(), m.fc2.weight.detach(),
                                     m.fc2.bias.detach()) for l, m in mlps.items()}
-        return cls(k, layers, meta)
+        return cls(k, layers, meta, features)
 
     def to(self, device) -> PredictorBank:
         mv = lambda t: t.to(device=device, dtype=torch.float32).contiguous()  # noqa: E731
         return PredictorBank(self.k, {l: LayerPredictor(mv(p.w1), mv(p.b1), mv(p.w2), mv(p.b2))
-                                      for l, p in self.layers.items()}, self.meta)
+                                      for l, p in self.layers.items()}, self.meta, self.features)
 
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save_file
@@ -95,7 +125,8 @@ class PredictorBank:
         for l, p in self.layers.items():
             for name in ("w1", "b1", "w2", "b2"):
                 tensors[f"layer.{l}.{name}"] = getattr(p, name).contiguous().float()
-        meta = {"k": str(self.k), "layers": json.dumps(sorted(self.layers)), "meta": json.dumps(self.meta)}
+        meta = {"k": str(self.k), "layers": json.dumps(sorted(self.layers)), "meta": json.dumps(self.meta),
+                "features": self.features}
         save_file(tensors, str(path), metadata=meta)
 
     @classmethod
@@ -110,21 +141,26 @@ class PredictorBank:
             if "k" not in md or "layers" not in md:
                 raise ValueError(f"{path}: predictor file without 'k'/'layers' metadata")
             k = int(md["k"])
+            features = md.get("features", "zpd")  # files from before the draft's confidence: the paper's set
+            if features not in FEATURE_SETS:
+                raise ValueError(f"{path}: unknown feature set {features!r} (known: {sorted(FEATURE_SETS)})")
+            width = FEATURE_SETS[features] * k
             layers = {}
             for l in json.loads(md["layers"]):
                 t = {n: f.get_tensor(f"layer.{l}.{n}") for n in ("w1", "b1", "w2", "b2")}
-                if t["w1"].shape[1] != 3 * k:
-                    raise ValueError(f"{path}: layer {l} w1 has shape {tuple(t['w1'].shape)}, expected [H, {3 * k}]")
+                if t["w1"].shape[1] != width:
+                    raise ValueError(f"{path}: layer {l} w1 has shape {tuple(t['w1'].shape)}, expected [H, {width}] "
+                                     f"for feature set {features!r}")
                 layers[int(l)] = LayerPredictor(**t)
-        return cls(k, layers, json.loads(md.get("meta", "{}")))
+        return cls(k, layers, json.loads(md.get("meta", "{}")), features)
 
 
-def train_layer(x: torch.Tensor, y: torch.Tensor, k: int, epochs: int = 100, batch: int = 1024, lr: float = 1e-3,
+def train_layer(x: torch.Tensor, y: torch.Tensor, epochs: int = 100, batch: int = 1024, lr: float = 1e-3,
                 seed: int = 0) -> ExitMLP:
-    """BCE training of one layer's predictor on features x [S, 3K], labels y [S] in {0, 1}."""
+    """BCE training of one layer's predictor on features x [S, F], labels y [S] in {0, 1}."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    mlp = ExitMLP(k)
+    mlp = ExitMLP(x.shape[1])
     opt = torch.optim.Adam(mlp.parameters(), lr=lr)
     n = len(x)
     for _ in range(epochs):

@@ -107,3 +107,84 @@ class OnlineWindow:
                 if 1 <= l + o < s.num_layers:
                     active.add(l + o)
         return active - set(s.disabled_layers)
+
+
+@dataclass
+class PayOffGate:
+    """Whether SpecEE steps pay for their draft head and predictors on the machine at hand, measured
+    while decoding (a third level of scheduling, over whole steps).
+
+    SpecEE steps run in windows of `window` steps; dense steps (every layer, no draft, no
+    predictors) in between time what a step costs without SpecEE: `probe` of them when a window
+    ends without a dense time for its batch size, and again every `recheck` SpecEE steps. A window
+    whose steps are not faster, in the median, than the dense steps of the same batch size is followed
+    by `backoff` dense steps, doubling up to `max_backoff` while SpecEE keeps losing; a window that
+    wins resets the backoff. Dense steps are exact, so the gate never adds disagreement; a SpecEE that
+    does not pay costs only its losing windows. One gate serves every batch an engine decodes with
+    these options (the verdict is the machine's, not the batch's); times are kept per batch size.
+    Audited steps (which run exited rows to full depth on purpose) are not timed; a window with no
+    timed step is followed by the next window."""
+    window: int = 16
+    probe: int = 4
+    backoff: int = 16
+    max_backoff: int = 256
+    recheck: int = 128
+    dense_steps: int = 0  # taken so far (statistics)
+    specee_steps: int = 0
+    mode: str = "specee"  # what the next step is
+    _left: int = -1
+    _next_backoff: int = -1
+    _since_probe: int = 0
+    _spec: list[tuple[float, int]] = field(default_factory=list)  # the window's (seconds, rows)
+    _dense: dict[int, list[float]] = field(default_factory=dict)  # rows -> recent dense step seconds
+    _decide_after: bool = False  # the current dense steps are a probe: decide when they end
+
+    def __post_init__(self) -> None:
+        if min(self.window, self.probe, self.backoff) < 1 or self.max_backoff < self.backoff:
+            raise ValueError("window, probe and backoff must be >= 1 and max_backoff >= backoff")
+        self._left, self._next_backoff = self.window, self.backoff
+
+    def dense_next(self) -> bool:
+        return self.mode == "dense"
+
+    def record(self, seconds: float | None, rows: int = 1) -> None:
+        """The step just taken (of kind `mode`, over `rows` rows) took `seconds` (None: not timed)."""
+        self._left -= 1
+        if self.mode == "dense":
+            self.dense_steps += 1
+            if seconds is not None:
+                self._dense[rows] = (self._dense.get(rows, []) + [seconds])[-8:]
+            if self._left <= 0:
+                if self._decide_after:
+                    self._decide()
+                else:
+                    self._go("specee", self.window)
+            return
+        self.specee_steps += 1
+        self._since_probe += 1
+        if seconds is not None:
+            self._spec.append((seconds, rows))
+        if self._left <= 0:
+            if not self._spec:  # nothing timed (every step audited): nothing to compare
+                self._go("specee", self.window)
+            elif self._since_probe >= self.recheck or not any(n in self._dense for _, n in self._spec):
+                self._since_probe, self._decide_after = 0, True
+                self._go("dense", self.probe)
+            else:
+                self._decide()
+
+    def _decide(self) -> None:
+        import statistics
+
+        self._decide_after = False
+        spec, self._spec = self._spec, []
+        ratios = [t / statistics.median(self._dense[n]) for t, n in spec if n in self._dense]
+        if not ratios or statistics.median(ratios) < 1.0:
+            self._next_backoff = self.backoff
+            self._go("specee", self.window)
+        else:
+            self._go("dense", self._next_backoff)
+            self._next_backoff = min(2 * self._next_backoff, self.max_backoff)
+
+    def _go(self, mode: str, steps: int) -> None:
+        self.mode, self._left = mode, steps

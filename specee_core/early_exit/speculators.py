@@ -150,12 +150,17 @@ class Speculator:
     """Proposes k candidate ids per row. `start` sees the prefill; `propose` is called once per
     decode step for the alive rows, with the token being fed and the previous feature."""
     k: int
+    scores = False  # propose_scored gives probabilities (predictors of feature set "zpdq" need them)
 
     def start(self, prompt_ids: list[list[int]], features: torch.Tensor, lens: torch.Tensor, max_len: int) -> None:
         """features [B, T, D]: normed prefill features (right-padded), lens [B]."""
 
     def admit(self, prompt_ids: list[list[int]], features: torch.Tensor, lens: torch.Tensor, rows: list[int]) -> None:
         """Continuous batching: batch rows `rows` start new prompts (features and lens as in start)."""
+
+    def defer(self, rows: list[int], tokens: torch.Tensor, features: torch.Tensor) -> None:
+        """A decode step that drafts nothing (SpecEE's dense steps): the rows fed tokens [N] with the
+        previous features [N, D]; a speculator with a cache takes these pairs in with its next proposal."""
 
     def fork(self) -> Speculator:
         """A speculator sharing this one's weights with per-batch state of its own (its cache): each
@@ -169,10 +174,17 @@ class Speculator:
         token last); tokens [N] fed now; features [N, D] of the previous position -> [N, K]."""
         raise NotImplementedError
 
+    def propose_scored(self, rows: list[int], history: list[list[int]], tokens: torch.Tensor,
+                       features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """propose's candidates [N, K] and the speculator's own probabilities of them [N, K] fp32
+        (None when it has none): what predictors trained with the draft's confidence read."""
+        return self.propose(rows, history, tokens, features), None
+
 
 class DraftSpeculator(Speculator):
     """use_subset: rank only the head's vocab_subset (frequent tokens) with a smaller LM-head
     product, as FR-Spec does; rarer tokens then never become candidates."""
+    scores = True
 
     def __init__(self, head: DraftHead, model: LlamaModel, k: int = 4, use_subset: bool = True):
         self.k = k
@@ -196,9 +208,12 @@ class DraftSpeculator(Speculator):
 
     def start(self, prompt_ids, features, lens, max_len) -> None:
         self.cache = self.draft.new_cache(features.shape[0], max_len)
+        self.deferred: dict[int, tuple[list[int], list[torch.Tensor]]] = {}  # row -> pairs not fed yet
         self._prefill(prompt_ids, features, lens, None)
 
     def admit(self, prompt_ids, features, lens, rows) -> None:
+        for b in rows:
+            self.deferred.pop(b, None)
         self.cache.truncate(torch.tensor(rows), torch.zeros(len(rows), dtype=torch.int64))
         # rows come in any order: index them unless they are exactly the cache's rows in order
         sub = None if rows == list(range(self.cache.batch)) else torch.tensor(rows, device=features.device)
@@ -216,12 +231,50 @@ class DraftSpeculator(Speculator):
         self._step(toks.to(dev), features[:, :-1], torch.arange(t - 1, device=dev).expand(n, t - 1), rows,
                    n_valid=(lens - 1).clamp(min=0))
 
-    def propose(self, rows, history, tokens, features) -> torch.Tensor:
+    def defer(self, rows, tokens, features) -> None:
+        for b, t, f in zip(rows, tokens.tolist(), features):
+            toks, feats = self.deferred.setdefault(b, ([], []))
+            toks.append(int(t))
+            feats.append(f[None])
+
+    def feed(self, rows: list[int], tokens: list[list[int]], features: list[torch.Tensor]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Feeds each row's true pairs (tokens[r] with features[r] [c_r, D], c_r >= 1) in one chunk after
+        what its draft cache holds. Returns (synced [N]: the cache lengths before, counts [N]: the pairs
+        fed, f [N, D]: the predicted feature after each row's last pair), lengths on the host."""
+        dev = self.model_base.device
+        n, t = len(rows), max(len(x) for x in tokens)
+        toks = torch.zeros(n, t, dtype=torch.int64)
+        feats = torch.zeros(n, t, features[0].shape[-1], dtype=features[0].dtype, device=features[0].device)
+        counts = torch.tensor([len(x) for x in tokens])
+        for r, (x, f) in enumerate(zip(tokens, features)):
+            toks[r, : len(x)] = torch.tensor(x)
+            feats[r, : len(x)] = f
+        synced = self.cache.lengths[0, torch.tensor(rows)].clone()
+        positions = (synced[:, None] + torch.arange(t)).to(dev)
+        sub = None if rows == list(range(self.cache.batch)) else torch.tensor(rows, device=dev)
+        n_valid = None if bool((counts == t).all()) else counts
+        out = self._step(toks.to(dev), feats.to(dev), positions, sub, n_valid)  # [N, t, D]
+        return synced, counts, out[torch.arange(n, device=dev), (counts - 1).to(dev)]
+
+    def _draft(self, rows, tokens, features) -> torch.Tensor:
+        """One draft step for the rows (after the pairs deferred by steps that drafted nothing): the
+        predicted next features [N, D]."""
+        if any(b in self.deferred for b in rows):
+            late = [self.deferred.pop(b, ([], [])) for b in rows]
+            return self.feed(rows, [x + [int(t)] for (x, _), t in zip(late, tokens.tolist())],
+                             [torch.cat(f + [features[r : r + 1]]) for r, (_, f) in enumerate(late)])[2]
         idx = torch.tensor(rows, device=tokens.device)
         positions = (self.cache.lengths[0, idx.cpu()]).to(tokens.device)[:, None]
         sub = idx if len(rows) < self.cache.batch else None
-        out = self._step(tokens[:, None], features[:, None], positions, sub)[:, 0]
-        return self.top(out, self.k)
+        return self._step(tokens[:, None], features[:, None], positions, sub)[:, 0]
+
+    def propose(self, rows, history, tokens, features) -> torch.Tensor:
+        return self.top(self._draft(rows, tokens, features), self.k)
+
+    def propose_scored(self, rows, history, tokens, features) -> tuple[torch.Tensor, torch.Tensor]:
+        logp, ids = self.top_log_probs(self._draft(rows, tokens, features), self.k)
+        return ids, logp.exp()
 
     def top_log_probs(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft output features [..., D] -> (log-probabilities [..., k] fp32, token ids [..., k]) of the
@@ -276,6 +329,10 @@ class PromptLookupSpeculator(Speculator):
         twin = copy.copy(self)
         twin.fallback = None if self.fallback is None else self.fallback.fork()
         return twin
+
+    def defer(self, rows, tokens, features) -> None:
+        if self.fallback is not None:
+            self.fallback.defer(rows, tokens, features)
 
     def lookup(self, hist: list[int]) -> list[int]:
         found: list[int] = []

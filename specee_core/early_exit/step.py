@@ -19,7 +19,7 @@ import torch
 from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration, calibrate_command, check_tolerance
 from specee_core.early_exit.predictors import LayerPredictor, PredictorBank, candidate_probs, exit_probability, predictor_features
 from specee_core.decode.sampling import sample
-from specee_core.early_exit.scheduler import OnlineWindow, Schedule
+from specee_core.early_exit.scheduler import OnlineWindow, PayOffGate, Schedule
 from specee_core.early_exit.speculators import DraftHead, DraftSpeculator, PromptLookupSpeculator, Speculator
 from specee_core.decode.stepper import StepOutput
 
@@ -60,11 +60,15 @@ class EarlyExitOptions:
     explore_every: int = 0  # every n-th step runs every predictor (unbiased stats for re-tuning); 0 = never
     predictor_backend: str = "auto"  # "auto" (Triton on CUDA) | "triton" | "torch"
     schedule: str | None = None  # path of a schedule JSON; None = schedule.json beside the model
+    # whether whole steps run dense when SpecEE's steps do not beat them here (scheduler.PayOffGate):
+    # "measured" times both kinds while decoding; "off" runs every step as SpecEE; "auto": measured on
+    # CPUs (host timers see the work), off on CUDA (asynchronous: a host timer would time the launches)
+    gate: str = "auto"
 
     def __post_init__(self) -> None:
         checks = {"speculator": ("auto", "draft", "lookup"), "verify": ("local", "full"),
                   "kv_mode": ("propagate", "gap", "recompute"), "predictor_backend": ("auto", "triton", "torch"),
-                  "skip": ("auto", "row", "batch")}
+                  "skip": ("auto", "row", "batch"), "gate": ("auto", "measured", "off")}
         for name, allowed in checks.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -84,6 +88,10 @@ class EarlyExit:
                  options: EarlyExitOptions, calibration: Calibration | None = None, model_dir: Path | None = None):
         if speculator.k != predictors.k:
             raise ValueError(f"speculator proposes {speculator.k} candidates, predictors expect {predictors.k}")
+        if predictors.reads_draft_prob and not speculator.scores:
+            raise ValueError(f"these predictors read the draft head's confidence in its candidates (feature set "
+                             f"{predictors.features!r}); {type(speculator).__name__} has none: use speculator='draft' "
+                             f"(or 'auto'), or predictors trained with --speculator lookup")
         self.model = model
         self.speculator = speculator
         self.predictors = predictors.to(model.device)
@@ -92,6 +100,8 @@ class EarlyExit:
         self.calibration = calibration
         self.model_dir = model_dir
         self.thresholds = self._thresholds()
+        gated = options.gate == "measured" or (options.gate == "auto" and model.device.type != "cuda")
+        self.gate = PayOffGate() if gated else None  # shared by the steppers of every batch
 
     def with_options(self, **changes) -> EarlyExit:
         """The same speculator, predictors and schedule with some options changed."""
@@ -179,8 +189,8 @@ class CandidateScorer:
     weight folded in, so a layer's candidate logits are a norm scalar and one batched dot
     product; features and MLP are specee_core.early_exit.predictors' (as in kernels.fused_predictor_reference)."""
 
-    def __init__(self, model, cand: torch.Tensor, backend: str):
-        self.model, self.cand = model, cand
+    def __init__(self, model, cand: torch.Tensor, backend: str, draft_prob: torch.Tensor | None = None):
+        self.model, self.cand, self.draft_prob = model, cand, draft_prob  # draft_prob [N, K]: feature set "zpdq"
         dev = model.device
         # the fused kernel reads a dense head; a low-bit head's rows are dequantized here instead
         dense_head = isinstance(model.w.lm_head, torch.Tensor)
@@ -209,14 +219,15 @@ class CandidateScorer:
         prev [n, K] -> (p_exit [n], prob [n, K], local_argmax [n] token ids)."""
         m = self.model
         cand = self.cand if sel is None else self.cand[sel]
+        q = self.draft_prob if self.draft_prob is None or sel is None else self.draft_prob[sel]
         if self.fused:
             from kernels import predictor_forward
 
             # the kernel reads rows at stride D; the fp32 CPU norm returns a strided view
             return predictor_forward(m.final_norm(h).contiguous(), cand, m.w.lm_head, prev, pred.w1, pred.b1,
-                                     pred.w2, pred.b2, backend="triton")
+                                     pred.w2, pred.b2, backend="triton", draft_prob=q)
         z = self._logits(h, sel)
-        x, p = predictor_features(z, prev)
+        x, p = predictor_features(z, prev, q)
         return exit_probability(x, pred), p, cand.gather(1, z.argmax(-1, keepdim=True)).squeeze(1)
 
 
@@ -254,6 +265,7 @@ class Proposal:
     idx: torch.Tensor | None  # [N] alive on the device; None when every batch row is alive
     tokens: torch.Tensor  # [N] the tokens fed this step
     cand: torch.Tensor  # [N, K] candidate token ids
+    draft_prob: torch.Tensor | None  # [N, K] the speculator's probabilities of them, when the predictors read them
     explore: bool  # every predictor runs this step (unbiased exit statistics for re-tuning)
     audit: bool  # exited rows run on to full depth and are compared with the full model's argmax
 
@@ -319,6 +331,8 @@ class Stepper:
         self._chunk_rope: tuple = ((), None)  # (positions, rope) of the last recompute chunk
         self.t_draft = self.t_pred = self.t_total = 0.0
         self.step_no = 0
+        self.dense_steps = 0  # steps the gate ran dense in this batch
+        self.gate = ee.gate
         t0 = time.perf_counter()
         self.speculator = ee.speculator.fork()  # its own draft cache: batches may run side by side
         self.speculator.start(batch.prompt_ids, m.final_norm(prefill_hidden), lens, cache.max_len)
@@ -345,6 +359,13 @@ class Stepper:
 
     def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
         t_start = time.perf_counter()
+        if self.gate is not None and self.gate.dense_next():
+            result = self._dense_step(alive, rows, generator)
+            dt = time.perf_counter() - t_start
+            self.t_total += dt
+            self.dense_steps += 1
+            self.gate.record(dt, len(alive))
+            return result
         prop = self._propose(alive, rows)
         self.t_draft += time.perf_counter() - t_start
         walk, out = self._start(prop, rows)
@@ -366,23 +387,47 @@ class Stepper:
             self._audit(walk, prop, out)
         self._full_depth(walk, out, generator)
         self._commit(prop, out)
-        self.t_total += time.perf_counter() - t_start
+        dt = time.perf_counter() - t_start
+        self.t_total += dt
+        if self.gate is not None:
+            self.gate.record(None if prop.audit else dt, len(alive))
         return StepOutput([[t] for t in out.tokens.tolist()], [[l] for l in out.layers], normed=out.hidden)
 
-    def _propose(self, alive: list[int], rows: torch.Tensor | None) -> Proposal:
-        """The speculator's candidates for the alive rows."""
-        batch, opts = self.batch, self.ee.options
-        for b in alive:  # bring histories up to date with the tokens recorded since the last step
+    def _dense_step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
+        """A step of the gate's: every layer for every row (with "recompute", the pending positions too),
+        no draft and no predictors; the speculator takes the step's pairs in with its next proposal."""
+        idx, toks, feats = self._fed(alive, rows)
+        self.speculator.defer(alive, toks, feats)
+        prop = Proposal(alive, idx, toks, cand=toks[:, None], draft_prob=None, explore=False, audit=False)
+        walk, out = self._start(prop, rows)
+        walk.pred_layers = [frozenset()] * len(alive)
+        for i in range(self.model.num_layers):
+            walk.h = self._run_layer(i, prop, walk)
+        self._full_depth(walk, out, generator)
+        self._commit(prop, out)
+        return StepOutput([[t] for t in out.tokens.tolist()], [[l] for l in out.layers], normed=out.hidden)
+
+    def _fed(self, alive: list[int], rows: torch.Tensor | None
+             ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Brings the alive rows' histories up to date; returns (their index on the device, None when
+        every batch row is alive; the tokens [N] they feed now; their previous features [N, D])."""
+        batch = self.batch
+        for b in alive:  # the tokens recorded since the last step
             self.histories[b].extend(batch.generated[b][len(self.histories[b]) - len(batch.prompt_ids[b]):])
         idx = None if rows is None else torch.tensor(alive, device=self.model.device)  # rows None: all alive
         toks = batch.next_tokens if idx is None else batch.next_tokens[idx]
-        cand = self.speculator.propose(alive, self.histories, toks,
-                                          self.features if idx is None else self.features[idx])
+        return idx, toks, self.features if idx is None else self.features[idx]
+
+    def _propose(self, alive: list[int], rows: torch.Tensor | None) -> Proposal:
+        """The speculator's candidates for the alive rows."""
+        opts = self.ee.options
+        idx, toks, feats = self._fed(alive, rows)
+        cand, q = self.speculator.propose_scored(alive, self.histories, toks, feats)
         explore = opts.explore_every > 0 and self.step_no % opts.explore_every == 0
         f = opts.audit_fraction  # steps s with floor((s + 1) f) > floor(s f): a share f, evenly spread
         audit = f > 0 and math.floor((self.step_no + 1) * f) > math.floor(self.step_no * f)
         self.step_no += 1
-        return Proposal(alive, idx, toks, cand, explore, audit)
+        return Proposal(alive, idx, toks, cand, q if self.ee.predictors.reads_draft_prob else None, explore, audit)
 
     def _start(self, prop: Proposal, rows: torch.Tensor | None) -> tuple[Walk, Decisions]:
         """Every step row runs from the embedding; nothing is decided yet."""
@@ -391,7 +436,7 @@ class Stepper:
         walk = Walk(h=m.embed(prop.tokens[:, None]), rope=m.rope_for(positions.to(dev)[:, None]),
                     running=list(range(n)), cache_rows=rows,
                     pred_layers=self._predictor_layers(prop.alive, prop.explore),
-                    scorer=CandidateScorer(m, prop.cand, self.ee.options.predictor_backend),
+                    scorer=CandidateScorer(m, prop.cand, self.ee.options.predictor_backend, prop.draft_prob),
                     prev=torch.zeros(n, self.ee.predictors.k, device=dev), done=[False] * n)
         out = Decisions(tokens=torch.empty(n, dtype=torch.int64, device=dev), layers=[m.num_layers] * n,
                         hidden=torch.empty(n, m.config.hidden_size, dtype=m.dtype, device=dev),
@@ -600,7 +645,9 @@ class Stepper:
         total = max(self.t_total, 1e-9)
         r = self.rows[b]
         explore, audit = self.ee.options.explore_every > 0, self.ee.options.audit_fraction > 0
+        gate = self.gate
         return {"predictor_calls": r.predictor_calls, "explore_histogram": r.explore_histogram if explore else None,
+                "gated_dense_steps": None if gate is None else self.dense_steps,
                 "audit_exits": r.audit_exits if audit else None, "audit_disagree": r.audit_disagree if audit else None,
                 "draft_time_share": self.t_draft / total, "predictor_time_share": self.t_pred / total,
                 "schedule_version": self.ee.schedule.version}

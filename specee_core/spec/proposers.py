@@ -36,6 +36,9 @@ class Draft:
     # [N, T, K] the draft's K most likely tokens after each node (-1: none drafted there); the exit
     # predictors of spec+T3 score them. None: the proposer ranks no candidates (prompt lookup)
     cand: torch.Tensor | None = None
+    # [N, T, K] the draft's probabilities of those candidates (0 where none): the exit predictors'
+    # feature "q" (feature set "zpdq")
+    cand_prob: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -91,11 +94,11 @@ class Draft:
                 node = child
         t = max(len(x) for x in toks)
         pad = lambda rows, v: [x + [v] * (t - len(x)) for x in rows]  # noqa: E731
-        cand = self.cand
-        if cand is not None and t > cand.shape[1]:  # the chain's new nodes have no ranked candidates
-            cand = torch.cat((cand, cand.new_full((cand.shape[0], t - cand.shape[1], cand.shape[2]), -1)), 1)
+        def widen(x: torch.Tensor | None, fill) -> torch.Tensor | None:  # the chain's new nodes have no ranked candidates
+            return x if x is None or t <= x.shape[1] else torch.cat((x, x.new_full((x.shape[0], t - x.shape[1], x.shape[2]), fill)), 1)
+
         return Draft(torch.tensor(pad(toks, 0)), torch.tensor(pad(parent, -1)), torch.tensor(pad(valid, False)),
-                     cand=cand)
+                     cand=widen(self.cand, -1), cand_prob=widen(self.cand_prob, 0.0))
 
 
     @classmethod
@@ -107,12 +110,16 @@ class Draft:
         parent = torch.full((n, t), -1, dtype=torch.int64)
         valid = torch.zeros(n, t, dtype=torch.bool)
         cand = torch.full((n, t, k), -1, dtype=torch.int64) if k else None
+        scored = k and all(d.cand_prob is not None for _, d in parts if d.cand is not None)
+        cand_prob = torch.zeros(n, t, k) if scored else None
         for rows, d in parts:
             idx = torch.tensor(rows)
             tokens[idx, : d.size], parent[idx, : d.size], valid[idx, : d.size] = d.tokens, d.parent, d.valid
             if d.cand is not None:
                 cand[idx, : d.size] = d.cand
-        return cls(tokens, parent, valid, cand=cand)
+                if scored:
+                    cand_prob[idx, : d.size] = d.cand_prob
+        return cls(tokens, parent, valid, cand=cand, cand_prob=cand_prob)
 
 
 class Proposer(Protocol):
@@ -272,23 +279,11 @@ class DraftHeadProposer:
     def _feed_pending(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Feed each row's pending true pairs; returns (synced [N], counts [N]: the draft cache length
         before and the pairs fed, f [N, D]: the predicted feature after each row's last pair = its root's)."""
-        spec, dev = self.spec, self.spec.model_base.device
-        n = len(rows)
-        t = max(len(self.pend_tokens[b]) for b in rows)
-        d = self.pend_feats[rows[0]][0].shape[-1]
-        toks = torch.zeros(n, t, dtype=torch.int64)
-        feats = torch.zeros(n, t, d, dtype=self.pend_feats[rows[0]][0].dtype)
-        counts = torch.tensor([len(self.pend_tokens[b]) for b in rows])
-        for r, b in enumerate(rows):
-            c = len(self.pend_tokens[b])
-            toks[r, :c] = torch.tensor(self.pend_tokens[b])
-            feats[r, :c] = torch.cat(self.pend_feats[b])
+        toks = [self.pend_tokens[b] for b in rows]
+        feats = [torch.cat(self.pend_feats[b]) for b in rows]
+        for b in rows:
             self.pend_tokens[b], self.pend_feats[b] = [], []
-        synced = spec.cache.lengths[0, torch.tensor(rows)].clone()  # [N] host: true pairs already in the cache
-        positions = (synced[:, None] + torch.arange(t)).to(dev)
-        n_valid = None if bool((counts == t).all()) else counts
-        out = spec._step(toks.to(dev), feats.to(dev), positions, self._cache_rows(rows), n_valid)  # [N, t, D]
-        return synced, counts, out[torch.arange(n, device=dev), (counts - 1).to(dev)]
+        return self.spec.feed(rows, toks, feats)
 
     def _cache_rows(self, rows: list[int]) -> torch.Tensor | None:
         dev = self.spec.model_base.device
@@ -317,13 +312,13 @@ class DraftHeadProposer:
             positions = (base[:, None] + level - 1).expand(n, w).to(dev)
             tree = torch.cat((anc, eye), 2)  # [N, W, S + W]
             out = spec._step(ftok, front_feat, positions, sub, tree=tree)  # [N, W, D] features of the frontier
-            child_score, child_tok = spec.top_log_probs(out, w)  # [N, W, W]
-            child_score = child_score + all_score.gather(1, frontier)[:, :, None]
+            child_logp, child_tok = spec.top_log_probs(out, w)  # [N, W, W]
+            child_score = child_logp + all_score.gather(1, frontier)[:, :, None]
             pool_tok.append(child_tok.reshape(n, w * w))
             pool_score.append(child_score.reshape(n, w * w))
             pool_parent.append(frontier[:, :, None].expand(n, w, w).reshape(n, w * w))
             pool_depth.append(level + 1)
-            expanded.append((frontier, child_tok))
+            expanded.append((frontier, child_tok, child_logp.exp()))
             # the next frontier: the level's best children; they see their parent's ancestors and the parent
             best = child_score.reshape(n, w * w).topk(w, dim=-1).indices  # [N, W] into this level
             parent_slot = best // w  # the frontier node (slot in this chunk) each one descends from
@@ -333,18 +328,21 @@ class DraftHeadProposer:
             size += w * w
         depth_of = torch.cat([torch.full((t.shape[1],), d) for t, d in zip(pool_tok, pool_depth)])
         cand = torch.full((n, size, w), -1, dtype=torch.int64, device=dev)  # [N, M, W] children of expanded nodes
-        for fr, ct in expanded:
+        cand_prob = torch.zeros(n, size, w, device=dev)  # [N, M, W] their draft probabilities
+        for fr, ct, cp in expanded:
             cand.scatter_(1, fr[:, :, None].expand(n, w, w), ct)
+            cand_prob.scatter_(1, fr[:, :, None].expand(n, w, w), cp)
         draft = self._select(roots, depths, torch.cat(pool_tok, 1), torch.cat(pool_score, 1),
-                             torch.cat(pool_parent, 1), depth_of.expand(n, -1), cand, max_nodes)
-        draft.cand[:, 0] = tok.cpu()  # the root's: level 1
+                             torch.cat(pool_parent, 1), depth_of.expand(n, -1), cand, cand_prob, max_nodes)
+        draft.cand[:, 0], draft.cand_prob[:, 0] = tok.cpu(), score.exp().cpu()  # the root's: level 1
         return draft
 
-    def _select(self, roots, depths, tok, score, parent, depth, cand, max_nodes: int) -> Draft:
-        """The max_nodes best pool nodes [N, M] (depth [N, M] below the root; cand [N, M, W]) as a Draft,
+    def _select(self, roots, depths, tok, score, parent, depth, cand, cand_prob, max_nodes: int) -> Draft:
+        """The max_nodes best pool nodes [N, M] (depth [N, M] below the root; cand [N, M, W] with their
+        probabilities cand_prob) as a Draft,
         ordered by depth (parents first). A child's cumulative score never exceeds its parent's; a depth
         penalty breaks ties, so the kept set holds every kept node's ancestors."""
-        tok, score, parent, cand = tok.cpu(), score.cpu(), parent.cpu(), cand.cpu()
+        tok, score, parent, cand, cand_prob = tok.cpu(), score.cpu(), parent.cpu(), cand.cpu(), cand_prob.cpu()
         n, m = tok.shape
         k = min(self.shape.nodes, max_nodes, m)
         keep = (score - 1e-4 * depth).topk(k, dim=-1).indices  # [N, k] pool indices
@@ -360,7 +358,9 @@ class DraftHeadProposer:
         valid = torch.cat((torch.ones(n, 1, dtype=torch.bool), depth.gather(1, keep) <= allowed), 1)
         parents[~valid] = -1
         node_cand = cand.gather(1, keep[:, :, None].expand(n, k, cand.shape[2]))
-        return Draft(tokens, parents, valid, cand=torch.cat((node_cand[:, :1], node_cand), 1))  # row 0: the caller's
+        node_prob = cand_prob.gather(1, keep[:, :, None].expand(n, k, cand.shape[2]))
+        return Draft(tokens, parents, valid, cand=torch.cat((node_cand[:, :1], node_cand), 1),  # row 0: the caller's
+                     cand_prob=torch.cat((node_prob[:, :1], node_prob), 1))
 
     def _sampled_chain(self, rows, roots, depths, f, base, params, generator) -> Draft:
         spec, dev = self.spec, self.spec.model_base.device

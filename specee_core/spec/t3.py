@@ -52,7 +52,12 @@ def verify_with_exits(model, cache, draft: Draft, positions: torch.Tensor, anc: 
     m, dev, L = model, model.device, model.num_layers
     known = (draft.cand[..., 0] >= 0) & draft.valid  # [N, T] nodes with ranked candidates
     known_dev = known.to(dev)
-    scorer = CandidateScorer(m, draft.cand[known].to(dev), t3.backend) if bool(known.any()) else None
+    q = None
+    if t3.predictors.reads_draft_prob:
+        if draft.cand_prob is None:
+            raise ValueError("these exit predictors read the draft's candidate probabilities, which this draft lacks")
+        q = draft.cand_prob[known].to(dev)
+    scorer = CandidateScorer(m, draft.cand[known].to(dev), t3.backend, q) if bool(known.any()) else None
     prev = torch.zeros(int(known.sum()), t3.predictors.k, device=dev)  # [S, K]
     h = m.embed(draft.tokens.to(dev))
     rope = m.rope_for(positions)

@@ -64,13 +64,24 @@ def make_inputs(B: int, D: int, K: int, H: int, dtype: torch.dtype = torch.float
     return [t.to(device) for t in args]
 
 
-def float64_predictor(h, cand, lm, prev, w1, b1, w2, b2):
-    """The predictor written out row by row in float64, as the paper states it."""
+def with_draft_prob(args: list[torch.Tensor], seed: int = 1) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """make_inputs' arguments for the feature set "zpdq": w1 widened to [H, 4K], and draft_prob [B, K]."""
+    h, cand, lm, prev, w1, b1, w2, b2 = args
+    g = torch.Generator().manual_seed(seed)
+    B, K, H = cand.shape[0], cand.shape[1], w1.shape[0]
+    w1q = (torch.randn(H, K, generator=g) / K**0.5).to(w1)
+    q = torch.softmax(torch.randn(B, K, generator=g) * 2, dim=-1).to(prev)
+    return [h, cand, lm, prev, torch.cat((w1, w1q), 1).contiguous(), b1, w2, b2], q
+
+
+def float64_predictor(h, cand, lm, prev, w1, b1, w2, b2, draft_prob=None):
+    """The predictor written out row by row in float64, as the paper states it (with the draft's
+    probabilities as a fourth feature block when given)."""
     p_exit, probs, best = [], [], []
     for r in range(h.shape[0]):
         z = torch.stack([h[r].double() @ lm[i].double() for i in cand[r].tolist()])  # [K]
         p = torch.exp(z - z.max()) / torch.exp(z - z.max()).sum()
-        x = torch.cat([z, p, p - prev[r].double()])  # [3K]
+        x = torch.cat([z, p, p - prev[r].double()] + ([] if draft_prob is None else [draft_prob[r].double()]))
         hidden = torch.clamp(w1.double() @ x + b1.double(), min=0)  # [H]
         p_exit.append(1 / (1 + torch.exp(-(w2.double()[0] @ hidden + b2.double()[0]))))
         probs.append(p)
@@ -118,6 +129,22 @@ def test_kernel_matches_reference(case):
 
 
 @needs_kernel
+@pytest.mark.parametrize("case", [(5, 100, 4, 64, torch.float32), (33, 320, 3, 512, torch.float32),
+                                  (5, 100, 4, 64, torch.float16)], ids=case_id)
+def test_kernel_with_draft_prob_matches_reference(case):
+    """Feature set "zpdq": the fourth block of w1 against the draft's probabilities."""
+    B, D, K, H, dtype = case
+    args, q = with_draft_prob(make_inputs(B, D, K, H, dtype, DEVICE, seed=B + D))
+    p_exit, cand_prob, best = fused_predictor(*args, draft_prob=q)
+    ref_exit, ref_prob, ref_best = fused_predictor_reference(*args, draft_prob=q)
+    torch.testing.assert_close(p_exit, ref_exit, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(cand_prob, ref_prob, atol=ATOL, rtol=RTOL)
+    assert torch.equal(best, ref_best)
+    # the block is read: other draft probabilities give other exit probabilities
+    assert not torch.allclose(fused_predictor(*args, draft_prob=q.flip(-1).contiguous())[0], p_exit)
+
+
+@needs_kernel
 def test_kernel_first_layer_and_ties():
     """prev_prob = 0 (first evaluated layer); equal logits pick the first candidate, like torch."""
     B, D, K, H = 2, 48, 3, 64
@@ -149,6 +176,24 @@ def test_reference_matches_float64(dtype, first_layer):
     torch.testing.assert_close(p_exit.double(), want_exit, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(cand_prob.double(), want_prob, atol=1e-5, rtol=1e-4)
     assert torch.equal(best, want_best)
+
+
+def test_reference_with_draft_prob_matches_float64():
+    args, q = with_draft_prob(make_inputs(7, 100, 4, 512, seed=5))
+    got = fused_predictor_reference(*args, draft_prob=q)
+    want = float64_predictor(*args, draft_prob=q)
+    torch.testing.assert_close(got[0].double(), want[0], atol=1e-5, rtol=1e-4)
+    assert torch.equal(got[2], want[2])
+
+
+def test_draft_prob_width_mismatch_is_named():
+    """3K weights with draft_prob, and 4K weights without it, are errors naming w1."""
+    args = make_inputs(2, 48, 4, 16)
+    wide, q = with_draft_prob(args)
+    with pytest.raises(ValueError, match=r"w1 has shape \(16, 12\); expected \[H, 4K=16\]"):
+        fused_predictor_reference(*args, draft_prob=q)
+    with pytest.raises(ValueError, match=r"w1 has shape \(16, 16\); expected \[H, 3K=12\]"):
+        fused_predictor_reference(*wide)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
