@@ -21,8 +21,8 @@ PROMPTS = ["def add(a, b):\n", "import os\n", "class Point:\n    def __init__(se
 
 @pytest.fixture(scope="module")
 def engine():
-    # gate off: which steps SpecEE's pay-off gate runs dense depends on timing; here every SpecEE step
-    # must be one, so that a row's exits are the same in a shared batch and alone
+    # gate off: SpecEE's pay-off gate runs dense stretches per batch, so a row's steps would depend on
+    # the batch it shares; here every step is a SpecEE step, and a row exits alike shared and alone
     return SpecEEEngine.from_pretrained(BUNDLED, dtype="float32", gate="off")
 
 

@@ -240,58 +240,57 @@ def test_old_predictor_files_load_as_the_papers_features(ee_model_dir):
     assert bank.features == "zpd" and bank.width == 12 and not bank.reads_draft_prob
 
 
-def test_pay_off_gate_backs_off_while_specee_loses_and_stays_while_it_wins():
-    from specee_core.early_exit.scheduler import PayOffGate
+def test_pay_off_gate_times_costs_once_then_decides_from_the_exits():
+    from specee_core.early_exit.scheduler import PayOffCosts, PayOffGate
 
-    def run(gate: PayOffGate, spec_s: float, dense_s: float, steps: int) -> str:
+    def run(gate: PayOffGate, skipped: float, steps: int, spec_s: float = 1.2, dense_s: float = 1.0) -> str:
         kinds = []
         for _ in range(steps):
-            kinds.append("d" if gate.dense_next() else "s")
-            gate.record(dense_s if kinds[-1] == "d" else spec_s)
+            if gate.dense_next():
+                kinds.append("d")
+                gate.record_dense(dense_s, 0.8 * dense_s)
+            else:
+                kinds.append("s")
+                gate.record_specee(skipped, spec_s)
         return "".join(kinds)
 
-    # SpecEE slower: a window, the dense probe, then dense stretches of 4, 8, 16 (capped) between windows
-    lose = run(PayOffGate(window=3, probe=2, backoff=4, max_backoff=16, recheck=100), 1.2, 1.0, 60)
-    assert lose.startswith("sss" + "dd" + "dddd" + "sss" + "dddddddd" + "sss" + "d" * 16 + "sss" + "d" * 16)
-    # SpecEE faster: only the probes run dense (one after the first window, then every `recheck` steps)
-    win = run(PayOffGate(window=3, probe=2, backoff=4, recheck=9), 0.8, 1.0, 30)
-    assert win == "sss" + "dd" + "sssssssss" + "dd" + "sssssssss" + "dd" + "sss"
-    # untimed (audited) steps count as steps but not as times
-    g = PayOffGate(window=2, probe=1, backoff=1)
-    for t in (None, None, None, None):
-        g.record(t)
-    assert g.mode == "specee" and g.dense_steps == 0 and g.specee_steps == 4
-    # times compare within a batch size: a dense time at 4 rows says nothing about SpecEE at 1 row
-    g = PayOffGate(window=2, probe=1, backoff=5)
-    for t, n in ((3.0, 1), (3.0, 1), (1.0, 4)):  # window at 1 row, probe at 4 rows (the batch changed)
-        g.record(t, n)
-    assert g.mode == "specee"  # nothing comparable: SpecEE goes on, and probes again
-    for t, n in ((3.0, 1), (3.0, 1), (1.0, 1)):
-        g.record(t, n)
-    assert g.mode == "dense"  # 3 s against 1 s at 1 row
+    box: dict = {}
+    # the first gate times the costs: a window, the dense probe; SpecEE 20% dearer, nothing skipped: it
+    # does not pay, and dense stretches of 4, 8, 16 (capped) follow between windows
+    lose = run(PayOffGate(box, num_layers=10, window=3, probe=2, backoff=4, max_backoff=16), 0.0, 60)
+    assert lose.startswith("sss" + "dd" + "dddd" + "sss" + "d" * 8 + "sss" + "d" * 16 + "sss" + "d" * 16)
+    costs = box["costs"]
+    assert costs.layer_share == pytest.approx(0.8) and costs.overhead == pytest.approx(0.2)
+    # later gates reuse the costs (no probe) and decide from the exits: 3 of 10 layers x 0.8 > 0.2 pays
+    assert run(PayOffGate(box, num_layers=10, window=3, backoff=4), 3.0, 20) == "s" * 20
+    assert run(PayOffGate(box, num_layers=10, window=3, backoff=4), 2.0, 10) == "sss" + "dddd" + "sss"
+    # the first window's exits made its steps cheaper: the timed overhead adds their savings back
+    box2: dict = {}
+    run(PayOffGate(box2, num_layers=10, window=2, probe=1, backoff=1), 5.0, 3, spec_s=0.8)
+    assert box2["costs"].overhead == pytest.approx(0.8 / 1.0 - 1 + 0.5 * 0.8)
+    assert PayOffCosts(0.1, 0.5).pays(3.0, 10) and not PayOffCosts(0.2, 0.5).pays(3.0, 10)
+    # untimed (audited) steps count their exits but time nothing: no costs, no probe, SpecEE goes on
+    g = PayOffGate({}, num_layers=10, window=2, probe=1, backoff=1)
+    for _ in range(5):
+        g.record_specee(0.0, None)
+    assert g.mode == "specee" and g.dense_steps == 0 and g.costs is None
     with pytest.raises(ValueError, match="window, probe and backoff"):
-        PayOffGate(window=0)
+        PayOffGate({}, num_layers=10, window=0)
 
 
 def test_gated_dense_steps_keep_tokens_and_the_draft_in_step(ee_model_dir, monkeypatch):
-    """With exits that never fire, the measured gate runs dense steps (CPU, SpecEE made to lose) and the
-    tokens stay dense's; the draft head takes the dense steps' pairs in with its next proposal, so every
-    proposal after a dense stretch equals the one an ungated run makes at the same position."""
-    from specee_core.early_exit import scheduler
+    """With exits that never fire and costs saying SpecEE's extra work is half a step, the gate runs
+    dense stretches between SpecEE windows (deterministically: the costs are given) and the tokens stay
+    dense's; the draft head takes the dense steps' pairs in with its next proposal, so every proposal
+    after a dense stretch equals the one an ungated run makes at the same position."""
+    from specee_core.early_exit.scheduler import PayOffCosts
     from specee_core.early_exit.speculators import DraftSpeculator
 
-    def small(self):  # small windows, and SpecEE steps made to look 10x slower than dense ones
-        self.window, self.probe, self.backoff = 3, 2, 4
-        self._left, self._next_backoff = 3, 4
-
-    monkeypatch.setattr(scheduler.PayOffGate, "__post_init__", small)
-    real_record = scheduler.PayOffGate.record
-    monkeypatch.setattr(scheduler.PayOffGate, "record", lambda self, s, n: real_record(
-        self, None if s is None else s * (10 if self.mode == "specee" else 1), n))
     engine = SpecEEEngine.from_pretrained(ee_model_dir, speculator="draft", threshold=2.0, gate="measured",
                                           dtype="float32")
     gated_ee, ungated_ee = engine.early_exit, engine.early_exit.with_options(gate="off")
-    assert gated_ee.gate is not None and ungated_ee.gate is None
+    assert gated_ee.gated and not ungated_ee.gated
+    gated_ee.pay_off["costs"] = PayOffCosts(overhead=0.5, layer_share=1.0)
     proposals = []  # (draft cache lengths after the proposal, candidates)
     real = DraftSpeculator.propose_scored
 
@@ -301,17 +300,19 @@ def test_gated_dense_steps_keep_tokens_and_the_draft_in_step(ee_model_dir, monke
         return ids, q
 
     monkeypatch.setattr(DraftSpeculator, "propose_scored", recorded)
-    dense = engine.generate(PROMPTS[:2], max_new_tokens=30, mode="dense", ignore_eos=True)
+    n = 60  # 59 decode steps: SpecEE 16, dense 16, SpecEE 16, dense 11
+    dense = engine.generate(PROMPTS[:2], max_new_tokens=n, mode="dense", ignore_eos=True)
     engine.early_exit = ungated_ee
-    everywhere = dict(proposals) if not engine.generate(PROMPTS[:2], max_new_tokens=30, mode="specee",
-                                                        ignore_eos=True)[0].stats["gated_dense_steps"] else None
-    assert everywhere is not None and len(everywhere) == 29
+    off = engine.generate(PROMPTS[:2], max_new_tokens=n, mode="specee", ignore_eos=True)
+    assert all(r.stats["gated_dense_steps"] is None for r in off)
+    everywhere = dict(proposals)
+    assert len(everywhere) == n - 1
     proposals.clear()
     engine.early_exit = gated_ee
-    gated = engine.generate(PROMPTS[:2], max_new_tokens=30, mode="specee", ignore_eos=True)
+    gated = engine.generate(PROMPTS[:2], max_new_tokens=n, mode="specee", ignore_eos=True)
     for d, g in zip(dense, gated):
         assert g.token_ids == d.token_ids
-        assert g.stats["gated_dense_steps"] >= 10
-    assert 5 <= len(proposals) < 20
+        assert g.stats["gated_dense_steps"] == 27
+    assert len(proposals) == 32
     for lengths, cand in proposals:  # the cache holds every position so far, and drafts what it drafts ungated
         assert cand == everywhere[lengths]

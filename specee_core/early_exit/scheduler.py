@@ -109,77 +109,97 @@ class OnlineWindow:
         return active - set(s.disabled_layers)
 
 
-@dataclass
+@dataclass(frozen=True)
+class PayOffCosts:
+    """What SpecEE's steps cost here, timed once per engine and options: a SpecEE step's extra work (draft
+    head, predictors) as a share of a dense step, and the share of a dense step spent in decoder layers."""
+    overhead: float
+    layer_share: float
+
+    def pays(self, skipped_per_step: float, num_layers: int) -> bool:
+        """Whether skipping this many layers per step saves more than the extra work costs."""
+        return skipped_per_step / num_layers * self.layer_share > self.overhead
+
+
 class PayOffGate:
-    """Whether SpecEE steps pay for their draft head and predictors on the machine at hand, measured
-    while decoding (a third level of scheduling, over whole steps).
+    """Whether SpecEE steps pay for their draft head and predictors on the machine at hand (a third level
+    of scheduling, over whole steps); one per batch.
 
-    SpecEE steps run in windows of `window` steps; dense steps (every layer, no draft, no
-    predictors) in between time what a step costs without SpecEE: `probe` of them when a window
-    ends without a dense time for its batch size, and again every `recheck` SpecEE steps. A window
-    whose steps are not faster, in the median, than the dense steps of the same batch size is followed
-    by `backoff` dense steps, doubling up to `max_backoff` while SpecEE keeps losing; a window that
-    wins resets the backoff. Dense steps are exact, so the gate never adds disagreement; a SpecEE that
-    does not pay costs only its losing windows. One gate serves every batch an engine decodes with
-    these options (the verdict is the machine's, not the batch's); times are kept per batch size.
-    Audited steps (which run exited rows to full depth on purpose) are not timed; a window with no
-    timed step is followed by the next window."""
-    window: int = 16
-    probe: int = 4
-    backoff: int = 16
-    max_backoff: int = 256
-    recheck: int = 128
-    dense_steps: int = 0  # taken so far (statistics)
-    specee_steps: int = 0
-    mode: str = "specee"  # what the next step is
-    _left: int = -1
-    _next_backoff: int = -1
-    _since_probe: int = 0
-    _spec: list[tuple[float, int]] = field(default_factory=list)  # the window's (seconds, rows)
-    _dense: dict[int, list[float]] = field(default_factory=dict)  # rows -> recent dense step seconds
-    _decide_after: bool = False  # the current dense steps are a probe: decide when they end
+    SpecEE steps run in windows of `window` steps. After a window, the layers its exits skipped per
+    step are weighed against PayOffCosts: if they do not pay, `backoff` dense steps follow (every layer,
+    no draft, no predictors), doubling up to `max_backoff` while SpecEE keeps losing; a window that pays
+    resets the backoff. The costs are timed once per engine and options (`costs`, shared through
+    `box`): the first window's SpecEE steps against `probe` dense steps after it. From then on the
+    gate decides from the exits alone, so a batch's output does not depend on timing. Dense steps are
+    exact: the gate never adds disagreement. Audited steps (exited rows run every layer on purpose)
+    count the layers their exits would have skipped, and are not timed."""
 
-    def __post_init__(self) -> None:
-        if min(self.window, self.probe, self.backoff) < 1 or self.max_backoff < self.backoff:
+    def __init__(self, box: dict, num_layers: int, window: int = 16, probe: int = 4, backoff: int = 16,
+                 max_backoff: int = 256):
+        if min(window, probe, backoff) < 1 or max_backoff < backoff:
             raise ValueError("window, probe and backoff must be >= 1 and max_backoff >= backoff")
-        self._left, self._next_backoff = self.window, self.backoff
+        self.box, self.num_layers = box, num_layers  # box["costs"]: the engine's PayOffCosts, once timed
+        self.window, self.probe, self.backoff, self.max_backoff = window, probe, backoff, max_backoff
+        self.mode, self._left, self._next_backoff = "specee", window, backoff
+        self.dense_steps = self.specee_steps = 0
+        self._skipped = 0.0  # layers skipped by the window's exits
+        self._spec: list[float] = []  # the window's step times (timing the costs)
+        self._dense: list[tuple[float, float]] = []  # probe steps: (seconds, seconds in layers)
+        self._probing = False
+
+    @property
+    def costs(self) -> PayOffCosts | None:
+        return self.box.get("costs")
 
     def dense_next(self) -> bool:
         return self.mode == "dense"
 
-    def record(self, seconds: float | None, rows: int = 1) -> None:
-        """The step just taken (of kind `mode`, over `rows` rows) took `seconds` (None: not timed)."""
-        self._left -= 1
-        if self.mode == "dense":
-            self.dense_steps += 1
-            if seconds is not None:
-                self._dense[rows] = (self._dense.get(rows, []) + [seconds])[-8:]
-            if self._left <= 0:
-                if self._decide_after:
-                    self._decide()
-                else:
-                    self._go("specee", self.window)
-            return
+    def record_specee(self, skipped: float, seconds: float | None) -> None:
+        """A SpecEE step whose exits skipped `skipped` layers took `seconds` (None: not timed)."""
         self.specee_steps += 1
-        self._since_probe += 1
-        if seconds is not None:
-            self._spec.append((seconds, rows))
-        if self._left <= 0:
-            if not self._spec:  # nothing timed (every step audited): nothing to compare
-                self._go("specee", self.window)
-            elif self._since_probe >= self.recheck or not any(n in self._dense for _, n in self._spec):
-                self._since_probe, self._decide_after = 0, True
-                self._go("dense", self.probe)
-            else:
-                self._decide()
+        self._skipped += skipped
+        if seconds is not None and self.costs is None:
+            self._spec.append(seconds)
+        self._left -= 1
+        if self._left > 0:
+            return
+        if self.costs is None and self._spec:
+            self._probing = True
+            self._go("dense", self.probe)
+        else:
+            self._decide()
 
-    def _decide(self) -> None:
+    def record_dense(self, seconds: float, layer_seconds: float) -> None:
+        self.dense_steps += 1
+        if self._probing:
+            self._dense.append((seconds, layer_seconds))
+        self._left -= 1
+        if self._left > 0:
+            return
+        if self._probing:
+            self._probing = False
+            self._time_costs()
+            self._decide()
+        else:
+            self._go("specee", self.window)
+
+    def _time_costs(self) -> None:
         import statistics
 
-        self._decide_after = False
-        spec, self._spec = self._spec, []
-        ratios = [t / statistics.median(self._dense[n]) for t, n in spec if n in self._dense]
-        if not ratios or statistics.median(ratios) < 1.0:
+        if "costs" in self.box:  # another batch timed them meanwhile
+            return
+        dense = statistics.median(t for t, _ in self._dense)
+        layer_share = min(1.0, statistics.median(lt / t for t, lt in self._dense))
+        spec = statistics.median(self._spec)
+        skipped = self._skipped / max(self.window, 1)  # this window's exits made its steps cheaper: add it back
+        overhead = spec / dense - 1 + skipped / self.num_layers * layer_share
+        self.box["costs"] = PayOffCosts(overhead=overhead, layer_share=layer_share)
+
+    def _decide(self) -> None:
+        skipped, steps = self._skipped, self.window
+        self._skipped = 0.0
+        costs = self.costs
+        if costs is None or costs.pays(skipped / steps, self.num_layers):
             self._next_backoff = self.backoff
             self._go("specee", self.window)
         else:

@@ -60,9 +60,10 @@ class EarlyExitOptions:
     explore_every: int = 0  # every n-th step runs every predictor (unbiased stats for re-tuning); 0 = never
     predictor_backend: str = "auto"  # "auto" (Triton on CUDA) | "triton" | "torch"
     schedule: str | None = None  # path of a schedule JSON; None = schedule.json beside the model
-    # whether whole steps run dense when SpecEE's steps do not beat them here (scheduler.PayOffGate):
-    # "measured" times both kinds while decoding; "off" runs every step as SpecEE; "auto": measured on
-    # CPUs (host timers see the work), off on CUDA (asynchronous: a host timer would time the launches)
+    # whether whole steps run dense when SpecEE's exits do not pay for its draft head and predictors here
+    # (scheduler.PayOffGate: the costs timed once per engine, then decided from the exits): "measured";
+    # "off": every step a SpecEE step; "auto": measured on CPUs (host timers see the work), off on CUDA
+    # (asynchronous: a host timer would time the launches)
     gate: str = "auto"
 
     def __post_init__(self) -> None:
@@ -100,8 +101,8 @@ class EarlyExit:
         self.calibration = calibration
         self.model_dir = model_dir
         self.thresholds = self._thresholds()
-        gated = options.gate == "measured" or (options.gate == "auto" and model.device.type != "cuda")
-        self.gate = PayOffGate() if gated else None  # shared by the steppers of every batch
+        self.gated = options.gate == "measured" or (options.gate == "auto" and model.device.type != "cuda")
+        self.pay_off: dict = {}  # "costs": the PayOffCosts its gates timed (once; shared by every batch)
 
     def with_options(self, **changes) -> EarlyExit:
         """The same speculator, predictors and schedule with some options changed."""
@@ -332,7 +333,7 @@ class Stepper:
         self.t_draft = self.t_pred = self.t_total = 0.0
         self.step_no = 0
         self.dense_steps = 0  # steps the gate ran dense in this batch
-        self.gate = ee.gate
+        self.gate = PayOffGate(ee.pay_off, m.num_layers) if ee.gated else None
         t0 = time.perf_counter()
         self.speculator = ee.speculator.fork()  # its own draft cache: batches may run side by side
         self.speculator.start(batch.prompt_ids, m.final_norm(prefill_hidden), lens, cache.max_len)
@@ -352,19 +353,22 @@ class Stepper:
         self.t_draft += time.perf_counter() - t0
 
     def _predictor_layers(self, alive: list[int], explore: bool) -> list[frozenset[int]]:
-        """Per alive row: the layers after which its predictor runs this step."""
-        if explore:
+        """Per alive row: the layers after which its predictor runs this step. With a tolerance, every
+        layer the calibration lets exit (a handful, chosen on held-out data: the schedule's offline level,
+        profiled at one tolerance, would leave another tolerance's layers to the online level alone);
+        with the raw threshold, the two-level schedule's."""
+        if explore or self.ee.options.max_disagreement is not None:
             return [self.pred_layers] * len(alive)
         return [self.pred_layers & frozenset(self.windows[b].active_layers()) for b in alive]
 
     def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
         t_start = time.perf_counter()
         if self.gate is not None and self.gate.dense_next():
-            result = self._dense_step(alive, rows, generator)
+            result, layer_s = self._dense_step(alive, rows, generator)
             dt = time.perf_counter() - t_start
             self.t_total += dt
             self.dense_steps += 1
-            self.gate.record(dt, len(alive))
+            self.gate.record_dense(dt, layer_s)
             return result
         prop = self._propose(alive, rows)
         self.t_draft += time.perf_counter() - t_start
@@ -389,23 +393,29 @@ class Stepper:
         self._commit(prop, out)
         dt = time.perf_counter() - t_start
         self.t_total += dt
-        if self.gate is not None:
-            self.gate.record(None if prop.audit else dt, len(alive))
+        if self.gate is not None:  # the layers the exits skipped (would have, in an audited step)
+            L = self.model.num_layers
+            skipped = (sum(L - l for l in out.layers) / len(out.layers) if self.compact
+                       else L - max(out.layers))
+            self.gate.record_specee(skipped, None if prop.audit else dt)
         return StepOutput([[t] for t in out.tokens.tolist()], [[l] for l in out.layers], normed=out.hidden)
 
-    def _dense_step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
+    def _dense_step(self, alive: list[int], rows: torch.Tensor | None, generator) -> tuple[StepOutput, float]:
         """A step of the gate's: every layer for every row (with "recompute", the pending positions too),
-        no draft and no predictors; the speculator takes the step's pairs in with its next proposal."""
+        no draft and no predictors; the speculator takes the step's pairs in with its next proposal.
+        Returns the step's output and the seconds spent in the layers."""
         idx, toks, feats = self._fed(alive, rows)
         self.speculator.defer(alive, toks, feats)
         prop = Proposal(alive, idx, toks, cand=toks[:, None], draft_prob=None, explore=False, audit=False)
         walk, out = self._start(prop, rows)
         walk.pred_layers = [frozenset()] * len(alive)
+        t0 = time.perf_counter()
         for i in range(self.model.num_layers):
             walk.h = self._run_layer(i, prop, walk)
+        layer_s = time.perf_counter() - t0
         self._full_depth(walk, out, generator)
         self._commit(prop, out)
-        return StepOutput([[t] for t in out.tokens.tolist()], [[l] for l in out.layers], normed=out.hidden)
+        return StepOutput([[t] for t in out.tokens.tolist()], [[l] for l in out.layers], normed=out.hidden), layer_s
 
     def _fed(self, alive: list[int], rows: torch.Tensor | None
              ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
