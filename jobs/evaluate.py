@@ -59,6 +59,9 @@ class EvalConfig:
     thresholds: str = "0.5,0.7,0.9"  # of specee, specee_full and spec_t3 (0.5: the paper's)
     max_disagreement: str = ""  # specee with thresholds calibrated to each tolerance, e.g. "0.01,0.02,0.05"
     confidence: float = 0.95
+    # specee's pay-off gate (EarlyExitOptions.gate): "off" by default here, so that every step is a
+    # SpecEE step and the table shows what the exits cost; "auto" is what an engine runs by default
+    gate: str = "off"
     limit: int = 0  # the first N problems; 0: all 164
     batch_size: int = 1  # problems per generate call
     max_new_tokens: int = 256  # a row that never closes its code block stops here
@@ -131,10 +134,11 @@ def build_modes(cfg: EvalConfig, engine: SpecEEEngine) -> list[Mode]:
             verify = "full" if kind == "specee_full" else "local"
             for th in cfg.threshold_list:
                 spec = {**tree, "t3": True} if kind == "spec_t3" else None
-                modes.append(Mode(kind, th, engine.with_options(threshold=th, verify=verify), spec))
+                modes.append(Mode(kind, th, engine.with_options(threshold=th, verify=verify, gate=cfg.gate), spec))
             if kind == "specee":
                 for eps in cfg.tolerance_list:
-                    modes.append(Mode(kind, None, engine.with_options(max_disagreement=eps, confidence=cfg.confidence),
+                    modes.append(Mode(kind, None, engine.with_options(max_disagreement=eps, confidence=cfg.confidence,
+                                                                      gate=cfg.gate),
                                       max_disagreement=eps))
         elif kind in LOW_BIT_KINDS:
             modes.append(Mode(kind, None, SpecEEEngine.from_pretrained(cfg.model, weights=LOW_BIT_KINDS[kind])))

@@ -201,9 +201,10 @@ def _draft_confidence_bank(k: int, layers: list[int], tau: float):
 
 def test_draft_confidence_predictors_read_the_drafts_probabilities(tmp_path, ee_model_dir, monkeypatch):
     """A "zpdq" bank gets the draft's probabilities of the very candidates it scores, row by row: with
-    predictors that fire iff the draft's top probability passes 0.5, and a draft made sure on alternate
-    steps (row 0 on even steps, row 1 on odd ones), each row exits at the first predictor layer exactly
-    on its sure steps and runs every layer on the others."""
+    predictors that fire iff the draft's top probability passes 0.5, and a draft made sure on every third
+    step (row 0 from step 0, row 1 from step 1), each row exits at the first predictor layer exactly on
+    its sure steps and runs every layer on the others. A draft sure on every step (row 2): the step after
+    an exit fed the draft an exit layer's feature, so that row exits every other step."""
     import shutil
 
     from specee_core.early_exit.speculators import DraftSpeculator
@@ -217,17 +218,18 @@ def test_draft_confidence_predictors_read_the_drafts_probabilities(tmp_path, ee_
         ids, q = original(self, rows, *a)
         step = len(calls)
         calls.append(list(rows))
-        sure = torch.tensor([(b + step) % 2 == 0 for b in rows])
+        sure = torch.tensor([b == 2 or (step - b) % 3 == 0 for b in rows])
         return ids, torch.where(sure[:, None], torch.tensor([0.9, 0.05, 0.03, 0.02]), torch.tensor([0.3, 0.3, 0.2, 0.2]))
 
     monkeypatch.setattr(DraftSpeculator, "propose_scored", alternating)
     engine = SpecEEEngine.from_pretrained(tmp_path, speculator="draft", threshold=0.5, explore_every=1,
                                           kv_mode="recompute", dtype="float32")
     assert engine.early_exit.predictors.reads_draft_prob
-    res = engine.generate(PROMPTS[:2], max_new_tokens=9, mode="specee", ignore_eos=True)
-    assert all(c == [0, 1] for c in calls) and len(calls) == 8
-    for b, r in enumerate(res):
-        assert r.exit_layers[1:] == [1 if (b + step) % 2 == 0 else L for step in range(8)]
+    res = engine.generate(PROMPTS[:3], max_new_tokens=9, mode="specee", ignore_eos=True)
+    assert all(c == [0, 1, 2] for c in calls) and len(calls) == 8
+    for b, r in enumerate(res[:2]):
+        assert r.exit_layers[1:] == [1 if (step - b) % 3 == 0 else L for step in range(8)]
+    assert res[2].exit_layers[1:] == [1, L] * 4
     # prompt lookup has no probabilities to give these predictors: a clear error, not zeros
     with pytest.raises(ValueError, match="read the draft head's confidence"):
         SpecEEEngine.from_pretrained(tmp_path, speculator="lookup", dtype="float32")

@@ -329,6 +329,12 @@ class Stepper:
         self.pred_layers = ee.exit_layers()
         self.compact = opts.skip == "row" or (opts.skip == "auto" and m.device.type == "cuda")
         self.pending: list[list[Pending]] = [[] for _ in range(n)]  # kv_mode="recompute"
+        # per row: its last token exited early, so the speculator was fed an exit layer's feature for
+        # this step, not the full model's. Predictors that read the draft's confidence ("zpdq") were
+        # trained and calibrated on full-model features only, and trust it: such a row does not exit
+        # this step (measured on SmolLM2: exits chained on exit features disagreed 10x the tolerance)
+        self.exited_last = [False] * n
+        self.no_chain = ee.predictors.reads_draft_prob
         self._chunk_rope: tuple = ((), None)  # (positions, rope) of the last recompute chunk
         self.t_draft = self.t_pred = self.t_total = 0.0
         self.step_no = 0
@@ -346,6 +352,7 @@ class Stepper:
             self.windows[b] = OnlineWindow(self.ee.schedule)
             self.rows[b] = RowStats.empty(m.num_layers)
             self.pending[b] = []
+            self.exited_last[b] = False
         idx = torch.tensor(rows, device=m.device)
         self.features[idx] = m.final_norm(batch.last_hidden[idx])
         t0 = time.perf_counter()
@@ -357,9 +364,11 @@ class Stepper:
         layer the calibration lets exit (a handful, chosen on held-out data: the schedule's offline level,
         profiled at one tolerance, would leave another tolerance's layers to the online level alone);
         with the raw threshold, the two-level schedule's."""
+        none = frozenset()
         if explore or self.ee.options.max_disagreement is not None:
-            return [self.pred_layers] * len(alive)
-        return [self.pred_layers & frozenset(self.windows[b].active_layers()) for b in alive]
+            return [none if self.exited_last[b] else self.pred_layers for b in alive]
+        return [none if self.exited_last[b] else self.pred_layers & frozenset(self.windows[b].active_layers())
+                for b in alive]
 
     def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
         t_start = time.perf_counter()
@@ -615,7 +624,9 @@ class Stepper:
             self.features.copy_(out.hidden)
         else:
             self.features[prop.idx] = out.hidden
+        L = self.model.num_layers
         for b, l in zip(prop.alive, out.layers):
+            self.exited_last[b] = self.no_chain and l < L
             self.windows[b].push(l)
             if prop.explore:
                 self.rows[b].explore_histogram[l - 1] += 1
