@@ -165,8 +165,12 @@ def render_imported(m: Path) -> str:
         f"| decoding ({decode.get('steps')} steps), frequent-token subset | {pct(decode.get('top1'))} | {pct(decode.get('topk'))} |",
         f"| decoding, whole vocabulary | {pct(whole.get('top1'))} | {pct(whole.get('topk'))} |", "",
         "## Exit predictors (`predictors.safetensors`)", "",
-        f"- One MLP (3k={3 * int(k)} -> 512 -> 1) per layer 1..{n_layers - 1 if n_layers else '?'}; label: the layer's "
-        "argmax among the draft's candidates is the full-depth token; validated on a random 20% of the decode steps",
+        (f"- One MLP (4k={4 * int(k)} -> 512 -> 1) per layer 1..{n_layers - 1 if n_layers else '?'} over the candidates' "
+         "logits at the layer, their softmax, its shift from the layer below and the draft's own probabilities of them "
+         "(feature set zpdq)" if preds.get("features") == "zpdq" else
+         f"- One MLP (3k={3 * int(k)} -> 512 -> 1) per layer 1..{n_layers - 1 if n_layers else '?'} (the paper's features)")
+        + "; label: the layer's argmax among the draft's candidates is the full-depth token; validated on a random "
+        "20% of the decode steps",
         f"- Oracle exit depth (the first layer from which every deeper layer's label holds): "
         f"{preds.get('oracle_avg_layers', float('nan')):.1f} layers, {pct(preds.get('oracle_layer_fraction'))} of the model", "",
         "| layer | positive rate | predicted rate | precision | recall |", "|---|---|---|---|---|",

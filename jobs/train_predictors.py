@@ -183,7 +183,7 @@ def train(cfg: PredictorTrainConfig) -> dict:
                     "num_prompts": len(prompts), "exclude_first": cfg.exclude_first, "epochs": cfg.epochs,
                     "max_samples": cfg.max_samples, "max_gap": cfg.max_gap,
                     "max_new_tokens": cfg.max_new_tokens, "oracle_avg_layers": oracle.mean().item(), "oracle_layer_fraction": oracle.mean().item() / L,
-                    "layers": {}}
+                    "features": features, "layers": {}}
     if cand_whole is not None:  # the same draft head ranking the whole vocabulary instead of its subset
         report["speculator"]["draft_whole_vocab"] = hit_rates(cand_whole, final)
     print(json.dumps({k: v for k, v in report.items() if k != "layers"}), flush=True)
