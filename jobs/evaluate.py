@@ -63,6 +63,7 @@ class EvalConfig:
     # SpecEE step and the table shows what the exits cost; "auto" is what an engine runs by default
     gate: str = "off"
     limit: int = 0  # the first N problems; 0: all 164
+    tasks: str = ""  # only these task ids, e.g. "HumanEval/22,HumanEval/23" (after --limit); "": every problem
     batch_size: int = 1  # problems per generate call
     max_new_tokens: int = 256  # a row that never closes its code block stops here
     dtype: str = "bfloat16"
@@ -335,6 +336,12 @@ def run(cfg: EvalConfig) -> dict:
     engine = SpecEEEngine.from_pretrained(cfg.model, dtype=cfg.dtype, weights=cfg.weights)
     chat = engine.has_chat_template if cfg.chat == "auto" else cfg.chat == "true"
     problems = humaneval.load_problems(cfg.limit or None)
+    if cfg.tasks:
+        wanted = [t for t in cfg.tasks.split(",") if t]
+        unknown = sorted(set(wanted) - {p.task_id for p in problems})
+        if unknown:
+            raise ValueError(f"--tasks: no such problems {unknown} (HumanEval/0 .. HumanEval/163, within --limit)")
+        problems = [p for p in problems if p.task_id in set(wanted)]
     prompts = [humaneval.engine_prompt(p, engine.chat_prompt if chat else None) for p in problems]
     stop = humaneval.stop_strings(chat)
     modes = build_modes(cfg, engine)

@@ -274,8 +274,12 @@ def test_pay_off_gate_times_costs_once_then_decides_from_the_exits():
     # untimed (audited) steps count their exits but time nothing: no costs, no probe, SpecEE goes on
     g = PayOffGate({}, num_layers=10, window=2, probe=1, backoff=1)
     for _ in range(5):
-        g.record_specee(0.0, None)
+        g.record_specee(1.0, None)
     assert g.mode == "specee" and g.dense_steps == 0 and g.costs is None
+    g = PayOffGate({}, num_layers=10, window=2, probe=1, backoff=3)  # ... but a window that skipped nothing
+    for _ in range(2):
+        g.record_specee(0.0, None)
+    assert g.mode == "dense"
     with pytest.raises(ValueError, match="window, probe and backoff"):
         PayOffGate({}, num_layers=10, window=0)
 
@@ -318,3 +322,33 @@ def test_gated_dense_steps_keep_tokens_and_the_draft_in_step(ee_model_dir, monke
     assert len(proposals) == 32
     for lengths, cand in proposals:  # the cache holds every position so far, and drafts what it drafts ungated
         assert cand == everywhere[lengths]
+
+
+def test_pay_off_gate_starts_dense_where_the_calibration_says_exits_cannot_pay():
+    from specee_core.early_exit.scheduler import PayOffCosts, PayOffGate
+
+    box = {"costs": PayOffCosts(overhead=0.2, layer_share=0.8)}
+    assert PayOffGate(box, num_layers=10, prior_skip=1.0).dense_next()  # 1 of 10 layers x 0.8 < 0.2
+    assert not PayOffGate(box, num_layers=10, prior_skip=3.0).dense_next()  # 3 of 10 x 0.8 > 0.2
+    assert not PayOffGate(box, num_layers=10, prior_skip=None).dense_next()  # no calibration: SpecEE first
+    g = PayOffGate({}, num_layers=10, window=2, backoff=2, max_backoff=8, prior_skip=0.0)  # nothing exits
+    kinds = []  # no costs needed: 8 dense steps, then a window that checks its own exits
+    for _ in range(12):
+        kinds.append("d" if g.dense_next() else "s")
+        g.record_dense(1.0, 0.8) if kinds[-1] == "d" else g.record_specee(0.0, None)
+    assert "".join(kinds) == "d" * 8 + "ss" + "dd"
+
+
+def test_expected_skip_follows_the_calibration(tmp_path, ee_model_dir):
+    """The gate's prior: on the calibration tokens, each exits at its shallowest firing layer."""
+    import shutil
+
+    from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration
+
+    shutil.copytree(ee_model_dir, tmp_path, dirs_exist_ok=True)
+    p = {1: torch.tensor([0.99, 0.1, 0.1, 0.1]), 2: torch.tensor([0.1, 0.99, 0.1, 0.1]),
+         3: torch.tensor([0.99, 0.99, 0.99, 0.1])}
+    Calibration.count(p, {l: torch.ones(4, dtype=torch.bool) for l in p}, prompts=1).save(tmp_path / CALIBRATION_FILE)
+    engine = SpecEEEngine.from_pretrained(tmp_path, threshold=0.5, dtype="float32")
+    assert engine.early_exit.expected_skip() == pytest.approx((3 + 2 + 1 + 0) / 4)  # layers 1, 2, 3, none of 4
+    assert engine.with_options(threshold=2.0).early_exit.expected_skip() == 0.0

@@ -128,14 +128,20 @@ class PayOffGate:
     SpecEE steps run in windows of `window` steps. After a window, the layers its exits skipped per
     step are weighed against PayOffCosts: if they do not pay, `backoff` dense steps follow (every layer,
     no draft, no predictors), doubling up to `max_backoff` while SpecEE keeps losing; a window that pays
-    resets the backoff. The costs are timed once per engine and options (`costs`, shared through
+    resets the backoff; a window whose exits skipped nothing never pays. The costs are timed once per
+    engine and options (`costs`, shared through
     `box`): the first window's SpecEE steps against `probe` dense steps after it. From then on the
     gate decides from the exits alone, so a batch's output does not depend on timing. Dense steps are
     exact: the gate never adds disagreement. Audited steps (exited rows run every layer on purpose)
-    count the layers their exits would have skipped, and are not timed."""
+    count the layers their exits would have skipped, and are not timed.
+
+    `prior_skip`: the layers per step the exits at these thresholds skip on the calibration tokens
+    (None: unknown). Where they would not pay for the costs (and where they are 0: nothing to pay
+    with, costs or not), the batch starts with `max_backoff` dense steps, then checks its own exits in
+    a window: a short generation whose exits cannot pay runs as fast as dense."""
 
     def __init__(self, box: dict, num_layers: int, window: int = 16, probe: int = 4, backoff: int = 16,
-                 max_backoff: int = 256):
+                 max_backoff: int = 256, prior_skip: float | None = None):
         if min(window, probe, backoff) < 1 or max_backoff < backoff:
             raise ValueError("window, probe and backoff must be >= 1 and max_backoff >= backoff")
         self.box, self.num_layers = box, num_layers  # box["costs"]: the engine's PayOffCosts, once timed
@@ -146,6 +152,10 @@ class PayOffGate:
         self._spec: list[float] = []  # the window's step times (timing the costs)
         self._dense: list[tuple[float, float]] = []  # probe steps: (seconds, seconds in layers)
         self._probing = False
+        costs = self.costs
+        if prior_skip is not None and (prior_skip <= 0 or (costs is not None and not costs.pays(prior_skip, num_layers))):
+            self._go("dense", max_backoff)
+            self._next_backoff = max_backoff
 
     @property
     def costs(self) -> PayOffCosts | None:
@@ -199,7 +209,7 @@ class PayOffGate:
         skipped, steps = self._skipped, self.window
         self._skipped = 0.0
         costs = self.costs
-        if costs is None or costs.pays(skipped / steps, self.num_layers):
+        if skipped > 0 and (costs is None or costs.pays(skipped / steps, self.num_layers)):
             self._next_backoff = self.backoff
             self._go("specee", self.window)
         else:

@@ -123,6 +123,22 @@ class EarlyExit:
         cal = self.calibration.thresholds(opts.max_disagreement, opts.confidence)
         return {l: c.threshold for l, c in cal.items() if c.threshold is not None and l in self.predictors.layers}
 
+    def expected_skip(self) -> float | None:
+        """Layers per token that exits at these thresholds skip on the calibration tokens (each exiting at
+        the shallowest layer whose predictor fires); None without a calibration file. The pay-off gate's
+        prior."""
+        cal = self.calibration
+        if cal is None:
+            return None
+        if "expected_skip" not in self.pay_off:
+            L, layers = self.model.num_layers, self.exit_layers()
+            exit_at = torch.full((cal.tokens,), L)
+            for c, l in reversed(list(enumerate(cal.layers))):  # deepest first: a shallower exit overwrites
+                if l in layers:
+                    exit_at = torch.where(cal.p_exit[:, c] > self.thresholds[l], torch.tensor(l), exit_at)
+            self.pay_off["expected_skip"] = float((L - exit_at).float().mean())
+        return self.pay_off["expected_skip"]
+
     def exit_layers(self) -> frozenset[int]:
         """The layers where a row may exit now: a threshold and not disabled by the schedule (the audit)."""
         return frozenset(self.thresholds) - frozenset(self.schedule.disabled_layers)
@@ -339,7 +355,7 @@ class Stepper:
         self.t_draft = self.t_pred = self.t_total = 0.0
         self.step_no = 0
         self.dense_steps = 0  # steps the gate ran dense in this batch
-        self.gate = PayOffGate(ee.pay_off, m.num_layers) if ee.gated else None
+        self.gate = PayOffGate(ee.pay_off, m.num_layers, prior_skip=ee.expected_skip()) if ee.gated else None
         t0 = time.perf_counter()
         self.speculator = ee.speculator.fork()  # its own draft cache: batches may run side by side
         self.speculator.start(batch.prompt_ids, m.final_norm(prefill_hidden), lens, cache.max_len)
