@@ -366,7 +366,8 @@ def run(cfg: EvalConfig) -> dict:
     dense = next((m for m in modes if m.kind == "dense"), None)
     result: dict = {
         "config": {k: str(v) for k, v in vars(cfg).items()}, "git_commit": commit, "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "machine": platform.machine(), "device": str(engine.device),
+        "threads": torch.get_num_threads(), "machine": platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "device": str(engine.device),
         "dtype": str(engine.model.dtype), **engine.weights_info(), "num_layers": engine.config.num_hidden_layers, "chat": chat,
         "problems": len(problems), "sandbox": {"limits": vars(limits), "guards": outcomes[0].guards if outcomes else {},
                                                "programs_run": len(set(flat)), "seconds": exec_s},
