@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -194,8 +195,6 @@ class PayOffGate:
             self._go("specee", self.window)
 
     def _time_costs(self) -> None:
-        import statistics
-
         if "costs" in self.box:  # another batch timed them meanwhile
             return
         dense = statistics.median(t for t, _ in self._dense)
