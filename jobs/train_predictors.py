@@ -35,8 +35,8 @@ from specee_core.early_exit.collect import (collect_exit_data, exit_labels, hit_
                                             predictor_dataset)
 from specee_core.early_exit.step import DRAFT_DIR, PREDICTORS_FILE
 from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration
-from specee_core.early_exit.predictors import (FEATURE_SETS, PredictorBank, classification_report, exit_probability,
-                                               train_layer)
+from specee_core.early_exit.predictors import (EXIT_TOKENS, FEATURE_SETS, PredictorBank, classification_report,
+                                               exit_probability, train_layer)
 from specee_core.early_exit.speculators import DraftHead, DraftSpeculator, PromptLookupSpeculator, Speculator
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,10 @@ class PredictorTrainConfig:
     # confidence in its candidates (needs speculator "draft"), "zpd" is the paper's; "auto": zpdq with
     # the draft, zpd with prompt lookup (which has no confidence)
     features: str = "auto"
+    # what an exit emits, the token the predictors learn to trust (predictors.EXIT_TOKENS): "draft" the
+    # draft head's top candidate, "local" (the paper's) the layer's argmax among the candidates; "auto":
+    # draft with the draft head, local with prompt lookup
+    exit_token: str = "auto"
     epochs: int = 100
     max_gap: int = 1  # the feature p - prev compares with the layer this far below (1: adjacent, as the engine)
     max_samples: int = 16000  # per layer
@@ -78,6 +82,10 @@ class PredictorTrainConfig:
             raise ValueError(f"speculator must be 'draft' or 'lookup', got {self.speculator!r}")
         if self.features not in (*FEATURE_SETS, "auto"):
             raise ValueError(f"features must be one of {sorted(FEATURE_SETS)} or 'auto', got {self.features!r}")
+        if self.exit_token not in (*EXIT_TOKENS, "auto"):
+            raise ValueError(f"exit_token must be one of {EXIT_TOKENS} or 'auto', got {self.exit_token!r}")
+        if self.exit_token == "auto":
+            self.exit_token = "draft" if self.speculator == "draft" else "local"
 
 
 def optional_path(p) -> Path | None:
@@ -174,7 +182,7 @@ def train(cfg: PredictorTrainConfig) -> dict:
         raise ValueError(f"features 'zpdq' need a speculator that scores its candidates (the draft head); "
                          f"--speculator {cfg.speculator} does not")
     q = q if features == "zpdq" else None
-    labels = exit_labels(z, cand, final)  # [S, L-1]
+    labels = exit_labels(z, cand, final, cfg.exit_token)  # [S, L-1]
     collect_s = time.perf_counter() - t0
     oracle = oracle_exit_layers(labels, L).float()
     report: dict = {"steps": len(final), "collect_s": round(collect_s, 1),
@@ -183,7 +191,7 @@ def train(cfg: PredictorTrainConfig) -> dict:
                     "num_prompts": len(prompts), "exclude_first": cfg.exclude_first, "epochs": cfg.epochs,
                     "max_samples": cfg.max_samples, "max_gap": cfg.max_gap,
                     "max_new_tokens": cfg.max_new_tokens, "oracle_avg_layers": oracle.mean().item(), "oracle_layer_fraction": oracle.mean().item() / L,
-                    "features": features, "layers": {}}
+                    "features": features, "exit_token": cfg.exit_token, "layers": {}}
     if cand_whole is not None:  # the same draft head ranking the whole vocabulary instead of its subset
         report["speculator"]["draft_whole_vocab"] = hit_rates(cand_whole, final)
     print(json.dumps({k: v for k, v in report.items() if k != "layers"}), flush=True)
@@ -199,9 +207,9 @@ def train(cfg: PredictorTrainConfig) -> dict:
         rep = classification_report(mlps[layer], x[val], y[val])
         report["layers"][layer] = {k: round(v, 4) if isinstance(v, float) else v for k, v in rep.items()}
         print(json.dumps({"layer": layer, **report["layers"][layer]}), flush=True)
-    meta = {"speculator": cfg.speculator, "label": "local", "steps": s, "train_samples_per_layer": len(tr),
+    meta = {"speculator": cfg.speculator, "steps": s, "train_samples_per_layer": len(tr),
             "features": features}
-    bank = PredictorBank.from_mlps(cfg.k, mlps, meta, features=features)
+    bank = PredictorBank.from_mlps(cfg.k, mlps, meta, features=features, exit_token=cfg.exit_token)
     bank.save(cfg.model / PREDICTORS_FILE)
     if calib:
         report["calibration"] = calibrate(engine, bank, calib, cfg)
@@ -216,7 +224,7 @@ def calibrate(engine, bank: PredictorBank, prompts: list[str], cfg: PredictorTra
     the split's size, per-layer precision/recall over the threshold grid, the thresholds at a few
     tolerances."""
     z, cand, final, q, _ = collect(engine, prompts, cfg, part="calib")
-    labels = exit_labels(z, cand, final)
+    labels = exit_labels(z, cand, final, bank.exit_token)
     p_exit, agree = {}, {}
     q = q if bank.reads_draft_prob else None
     for layer in sorted(bank.layers):

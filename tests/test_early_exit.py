@@ -185,7 +185,7 @@ def test_triton_backend_decides_like_the_torch_path(ee_model_dir):
         assert max(l for _, layers in out[f"triton-{skip}"] for l in layers[1:]) < L  # exits happened
 
 
-def _draft_confidence_bank(k: int, layers: list[int], tau: float):
+def _draft_confidence_bank(k: int, layers: list[int], tau: float, exit_token: str = "local"):
     """Predictors of feature set "zpdq" that read only the draft's top probability q0: p_exit > 0.5
     exactly when q0 > tau (one hidden unit, w1 on the fourth feature block)."""
     from specee_core.early_exit.predictors import HIDDEN, LayerPredictor, PredictorBank
@@ -196,7 +196,7 @@ def _draft_confidence_bank(k: int, layers: list[int], tau: float):
     w2[0, 0] = 100.0
     b2 = torch.tensor([-100.0 * tau])
     return PredictorBank(k, {l: LayerPredictor(w1.clone(), torch.zeros(HIDDEN), w2.clone(), b2.clone()) for l in layers},
-                         features="zpdq")
+                         features="zpdq", exit_token=exit_token)
 
 
 def test_draft_confidence_predictors_read_the_drafts_probabilities(tmp_path, ee_model_dir, monkeypatch):
@@ -240,6 +240,55 @@ def test_old_predictor_files_load_as_the_papers_features(ee_model_dir):
 
     bank = PredictorBank.load(ee_model_dir / "predictors.safetensors")
     assert bank.features == "zpd" and bank.width == 12 and not bank.reads_draft_prob
+    assert bank.exit_token == "local"
+
+
+@pytest.mark.parametrize("exit_token", ["draft", "local"])
+def test_an_exit_emits_the_token_its_predictors_learnt_to_trust(tmp_path, ee_model_dir, monkeypatch, exit_token):
+    """Predictors saved with exit_token "draft" make every exit emit the draft head's top candidate of
+    that step; "local" ones the layer's argmax among the candidates. The draft's ranking is reversed here
+    (its "top" candidate is its fourth), so the layer's argmax differs from it on some exits and the
+    first case can fail."""
+    import shutil
+
+    from specee_core.early_exit.speculators import DraftSpeculator
+
+    shutil.copytree(ee_model_dir, tmp_path, dirs_exist_ok=True)
+    _draft_confidence_bank(4, [1, 2, 3], 0.5, exit_token).save(tmp_path / "predictors.safetensors")
+    calls = []
+    original = DraftSpeculator.propose_scored
+
+    def sure(self, rows, *a):
+        ids = original(self, rows, *a)[0].flip(-1)
+        calls.append(ids.cpu())
+        return ids, torch.tensor([[0.9, 0.05, 0.03, 0.02]]).expand(len(rows), -1)
+
+    monkeypatch.setattr(DraftSpeculator, "propose_scored", sure)
+    engine = SpecEEEngine.from_pretrained(tmp_path, speculator="draft", threshold=0.5, gate="off", dtype="float32")
+    assert engine.early_exit.predictors.exit_token == exit_token
+    res = engine.generate(PROMPTS[:3], max_new_tokens=9, mode="specee", ignore_eos=True)
+    exited = [(int(r.token_ids[s + 1]), int(calls[s][b, 0])) for b, r in enumerate(res)
+              for s in range(len(calls)) if r.exit_layers[s + 1] < 4]
+    assert len(exited) >= 6  # every other step of each row exits (no chained exits)
+    same = [tok == top for tok, top in exited]
+    assert all(same) if exit_token == "draft" else not all(same), exited
+
+
+def test_exit_choice_and_the_banks_exit_token_round_trip(tmp_path):
+    from specee_core.early_exit.predictors import exit_choice
+
+    cand = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    z = torch.tensor([[0.0, 3.0, 1.0, 2.0], [4.0, 0.0, 1.0, 2.0]])
+    assert exit_choice(z, cand, "local").tolist() == [6, 9] and exit_choice(z, cand, "draft").tolist() == [5, 9]
+    zl = torch.stack([z, z.flip(-1)], 1)  # [N, L-1 = 2, K]
+    assert exit_choice(zl, cand, "local").tolist() == [[6, 7], [9, 12]]
+    assert exit_choice(zl, cand, "draft").tolist() == [[5, 5], [9, 9]]
+    with pytest.raises(ValueError, match="exit_token must be one of"):
+        exit_choice(z, cand, "final")
+    _draft_confidence_bank(4, [1, 2], 0.5, "draft").save(tmp_path / "p.safetensors")
+    from specee_core.early_exit.predictors import PredictorBank
+
+    assert PredictorBank.load(tmp_path / "p.safetensors").exit_token == "draft"
 
 
 def test_pay_off_gate_times_costs_once_then_decides_from_the_exits():

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specee_core.early_exit.predictors import candidate_probs, predictor_features
+from specee_core.early_exit.predictors import candidate_probs, exit_choice, predictor_features
 from specee_core.decode.sampling import SamplingParams
 from specee_core.early_exit.speculators import Speculator
 from specee_core.decode.stepper import StepOutput
@@ -75,11 +75,10 @@ def collect_exit_data(engine, prompts: list[str], speculator: Speculator, max_ne
     return data
 
 
-def exit_labels(z: torch.Tensor, cand: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
-    """[S, L-1] bool: layer l's candidate-local argmax is the full-depth token (so exiting
-    there changes nothing)."""
-    local = cand.gather(1, z.argmax(-1))  # [S, L-1] token ids
-    return local == final[:, None]
+def exit_labels(z: torch.Tensor, cand: torch.Tensor, final: torch.Tensor, exit_token: str = "local") -> torch.Tensor:
+    """[S, L-1] bool: the token an exit after layer l emits (predictors.exit_choice) is the full-depth
+    token (so exiting there changes nothing)."""
+    return exit_choice(z, cand, exit_token) == final[:, None]
 
 
 def hit_rates(cand: torch.Tensor, final: torch.Tensor) -> dict:

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration, calibrate_command, check_tolerance
-from specee_core.early_exit.predictors import LayerPredictor, PredictorBank, candidate_probs, exit_probability, predictor_features
+from specee_core.early_exit.predictors import (LayerPredictor, PredictorBank, candidate_probs, exit_choice,
+                                               exit_probability, predictor_features)
 from specee_core.decode.sampling import sample
 from specee_core.early_exit.scheduler import OnlineWindow, PayOffGate, Schedule
 from specee_core.early_exit.speculators import DraftHead, DraftSpeculator, PromptLookupSpeculator, Speculator
@@ -42,7 +43,9 @@ class EarlyExitOptions:
     # live audit: this share of steps runs exited rows on to full depth anyway (their output is
     # unchanged) and counts per exit layer whether the full model agreed; 0 = never
     audit_fraction: float = 0.0
-    verify: str = "local"  # "local": argmax among the k candidates | "full": LM-head argmax at the exit layer
+    # "local": the token the predictors learnt to trust (PredictorBank.exit_token: the argmax among the k
+    # candidates, or the draft's top one) | "full": LM-head argmax at the exit layer
+    verify: str = "local"
     # skipped layers' KV: "propagate" (K/V from the exit hidden state) | "gap" (left empty) |
     # "recompute" (the missing layers run for the exited position in the same chunk as the next token
     # that runs them: exact KV; on weight-bound hardware a 2-token chunk costs about one token).
@@ -206,8 +209,10 @@ class CandidateScorer:
     weight folded in, so a layer's candidate logits are a norm scalar and one batched dot
     product; features and MLP are specee_core.early_exit.predictors' (as in kernels.fused_predictor_reference)."""
 
-    def __init__(self, model, cand: torch.Tensor, backend: str, draft_prob: torch.Tensor | None = None):
+    def __init__(self, model, cand: torch.Tensor, backend: str, draft_prob: torch.Tensor | None = None,
+                 exit_token: str = "local"):
         self.model, self.cand, self.draft_prob = model, cand, draft_prob  # draft_prob [N, K]: feature set "zpdq"
+        self.exit_token = exit_token  # what an exit emits (predictors.exit_choice): the bank's
         dev = model.device
         # the fused kernel reads a dense head; a low-bit head's rows are dequantized here instead
         dense_head = isinstance(model.w.lm_head, torch.Tensor)
@@ -233,7 +238,7 @@ class CandidateScorer:
     def __call__(self, h: torch.Tensor, sel: torch.Tensor | None, prev: torch.Tensor,
                  pred: LayerPredictor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [n, D] pre-norm hidden of the rows `sel` [n] (indices into N; None = all N rows),
-        prev [n, K] -> (p_exit [n], prob [n, K], local_argmax [n] token ids)."""
+        prev [n, K] -> (p_exit [n], prob [n, K], the token an exit would emit [n])."""
         m = self.model
         cand = self.cand if sel is None else self.cand[sel]
         q = self.draft_prob if self.draft_prob is None or sel is None else self.draft_prob[sel]
@@ -241,11 +246,12 @@ class CandidateScorer:
             from kernels import predictor_forward
 
             # the kernel reads rows at stride D; the fp32 CPU norm returns a strided view
-            return predictor_forward(m.final_norm(h).contiguous(), cand, m.w.lm_head, prev, pred.w1, pred.b1,
-                                     pred.w2, pred.b2, backend="triton", draft_prob=q)
+            p_exit, p, local = predictor_forward(m.final_norm(h).contiguous(), cand, m.w.lm_head, prev, pred.w1,
+                                                 pred.b1, pred.w2, pred.b2, backend="triton", draft_prob=q)
+            return p_exit, p, local if self.exit_token == "local" else exit_choice(p, cand, self.exit_token)
         z = self._logits(h, sel)
         x, p = predictor_features(z, prev, q)
-        return exit_probability(x, pred), p, cand.gather(1, z.argmax(-1, keepdim=True)).squeeze(1)
+        return exit_probability(x, pred), p, exit_choice(z, cand, self.exit_token)
 
 
 @dataclass
@@ -471,7 +477,8 @@ class Stepper:
         walk = Walk(h=m.embed(prop.tokens[:, None]), rope=m.rope_for(positions.to(dev)[:, None]),
                     running=list(range(n)), cache_rows=rows,
                     pred_layers=self._predictor_layers(prop.alive, prop.explore),
-                    scorer=CandidateScorer(m, prop.cand, self.ee.options.predictor_backend, prop.draft_prob),
+                    scorer=CandidateScorer(m, prop.cand, self.ee.options.predictor_backend, prop.draft_prob,
+                                           self.ee.predictors.exit_token),
                     prev=torch.zeros(n, self.ee.predictors.k, device=dev), done=[False] * n)
         out = Decisions(tokens=torch.empty(n, dtype=torch.int64, device=dev), layers=[m.num_layers] * n,
                         hidden=torch.empty(n, m.config.hidden_size, dtype=m.dtype, device=dev),
@@ -516,7 +523,7 @@ class Stepper:
     def _score(self, layer: int, sel: list[int], prop: Proposal, walk: Walk
                ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """Runs the predictor of `layer` for the rows sel of h. Returns the rows (of h) whose
-        predictor fired, their hidden states [F, D] and candidate-local argmax tokens [F]."""
+        predictor fired, their hidden states [F, D] and the tokens their exits would emit [F]."""
         dev = self.model.device
         js = [walk.running[r] for r in sel]  # the same rows, as step rows
         sel_dev, js_dev = _index(sel, len(walk.running), dev), _index(js, len(prop.alive), dev)
@@ -535,8 +542,8 @@ class Stepper:
 
     def _verify(self, layer: int, fired: list[int], h_fired: torch.Tensor, local: torch.Tensor, prop: Proposal,
                 walk: Walk, out: Decisions, generator) -> list[int]:
-        """Of the rows `fired` (of h, hidden h_fired [F, D], local argmax [F]), those whose token is
-        verified exit at `layer`: "local" takes the argmax among the candidates (greedy); "full" (and
+        """Of the rows `fired` (of h, hidden h_fired [F, D], exit tokens `local` [F]), those whose token is
+        verified exit at `layer`: "local" takes the predictors' exit token (greedy); "full" (and
         sampling) samples the full LM head and, greedy, accepts it only among the candidates."""
         m, params, dev = self.model, self.batch.params, self.model.device
         hn = m.final_norm(h_fired)  # [F, D]

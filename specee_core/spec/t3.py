@@ -2,7 +2,8 @@
 
 At the scheduled layers of the verify forward, every drafted node whose next tokens the draft ranked
 (its K candidates, `Draft.cand`) is scored by that layer's exit predictor (SpecEE T1's features on
-the candidates' LM-head rows). The candidate-local argmaxes stand in for the base model's choices:
+the candidates' LM-head rows). The tokens the exits would emit (the candidate-local argmaxes, or the
+draft's top candidates for predictors whose exits emit those) stand in for the base model's choices:
 the path they accept, with the token after it, is the row's hyper-token, and it may exit only when
 every member's predictor fires (its weakest member decides). When every row's block may exit, the
 remaining layers are skipped for the whole block; the kept nodes' KV of the skipped layers is then
@@ -57,7 +58,8 @@ def verify_with_exits(model, cache, draft: Draft, positions: torch.Tensor, anc: 
         if draft.cand_prob is None:
             raise ValueError("these exit predictors read the draft's candidate probabilities, which this draft lacks")
         q = draft.cand_prob[known].to(dev)
-    scorer = CandidateScorer(m, draft.cand[known].to(dev), t3.backend, q) if bool(known.any()) else None
+    scorer = (CandidateScorer(m, draft.cand[known].to(dev), t3.backend, q, t3.predictors.exit_token)
+              if bool(known.any()) else None)
     prev = torch.zeros(int(known.sum()), t3.predictors.k, device=dev)  # [S, K]
     h = m.embed(draft.tokens.to(dev))
     rope = m.rope_for(positions)
