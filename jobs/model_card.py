@@ -169,8 +169,10 @@ def render_imported(m: Path) -> str:
          "logits at the layer, their softmax, its shift from the layer below and the draft's own probabilities of them "
          "(feature set zpdq)" if preds.get("features") == "zpdq" else
          f"- One MLP (3k={3 * int(k)} -> 512 -> 1) per layer 1..{n_layers - 1 if n_layers else '?'} (the paper's features)")
-        + "; label: the layer's argmax among the draft's candidates is the full-depth token; validated on a random "
-        "20% of the decode steps",
+        + ("; an exit emits the draft's top candidate, label: that candidate is the full-depth token"
+           if preds.get("exit_token") == "draft" else
+           "; an exit emits the layer's argmax among the draft's candidates, label: that argmax is the full-depth token")
+        + "; validated on a random 20% of the decode steps",
         f"- Oracle exit depth (the first layer from which every deeper layer's label holds): "
         f"{preds.get('oracle_avg_layers', float('nan')):.1f} layers, {pct(preds.get('oracle_layer_fraction'))} of the model", "",
         "| layer | positive rate | predicted rate | precision | recall |", "|---|---|---|---|---|",
