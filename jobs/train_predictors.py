@@ -61,8 +61,8 @@ class PredictorTrainConfig:
     k: int = 4
     speculator: str = "draft"  # whose candidates the predictors learn on: "draft" | "lookup"
     # predictors' feature set (specee_core.early_exit.predictors.FEATURE_SETS): "zpdq" adds the draft's
-    # confidence in its candidates (needs speculator "draft"), "zpd" is the paper's; "auto": zpdq with
-    # the draft, zpd with prompt lookup (which has no confidence)
+    # confidence in its candidates (needs speculator "draft"), "zpdqh" also its recent record (k >= 3),
+    # "zpd" is the paper's; "auto": zpdqh with the draft, zpd with prompt lookup (which has no confidence)
     features: str = "auto"
     # what an exit emits, the token the predictors learn to trust (predictors.EXIT_TOKENS): "draft" the
     # draft head's top candidate, "local" (the paper's) the layer's argmax among the candidates; "auto":
@@ -133,8 +133,9 @@ def make_speculator(engine, model_dir: Path, kind: str, k: int):
 
 
 def collect(engine, prompts: list[str], cfg: PredictorTrainConfig, part: str = "train"):
-    """(z [S, L-1, K], cand [S, K], final [S], q [S, K] or None, cand_whole [S, K] or None) from full-depth
-    decoding (q: the speculator's own probabilities of its candidates),
+    """(z [S, L-1, K], cand [S, K], final [S], q [S, K] or None, record [S, K] or None, cand_whole [S, K] or
+    None) from full-depth decoding (q: the speculator's own probabilities of its candidates; record: the
+    draft's record, predictors.DraftRecord),
     cached in --ckpt-dir so that a rerun with the same settings trains without decoding again.
     cand_whole: the draft head's candidates over the whole vocabulary when it ranks a subset."""
     key = {k: str(getattr(cfg, k)) for k in ("model", "corpus", "prompts", "exclude", "exclude_first", "dtype",
@@ -145,17 +146,18 @@ def collect(engine, prompts: list[str], cfg: PredictorTrainConfig, part: str = "
         saved = torch.load(path, weights_only=True)
         if saved["key"] == key:
             log.info("decode data loaded from %s", path)
-            return saved["z"], saved["cand"], saved["final"], saved["q"], saved["cand_whole"]
+            return saved["z"], saved["cand"], saved["final"], saved["q"], saved.get("record"), saved["cand_whole"]
     speculator = make_speculator(engine, cfg.model, cfg.speculator, cfg.k)
     shadow = None
     if isinstance(speculator, DraftSpeculator) and speculator.subset is not None:
         head = DraftHead.load(cfg.model / DRAFT_DIR, engine.config)
         shadow = speculator = ShadowSpeculator(speculator, DraftSpeculator(head, engine.model, k=cfg.k, use_subset=False))
-    z, cand, final, q = collect_exit_data(engine, prompts, speculator, cfg.max_new_tokens).tensors()
+    z, cand, final, q, record = collect_exit_data(engine, prompts, speculator, cfg.max_new_tokens).tensors()
     cand_whole = None if shadow is None else torch.cat(shadow.cands)
     cfg.ckpt_dir.mkdir(parents=True, exist_ok=True)
-    torch.save({"key": key, "z": z, "cand": cand, "final": final, "q": q, "cand_whole": cand_whole}, path)
-    return z, cand, final, q, cand_whole
+    torch.save({"key": key, "z": z, "cand": cand, "final": final, "q": q, "record": record,
+                "cand_whole": cand_whole}, path)
+    return z, cand, final, q, record, cand_whole
 
 
 def train(cfg: PredictorTrainConfig) -> dict:
@@ -176,12 +178,17 @@ def train(cfg: PredictorTrainConfig) -> dict:
         (cfg.model / "predictors_report.json").write_text(json.dumps(report, indent=2))
         return report
     t0 = time.perf_counter()
-    z, cand, final, q, cand_whole = collect(engine, prompts, cfg)
-    features = cfg.features if cfg.features != "auto" else ("zpd" if q is None else "zpdq")
-    if features == "zpdq" and q is None:
-        raise ValueError(f"features 'zpdq' need a speculator that scores its candidates (the draft head); "
+    z, cand, final, q, record, cand_whole = collect(engine, prompts, cfg)
+    features = cfg.features if cfg.features != "auto" else ("zpd" if q is None else "zpdq" if record is None
+                                                             else "zpdqh")
+    if features in ("zpdq", "zpdqh") and q is None:
+        raise ValueError(f"features {features!r} need a speculator that scores its candidates (the draft head); "
                          f"--speculator {cfg.speculator} does not")
-    q = q if features == "zpdq" else None
+    if features == "zpdqh" and record is None:
+        raise ValueError(f"features 'zpdqh' need the draft's record, which needs --k >= 3 (got {cfg.k}); "
+                         f"decode data cached before the record existed: delete {cfg.ckpt_dir}")
+    q = q if features in ("zpdq", "zpdqh") else None
+    record = record if features == "zpdqh" else None
     labels = exit_labels(z, cand, final, cfg.exit_token)  # [S, L-1]
     collect_s = time.perf_counter() - t0
     oracle = oracle_exit_layers(labels, L).float()
@@ -202,7 +209,7 @@ def train(cfg: PredictorTrainConfig) -> dict:
     val, tr = order[:n_val], order[n_val:][: cfg.max_samples]
     mlps = {}
     for layer in range(1, L):
-        x, y = predictor_dataset(z, labels, layer, max_gap=cfg.max_gap, seed=cfg.seed, draft_prob=q)
+        x, y = predictor_dataset(z, labels, layer, max_gap=cfg.max_gap, seed=cfg.seed, draft_prob=q, record=record)
         mlps[layer] = train_layer(x[tr], y[tr], epochs=cfg.epochs, seed=cfg.seed + layer)
         rep = classification_report(mlps[layer], x[val], y[val])
         report["layers"][layer] = {k: round(v, 4) if isinstance(v, float) else v for k, v in rep.items()}
@@ -223,13 +230,17 @@ def calibrate(engine, bank: PredictorBank, prompts: list[str], cfg: PredictorTra
     """calibration.safetensors from full-depth decoding of the held-out prompts; returns the report's part:
     the split's size, per-layer precision/recall over the threshold grid, the thresholds at a few
     tolerances."""
-    z, cand, final, q, _ = collect(engine, prompts, cfg, part="calib")
+    z, cand, final, q, record, _ = collect(engine, prompts, cfg, part="calib")
     labels = exit_labels(z, cand, final, bank.exit_token)
     p_exit, agree = {}, {}
     q = q if bank.reads_draft_prob else None
+    if bank.reads_record and record is None:
+        raise ValueError(f"these predictors read the draft's record, which the calibration decode data lacks "
+                         f"(cached before it existed: delete {cfg.ckpt_dir / 'exit_data_calib.pt'})")
+    record = record if bank.reads_record else None
     for layer in sorted(bank.layers):
         x, y = predictor_dataset(z, labels, layer, max_gap=1, seed=cfg.seed + 1000,  # the engine's feature
-                                 draft_prob=q)
+                                 draft_prob=q, record=record)
         with torch.no_grad():
             p_exit[layer] = exit_probability(x, bank.layers[layer])
         agree[layer] = y > 0.5

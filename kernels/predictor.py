@@ -7,6 +7,7 @@ candidate tokens, should this token exit here? Per row:
     p     = softmax(z)                                      # [K]
     x     = [z, p, p - prev_prob]                           # [3K] features
     x     = [z, p, p - prev_prob, draft_prob]               # [4K] with the draft's confidence ("zpdq")
+    x     = [z, p, p - prev_prob, draft_prob, record]       # [5K] and the draft's record ("zpdqh")
     p_exit = sigmoid(w2 @ relu(w1 @ x + b1) + b2)           # scalar
 
 plus the candidate with the largest logit (as a token id). The kernel does all of it in one
@@ -62,8 +63,8 @@ def _fused_predictor_kernel(
     cand_ptr,  # [B, K] int64 candidate token ids
     lm_ptr,  # [V, D] LM-head weight
     prev_ptr,  # [B, K] probabilities at the previous evaluated layer (zeros at the first)
-    q_ptr,  # [B, K] the draft's probabilities of its candidates (read when HAS_Q)
-    w1_ptr,  # [H, (3 + HAS_Q) K] first MLP layer
+    x_ptr,  # [B, EXTRA * K] per-row feature blocks after [z, p, shift]: draft_prob (, record); read when EXTRA
+    w1_ptr,  # [H, (3 + EXTRA) K] first MLP layer
     b1_ptr,  # [H]
     w2_ptr,  # [H] second MLP layer ([1, H] contiguous)
     b2_ptr,  # [1]
@@ -73,7 +74,7 @@ def _fused_predictor_kernel(
     D,
     K: tl.constexpr,
     H: tl.constexpr,
-    HAS_Q: tl.constexpr,  # feature set "zpdq": a fourth block of w1 against the draft's probabilities
+    EXTRA: tl.constexpr,  # given feature blocks: 0 ("zpd"), 1 ("zpdq": q), 2 ("zpdqh": q, the draft's record)
     BLOCK_K: tl.constexpr,  # next power of two >= K
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -105,24 +106,23 @@ def _fused_predictor_kernel(
     best_id = tl.sum(tl.where(offs_k == first, ids, 0), axis=0)
     prev = tl.load(prev_ptr + row * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     shift = p - prev
-    if HAS_Q:
-        q = tl.load(q_ptr + row * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
 
-    # MLP: w1 @ [z, p, shift(, q)] is three (four) [H, K] blocks of w1 against the feature parts;
+    # MLP: w1 @ [z, p, shift, extra...] is 3 + EXTRA [H, K] blocks of w1 against the feature parts;
     # the hidden layer is reduced into the output logit chunk by chunk.
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)  # per-lane partial sums of w2 @ relu(...)
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
-        w1_rows = w1_ptr + offs_h[:, None] * ((3 + HAS_Q) * K) + offs_k[None, :]  # [BLOCK_H, BLOCK_K]
+        w1_rows = w1_ptr + offs_h[:, None] * ((3 + EXTRA) * K) + offs_k[None, :]  # [BLOCK_H, BLOCK_K]
         mask_hk = mask_h[:, None] & mask_k[None, :]
         w1_z = tl.load(w1_rows, mask=mask_hk, other=0.0).to(tl.float32)
         w1_p = tl.load(w1_rows + K, mask=mask_hk, other=0.0).to(tl.float32)
         w1_s = tl.load(w1_rows + 2 * K, mask=mask_hk, other=0.0).to(tl.float32)
         pre = tl.sum(w1_z * z[None, :] + w1_p * p[None, :] + w1_s * shift[None, :], axis=1)
-        if HAS_Q:
-            w1_q = tl.load(w1_rows + 3 * K, mask=mask_hk, other=0.0).to(tl.float32)
-            pre += tl.sum(w1_q * q[None, :], axis=1)
+        for e in tl.static_range(EXTRA):  # [K] loads per chunk: cheaper than holding them across the loop
+            x_e = tl.load(x_ptr + row * (EXTRA * K) + e * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            w1_e = tl.load(w1_rows + (3 + e) * K, mask=mask_hk, other=0.0).to(tl.float32)
+            pre += tl.sum(w1_e * x_e[None, :], axis=1)
         pre += tl.load(b1_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
         w2 = tl.load(w2_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
         acc += tl.maximum(pre, 0.0) * w2
@@ -219,16 +219,19 @@ def _check_cand(h_name: str, named: dict[str, torch.Tensor]) -> tuple[int, int, 
 
 
 def _check_predictor_args(named: dict[str, torch.Tensor]) -> tuple[int, int, int, int]:
-    """Checks the fused-predictor inputs (by name; draft_prob optional); returns (B, D, K, H)."""
+    """Checks the fused-predictor inputs (by name; draft_prob, record optional); returns (B, D, K, H)."""
     B, D, K = _check_cand("h_normed", named)
-    w1, parts = named["w1"], 4 if "draft_prob" in named else 3
+    if "record" in named and "draft_prob" not in named:
+        raise ValueError("record needs draft_prob (feature set zpdqh = [z, p, shift, draft_prob, record])")
+    given = tuple(n for n in ("draft_prob", "record") if n in named)
+    w1, parts = named["w1"], 3 + len(given)
     if w1.dim() != 2 or w1.shape[1] != parts * K or w1.shape[0] < 1:
         raise ValueError(f"w1 has shape {tuple(w1.shape)}; expected [H, {parts}K={parts * K}]"
-                         + (" (the features include draft_prob)" if parts == 4 else ""))
+                         + (f" (the features include {', '.join(given)})" if given else ""))
     H = w1.shape[0]
-    floats = ("prev_prob", "w1", "b1", "w2", "b2") + (("draft_prob",) if parts == 4 else ())
+    floats = ("prev_prob", "w1", "b1", "w2", "b2") + given
     for name, expected in (("prev_prob", (B, K)), ("b1", (H,)), ("w2", (1, H)), ("b2", (1,)),
-                           ("draft_prob", (B, K))):
+                           ("draft_prob", (B, K)), ("record", (B, K))):
         if name in named:
             _check_shape(name, named[name], expected)
     for name in floats:
@@ -237,12 +240,14 @@ def _check_predictor_args(named: dict[str, torch.Tensor]) -> tuple[int, int, int
     return B, D, K, H
 
 
-def _predictor_named(h_normed, cand_ids, lm_head_weight, prev_prob, w1, b1, w2, b2, draft_prob) -> dict:
-    """The fused predictor's tensors by name (draft_prob only when given)."""
+def _predictor_named(h_normed, cand_ids, lm_head_weight, prev_prob, w1, b1, w2, b2, draft_prob,
+                     record=None) -> dict:
+    """The fused predictor's tensors by name (draft_prob, record only when given)."""
     named = dict(h_normed=h_normed, cand_ids=cand_ids, lm_head_weight=lm_head_weight, prev_prob=prev_prob,
                  w1=w1, b1=b1, w2=w2, b2=b2)
-    if draft_prob is not None:
-        named["draft_prob"] = draft_prob
+    for name, t in (("draft_prob", draft_prob), ("record", record)):
+        if t is not None:
+            named[name] = t
     return named
 
 
@@ -287,11 +292,12 @@ def fused_predictor(
     w2: torch.Tensor,  # [1, H]
     b2: torch.Tensor,  # [1]
     draft_prob: torch.Tensor | None = None,  # [B, K]: feature set "zpdq" (w1 [H, 4K])
+    record: torch.Tensor | None = None,  # [B, K]: with draft_prob, feature set "zpdqh" (w1 [H, 5K])
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Runs the Triton kernel; returns p_exit [B] fp32, cand_prob [B, K] fp32, local_argmax [B]
     int64 (the candidate token id with the largest logit). Inputs must be contiguous and on one
     device; cand_ids must lie in [0, V) (not checked: that would cost a device sync)."""
-    named = _predictor_named(h_normed, cand_ids, lm_head_weight, prev_prob, w1, b1, w2, b2, draft_prob)
+    named = _predictor_named(h_normed, cand_ids, lm_head_weight, prev_prob, w1, b1, w2, b2, draft_prob, record)
     B, D, K, H = _check_predictor_args(named)
     _check_launchable(named)
     device = h_normed.device
@@ -300,11 +306,13 @@ def fused_predictor(
     local_argmax = torch.empty(B, dtype=torch.int64, device=device)
     if B == 0:
         return p_exit, cand_prob, local_argmax
+    given = [t for t in (draft_prob, record) if t is not None]
+    extra = (given[0] if len(given) == 1 else torch.cat(given, dim=1).contiguous()) if given else prev_prob
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _fused_predictor_kernel[(B,)](
-            h_normed, cand_ids, lm_head_weight, prev_prob, prev_prob if draft_prob is None else draft_prob,
+            h_normed, cand_ids, lm_head_weight, prev_prob, extra,
             w1, b1, w2, b2, p_exit, cand_prob, local_argmax, D,
-            K=K, H=H, HAS_Q=draft_prob is not None, BLOCK_K=triton.next_power_of_2(K),
+            K=K, H=H, EXTRA=len(given), BLOCK_K=triton.next_power_of_2(K),
             BLOCK_D=_pow2(D, _MAX_BLOCK_D), BLOCK_H=_pow2(H, _MAX_BLOCK_H),
         )
     return p_exit, cand_prob, local_argmax
@@ -320,13 +328,15 @@ def fused_predictor_reference(
     w2: torch.Tensor,  # [1, H]
     b2: torch.Tensor,  # [1]
     draft_prob: torch.Tensor | None = None,  # [B, K]: feature set "zpdq" (w1 [H, 4K])
+    record: torch.Tensor | None = None,  # [B, K]: with draft_prob, feature set "zpdqh" (w1 [H, 5K])
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-torch `fused_predictor`: same arguments, same outputs, fp32 math; any device and
     layout. Features and MLP are specee_core.early_exit.predictors' (the one definition the engine's CPU
     scorer and the training data use too)."""
-    _check_predictor_args(_predictor_named(h_normed, cand_ids, lm_head_weight, prev_prob, w1, b1, w2, b2, draft_prob))
+    _check_predictor_args(_predictor_named(h_normed, cand_ids, lm_head_weight, prev_prob, w1, b1, w2, b2, draft_prob,
+                                           record))
     z = _cand_logits_reference(h_normed.float(), cand_ids, lm_head_weight)  # [B, K]
-    features, p = predictor_features(z, prev_prob, draft_prob)  # [B, 3K or 4K], [B, K]
+    features, p = predictor_features(z, prev_prob, draft_prob, record)  # [B, (3 + extra blocks) K], [B, K]
     p_exit = exit_probability(features, LayerPredictor(w1.float(), b1.float(), w2.float(), b2.float()))  # [B]
     local_argmax = cand_ids.gather(1, z.argmax(dim=-1, keepdim=True)).squeeze(1)  # [B]
     return p_exit, p, local_argmax
@@ -343,12 +353,13 @@ def predictor_forward(
     b2: torch.Tensor,  # [1]
     backend: str = "auto",
     draft_prob: torch.Tensor | None = None,  # [B, K]: feature set "zpdq" (w1 [H, 4K])
+    record: torch.Tensor | None = None,  # [B, K]: with draft_prob, feature set "zpdqh" (w1 [H, 5K])
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(p_exit [B], cand_prob [B, K], local_argmax [B]) by the chosen backend: "triton" (the
     kernel; CPU tensors need TRITON_INTERPRET=1), "torch" (the reference), or "auto" (the kernel
     for CUDA tensors when triton is installed, the reference otherwise)."""
     fn = _pick(backend, h_normed.device, fused_predictor, fused_predictor_reference)
-    return fn(h_normed, cand_ids, lm_head_weight, prev_prob, w1, b1, w2, b2, draft_prob)
+    return fn(h_normed, cand_ids, lm_head_weight, prev_prob, w1, b1, w2, b2, draft_prob, record)
 
 
 # ----------------------------------------------------------------------------- rmsnorm + logits

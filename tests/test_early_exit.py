@@ -274,6 +274,86 @@ def test_an_exit_emits_the_token_its_predictors_learnt_to_trust(tmp_path, ee_mod
     assert all(same) if exit_token == "draft" else not all(same), exited
 
 
+def test_draft_record_follows_the_proposals_and_the_tokens_fed():
+    from specee_core.early_exit.predictors import DraftRecord
+
+    rec = DraftRecord(2)
+    assert rec.features([0, 1], 4).tolist() == [[0, 0, 0, 0]] * 2  # first step: no record
+    for toks, cand in (([9, 9], [[5], [7]]), ([5, 3], [[6], [3]]), ([6, 3], [[1], [2]]), ([2, 4], [[8], [8]])):
+        rec.observe([0, 1], toks)
+        rec.proposed([0, 1], torch.tensor(cand))
+    # row 0: 5->5 hit, 6->6 hit, 1->2 miss; row 1: 7->3 miss, 3->3 hit, 2->4 miss
+    torch.testing.assert_close(rec.features([0, 1], 4), torch.tensor([[0, 1, 2 / 3, 0], [0, 1, 1 / 3, 0]]))
+    rec.clear([1])
+    torch.testing.assert_close(rec.features([1, 0], 3), torch.tensor([[0, 0, 0], [0, 1, 2 / 3]]))
+    with pytest.raises(ValueError, match="k >= 3"):
+        rec.features([0], 2)
+
+
+def test_collected_record_is_the_drafts_hits_on_the_rows_tokens(ee_model_dir):
+    """The record the collection stores per step is, for each row, whether the draft's top candidate at
+    each earlier step was the token the full model then chose (last, the one before, the rate over four)."""
+    from specee_core.early_exit.collect import collect_exit_data
+
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, speculator="draft", dtype="float32")
+    data = collect_exit_data(engine, PROMPTS[:3], engine.early_exit.speculator, max_new_tokens=9)
+    assert len(data.record) == len(data.cand) == 8
+    for s, rec in enumerate(data.record):
+        for r in range(rec.shape[0]):
+            hits = [bool(data.cand[j][r, 0] == data.final[j][r]) for j in range(s)][-4:]
+            want = [hits[-1] if hits else 0, hits[-2] if len(hits) > 1 else 0, sum(hits) / len(hits) if hits else 0, 0]
+            assert rec[r].tolist() == pytest.approx([float(w) for w in want]), (s, r)
+    assert any(float(r[:, 0].sum()) > 0 for r in data.record)  # some hits happened
+
+
+def _record_bank(k: int, layers: list[int]):
+    """Predictors of feature set "zpdqh" that fire exactly when the row's last proposal was a hit (the
+    record's first entry, one hidden unit on the fifth feature block)."""
+    from specee_core.early_exit.predictors import HIDDEN, LayerPredictor, PredictorBank
+
+    w1 = torch.zeros(HIDDEN, 5 * k)
+    w1[0, 4 * k] = 1.0
+    w2 = torch.zeros(1, HIDDEN)
+    w2[0, 0] = 100.0
+    return PredictorBank(k, {l: LayerPredictor(w1.clone(), torch.zeros(HIDDEN), w2.clone(), torch.tensor([-50.0]))
+                             for l in layers}, features="zpdqh", exit_token="draft")
+
+
+def test_record_predictors_exit_right_after_the_drafts_hits(tmp_path, ee_model_dir, monkeypatch):
+    """A "zpdqh" bank gets each row's record: predictors that fire iff the row's previous proposal was a
+    hit make a row exit at the first predictor layer exactly on the steps after a hit (not right after an
+    exit: no chained exits), with the draft's top candidate as its token."""
+    import shutil
+
+    from specee_core.early_exit.speculators import DraftSpeculator
+
+    shutil.copytree(ee_model_dir, tmp_path, dirs_exist_ok=True)
+    _record_bank(4, [1, 2, 3]).save(tmp_path / "predictors.safetensors")
+    calls = []
+    original = DraftSpeculator.propose_scored
+
+    def recorded(self, rows, *a):
+        ids, q = original(self, rows, *a)
+        calls.append(ids.cpu())
+        return ids, q
+
+    monkeypatch.setattr(DraftSpeculator, "propose_scored", recorded)
+    engine = SpecEEEngine.from_pretrained(tmp_path, speculator="draft", threshold=0.5, gate="off", dtype="float32")
+    assert engine.early_exit.predictors.reads_record
+    res = engine.generate(PROMPTS[:3], max_new_tokens=12, mode="specee", ignore_eos=True)
+    exits = 0
+    for b, r in enumerate(res):
+        for s in range(len(calls)):
+            hit_before = s > 0 and int(calls[s - 1][b, 0]) == r.token_ids[s]
+            chained = s > 0 and r.exit_layers[s] < 4
+            exited = r.exit_layers[s + 1] < 4
+            assert exited == (hit_before and not chained), (b, s, r.exit_layers)
+            if exited:
+                exits += 1
+                assert r.token_ids[s + 1] == int(calls[s][b, 0])
+    assert exits >= 3 and exits < sum(len(r.token_ids) - 1 for r in res)
+
+
 def test_exit_choice_and_the_banks_exit_token_round_trip(tmp_path):
     from specee_core.early_exit.predictors import exit_choice
 

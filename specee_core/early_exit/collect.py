@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specee_core.early_exit.predictors import candidate_probs, exit_choice, predictor_features
+from specee_core.early_exit.predictors import DraftRecord, candidate_probs, exit_choice, predictor_features
 from specee_core.decode.sampling import SamplingParams
 from specee_core.early_exit.speculators import Speculator
 from specee_core.decode.stepper import StepOutput
@@ -18,11 +18,14 @@ class ExitData:
     cand: list[torch.Tensor] = field(default_factory=list)  # per step [N, K]
     final: list[torch.Tensor] = field(default_factory=list)  # per step [N] the full-depth token
     q: list[torch.Tensor] = field(default_factory=list)  # per step [N, K] the speculator's own candidate probabilities
+    record: list[torch.Tensor] = field(default_factory=list)  # per step [N, K] the draft's record (k >= 3)
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(z [S, L-1, K], cand [S, K], final [S], q [S, K] or None when the speculator scores nothing)."""
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(z [S, L-1, K], cand [S, K], final [S], q [S, K] or None when the speculator scores nothing,
+        record [S, K] or None for k < 3)."""
         q = torch.cat(self.q) if self.q and len(self.q) == len(self.z) else None
-        return torch.cat(self.z), torch.cat(self.cand), torch.cat(self.final), q
+        record = torch.cat(self.record) if self.record and len(self.record) == len(self.z) else None
+        return torch.cat(self.z), torch.cat(self.cand), torch.cat(self.final), q, record
 
 
 class CollectStepper:
@@ -34,6 +37,7 @@ class CollectStepper:
         self.model = m = engine.model
         self.histories = [list(p) for p in batch.prompt_ids]
         self.features = m.final_norm(batch.last_hidden)
+        self.record = DraftRecord(len(batch.prompt_ids))  # as the SpecEE stepper keeps it
         speculator.start(batch.prompt_ids, m.final_norm(prefill_hidden), lens, cache.max_len)
 
     @torch.inference_mode()
@@ -44,6 +48,10 @@ class CollectStepper:
         idx = torch.tensor(alive, device=m.device)
         toks = batch.next_tokens[idx]
         cand, q = self.spec.propose_scored(alive, self.histories, toks, self.features[idx])  # [N, K] each
+        if cand.shape[1] >= 3:
+            self.record.observe(alive, toks.tolist())
+            self.data.record.append(self.record.features(alive, cand.shape[1]))
+            self.record.proposed(alive, cand)
         w_cand = m.head_rows(cand)  # [N, K, D]
         h = m.embed(toks[:, None])
         rope = m.rope_for(batch.positions[idx.cpu()].to(m.device)[:, None])
@@ -99,8 +107,10 @@ def oracle_exit_layers(labels: torch.Tensor, num_layers: int) -> torch.Tensor:
 
 
 def predictor_dataset(z: torch.Tensor, labels: torch.Tensor, layer: int, max_gap: int = 1,
-                      seed: int = 0, draft_prob: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features [S, 3K] (with draft_prob [S, K], the speculator's candidate probabilities: [S, 4K]) and
+                      seed: int = 0, draft_prob: torch.Tensor | None = None,
+                      record: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features [S, 3K] (with draft_prob [S, K], the speculator's candidate probabilities: [S, 4K]; and the
+    draft's record [S, K]: [S, 5K]) and
     labels [S] for the predictor after layer `layer` (1-based). The shift uses the probabilities of
     the layer below, as the engine computes them before a predictor's layer (max_gap > 1: of a layer
     1..max_gap below, random per sample); zeros at layer 1."""
@@ -113,5 +123,5 @@ def predictor_dataset(z: torch.Tensor, labels: torch.Tensor, layer: int, max_gap
     has = below >= 1
     if has.any():
         prev[has] = candidate_probs(z[has.nonzero().squeeze(1), below[has] - 1])
-    x, _ = predictor_features(zl, prev, draft_prob)
+    x, _ = predictor_features(zl, prev, draft_prob, record)
     return x, labels[:, layer - 1].float()

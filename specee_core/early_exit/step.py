@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration, calibrate_command, check_tolerance
-from specee_core.early_exit.predictors import (LayerPredictor, PredictorBank, candidate_probs, exit_choice,
-                                               exit_probability, predictor_features)
+from specee_core.early_exit.predictors import (DraftRecord, LayerPredictor, PredictorBank, candidate_probs,
+                                               exit_choice, exit_probability, predictor_features)
 from specee_core.decode.sampling import sample
 from specee_core.early_exit.scheduler import OnlineWindow, PayOffGate, Schedule
 from specee_core.early_exit.speculators import DraftHead, DraftSpeculator, PromptLookupSpeculator, Speculator
@@ -210,8 +210,9 @@ class CandidateScorer:
     product; features and MLP are specee_core.early_exit.predictors' (as in kernels.fused_predictor_reference)."""
 
     def __init__(self, model, cand: torch.Tensor, backend: str, draft_prob: torch.Tensor | None = None,
-                 exit_token: str = "local"):
+                 exit_token: str = "local", record: torch.Tensor | None = None):
         self.model, self.cand, self.draft_prob = model, cand, draft_prob  # draft_prob [N, K]: feature set "zpdq"
+        self.record = record  # [N, K]: feature set "zpdqh"
         self.exit_token = exit_token  # what an exit emits (predictors.exit_choice): the bank's
         dev = model.device
         # the fused kernel reads a dense head; a low-bit head's rows are dequantized here instead
@@ -242,15 +243,17 @@ class CandidateScorer:
         m = self.model
         cand = self.cand if sel is None else self.cand[sel]
         q = self.draft_prob if self.draft_prob is None or sel is None else self.draft_prob[sel]
+        rec = self.record if self.record is None or sel is None else self.record[sel]
         if self.fused:
             from kernels import predictor_forward
 
             # the kernel reads rows at stride D; the fp32 CPU norm returns a strided view
             p_exit, p, local = predictor_forward(m.final_norm(h).contiguous(), cand, m.w.lm_head, prev, pred.w1,
-                                                 pred.b1, pred.w2, pred.b2, backend="triton", draft_prob=q)
+                                                 pred.b1, pred.w2, pred.b2, backend="triton", draft_prob=q,
+                                                 record=rec)
             return p_exit, p, local if self.exit_token == "local" else exit_choice(p, cand, self.exit_token)
         z = self._logits(h, sel)
-        x, p = predictor_features(z, prev, q)
+        x, p = predictor_features(z, prev, q, rec)
         return exit_probability(x, pred), p, exit_choice(z, cand, self.exit_token)
 
 
@@ -289,6 +292,7 @@ class Proposal:
     tokens: torch.Tensor  # [N] the tokens fed this step
     cand: torch.Tensor  # [N, K] candidate token ids
     draft_prob: torch.Tensor | None  # [N, K] the speculator's probabilities of them, when the predictors read them
+    record: torch.Tensor | None  # [N, K] the draft's recent record (DraftRecord.features), when the predictors read it
     explore: bool  # every predictor runs this step (unbiased exit statistics for re-tuning)
     audit: bool  # exited rows run on to full depth and are compared with the full model's argmax
 
@@ -357,6 +361,7 @@ class Stepper:
         # this step (measured on SmolLM2: exits chained on exit features disagreed 10x the tolerance)
         self.exited_last = [False] * n
         self.no_chain = ee.predictors.reads_draft_prob
+        self.record = DraftRecord(n) if ee.predictors.reads_record else None
         self._chunk_rope: tuple = ((), None)  # (positions, rope) of the last recompute chunk
         self.t_draft = self.t_pred = self.t_total = 0.0
         self.step_no = 0
@@ -375,6 +380,8 @@ class Stepper:
             self.rows[b] = RowStats.empty(m.num_layers)
             self.pending[b] = []
             self.exited_last[b] = False
+        if self.record is not None:
+            self.record.clear(rows)
         idx = torch.tensor(rows, device=m.device)
         self.features[idx] = m.final_norm(batch.last_hidden[idx])
         t0 = time.perf_counter()
@@ -437,7 +444,10 @@ class Stepper:
         Returns the step's output and the seconds spent in the layers."""
         idx, toks, feats = self._fed(alive, rows)
         self.speculator.defer(alive, toks, feats)
-        prop = Proposal(alive, idx, toks, cand=toks[:, None], draft_prob=None, explore=False, audit=False)
+        if self.record is not None:  # no proposals: the rows' records start over after the stretch
+            self.record.clear(alive)
+        prop = Proposal(alive, idx, toks, cand=toks[:, None], draft_prob=None, record=None, explore=False,
+                        audit=False)
         walk, out = self._start(prop, rows)
         walk.pred_layers = [frozenset()] * len(alive)
         t0 = time.perf_counter()
@@ -464,11 +474,17 @@ class Stepper:
         opts = self.ee.options
         idx, toks, feats = self._fed(alive, rows)
         cand, q = self.speculator.propose_scored(alive, self.histories, toks, feats)
+        record = None
+        if self.record is not None:
+            self.record.observe(alive, toks.tolist())
+            record = self.record.features(alive, cand.shape[1]).to(cand.device)
+            self.record.proposed(alive, cand)
         explore = opts.explore_every > 0 and self.step_no % opts.explore_every == 0
         f = opts.audit_fraction  # steps s with floor((s + 1) f) > floor(s f): a share f, evenly spread
         audit = f > 0 and math.floor((self.step_no + 1) * f) > math.floor(self.step_no * f)
         self.step_no += 1
-        return Proposal(alive, idx, toks, cand, q if self.ee.predictors.reads_draft_prob else None, explore, audit)
+        return Proposal(alive, idx, toks, cand, q if self.ee.predictors.reads_draft_prob else None, record, explore,
+                        audit)
 
     def _start(self, prop: Proposal, rows: torch.Tensor | None) -> tuple[Walk, Decisions]:
         """Every step row runs from the embedding; nothing is decided yet."""
@@ -478,7 +494,7 @@ class Stepper:
                     running=list(range(n)), cache_rows=rows,
                     pred_layers=self._predictor_layers(prop.alive, prop.explore),
                     scorer=CandidateScorer(m, prop.cand, self.ee.options.predictor_backend, prop.draft_prob,
-                                           self.ee.predictors.exit_token),
+                                           self.ee.predictors.exit_token, prop.record),
                     prev=torch.zeros(n, self.ee.predictors.k, device=dev), done=[False] * n)
         out = Decisions(tokens=torch.empty(n, dtype=torch.int64, device=dev), layers=[m.num_layers] * n,
                         hidden=torch.empty(n, m.config.hidden_size, dtype=m.dtype, device=dev),

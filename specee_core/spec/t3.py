@@ -58,7 +58,10 @@ def verify_with_exits(model, cache, draft: Draft, positions: torch.Tensor, anc: 
         if draft.cand_prob is None:
             raise ValueError("these exit predictors read the draft's candidate probabilities, which this draft lacks")
         q = draft.cand_prob[known].to(dev)
-    scorer = (CandidateScorer(m, draft.cand[known].to(dev), t3.backend, q, t3.predictors.exit_token)
+    # the draft's record (feature set "zpdqh") is not kept along a tree's paths: every node reads none, as
+    # a row's first step does (the predictors are at their most cautious there)
+    rec = torch.zeros(int(known.sum()), t3.predictors.k, device=dev) if t3.predictors.reads_record else None
+    scorer = (CandidateScorer(m, draft.cand[known].to(dev), t3.backend, q, t3.predictors.exit_token, rec)
               if bool(known.any()) else None)
     prev = torch.zeros(int(known.sum()), t3.predictors.k, device=dev)  # [S, K]
     h = m.embed(draft.tokens.to(dev))

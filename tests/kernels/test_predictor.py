@@ -74,14 +74,27 @@ def with_draft_prob(args: list[torch.Tensor], seed: int = 1) -> tuple[list[torch
     return [h, cand, lm, prev, torch.cat((w1, w1q), 1).contiguous(), b1, w2, b2], q
 
 
-def float64_predictor(h, cand, lm, prev, w1, b1, w2, b2, draft_prob=None):
+def with_record(args: list[torch.Tensor], q: torch.Tensor, seed: int = 2) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """with_draft_prob's arguments for the feature set "zpdqh": w1 widened to [H, 5K], and a record [B, K]
+    (the last two outcomes, a hit rate, zero-padded as DraftRecord.features gives it)."""
+    h, cand, lm, prev, w1, b1, w2, b2 = args
+    g = torch.Generator().manual_seed(seed)
+    B, K, H = cand.shape[0], cand.shape[1], w1.shape[0]
+    w1r = (torch.randn(H, K, generator=g) / K**0.5).to(w1)
+    rec = torch.zeros(B, K)
+    rec[:, :2] = torch.randint(0, 2, (B, 2), generator=g).float()
+    rec[:, 2] = torch.randint(0, 5, (B,), generator=g).float() / 4
+    return [h, cand, lm, prev, torch.cat((w1, w1r), 1).contiguous(), b1, w2, b2], rec.to(prev)
+
+
+def float64_predictor(h, cand, lm, prev, w1, b1, w2, b2, draft_prob=None, record=None):
     """The predictor written out row by row in float64, as the paper states it (with the draft's
-    probabilities as a fourth feature block when given)."""
+    probabilities, and its record, as further feature blocks when given)."""
     p_exit, probs, best = [], [], []
     for r in range(h.shape[0]):
         z = torch.stack([h[r].double() @ lm[i].double() for i in cand[r].tolist()])  # [K]
         p = torch.exp(z - z.max()) / torch.exp(z - z.max()).sum()
-        x = torch.cat([z, p, p - prev[r].double()] + ([] if draft_prob is None else [draft_prob[r].double()]))
+        x = torch.cat([z, p, p - prev[r].double()] + [t[r].double() for t in (draft_prob, record) if t is not None])
         hidden = torch.clamp(w1.double() @ x + b1.double(), min=0)  # [H]
         p_exit.append(1 / (1 + torch.exp(-(w2.double()[0] @ hidden + b2.double()[0]))))
         probs.append(p)
@@ -145,6 +158,24 @@ def test_kernel_with_draft_prob_matches_reference(case):
 
 
 @needs_kernel
+@pytest.mark.parametrize("case", [(5, 100, 4, 64, torch.float32), (33, 320, 3, 512, torch.float32),
+                                  (5, 100, 4, 64, torch.float16)], ids=case_id)
+def test_kernel_with_the_drafts_record_matches_reference(case):
+    """Feature set "zpdqh": a fifth block of w1 against the draft's record, after the probabilities."""
+    B, D, K, H, dtype = case
+    args, q = with_draft_prob(make_inputs(B, D, K, H, dtype, DEVICE, seed=B + D))
+    args, rec = with_record(args, q)
+    p_exit, cand_prob, best = fused_predictor(*args, draft_prob=q, record=rec)
+    ref_exit, ref_prob, ref_best = fused_predictor_reference(*args, draft_prob=q, record=rec)
+    torch.testing.assert_close(p_exit, ref_exit, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(cand_prob, ref_prob, atol=ATOL, rtol=RTOL)
+    assert torch.equal(best, ref_best)
+    # both blocks are read, each against its own block of w1
+    assert not torch.allclose(fused_predictor(*args, draft_prob=q, record=(1 - rec).contiguous())[0], p_exit)
+    assert not torch.allclose(fused_predictor(*args, draft_prob=rec, record=q)[0], p_exit)
+
+
+@needs_kernel
 def test_kernel_first_layer_and_ties():
     """prev_prob = 0 (first evaluated layer); equal logits pick the first candidate, like torch."""
     B, D, K, H = 2, 48, 3, 64
@@ -184,6 +215,17 @@ def test_reference_with_draft_prob_matches_float64():
     want = float64_predictor(*args, draft_prob=q)
     torch.testing.assert_close(got[0].double(), want[0], atol=1e-5, rtol=1e-4)
     assert torch.equal(got[2], want[2])
+
+
+def test_reference_with_the_drafts_record_matches_float64():
+    args, q = with_draft_prob(make_inputs(7, 100, 4, 512, seed=5))
+    args, rec = with_record(args, q)
+    got = fused_predictor_reference(*args, draft_prob=q, record=rec)
+    want = float64_predictor(*args, draft_prob=q, record=rec)
+    torch.testing.assert_close(got[0].double(), want[0], atol=1e-5, rtol=1e-4)
+    assert torch.equal(got[2], want[2])
+    with pytest.raises(ValueError, match="record needs draft_prob"):
+        fused_predictor_reference(*args, record=rec)
 
 
 def test_draft_prob_width_mismatch_is_named():
