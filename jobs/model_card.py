@@ -165,7 +165,11 @@ def render_imported(m: Path) -> str:
         f"| decoding ({decode.get('steps')} steps), frequent-token subset | {pct(decode.get('top1'))} | {pct(decode.get('topk'))} |",
         f"| decoding, whole vocabulary | {pct(whole.get('top1'))} | {pct(whole.get('topk'))} |", "",
         "## Exit predictors (`predictors.safetensors`)", "",
-        (f"- One MLP (4k={4 * int(k)} -> 512 -> 1) per layer 1..{n_layers - 1 if n_layers else '?'} over the candidates' "
+        (f"- One MLP (5k={5 * int(k)} -> 512 -> 1) per layer 1..{n_layers - 1 if n_layers else '?'} over the candidates' "
+         "logits at the layer, their softmax, its shift from the layer below, the draft's own probabilities of them "
+         "and the draft's recent record (its top candidate right one and two steps back, its hit rate over four; "
+         "feature set zpdqh)" if preds.get("features") == "zpdqh" else
+         f"- One MLP (4k={4 * int(k)} -> 512 -> 1) per layer 1..{n_layers - 1 if n_layers else '?'} over the candidates' "
          "logits at the layer, their softmax, its shift from the layer below and the draft's own probabilities of them "
          "(feature set zpdq)" if preds.get("features") == "zpdq" else
          f"- One MLP (3k={3 * int(k)} -> 512 -> 1) per layer 1..{n_layers - 1 if n_layers else '?'} (the paper's features)")
