@@ -142,37 +142,26 @@ def test_kernel_matches_reference(case):
 
 
 @needs_kernel
+@pytest.mark.parametrize("features", ["zpdq", "zpdqh"])
 @pytest.mark.parametrize("case", [(5, 100, 4, 64, torch.float32), (33, 320, 3, 512, torch.float32),
                                   (5, 100, 4, 64, torch.float16)], ids=case_id)
-def test_kernel_with_draft_prob_matches_reference(case):
-    """Feature set "zpdq": the fourth block of w1 against the draft's probabilities."""
+def test_kernel_with_given_feature_blocks_matches_reference(case, features):
+    """The feature blocks after [z, p, shift]: the draft's probabilities ("zpdq": w1's fourth block) and
+    its record ("zpdqh": a fifth)."""
     B, D, K, H, dtype = case
     args, q = with_draft_prob(make_inputs(B, D, K, H, dtype, DEVICE, seed=B + D))
-    p_exit, cand_prob, best = fused_predictor(*args, draft_prob=q)
-    ref_exit, ref_prob, ref_best = fused_predictor_reference(*args, draft_prob=q)
+    given = {"draft_prob": q}
+    if features == "zpdqh":
+        args, given["record"] = with_record(args, q)
+    p_exit, cand_prob, best = fused_predictor(*args, **given)
+    ref_exit, ref_prob, ref_best = fused_predictor_reference(*args, **given)
     torch.testing.assert_close(p_exit, ref_exit, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(cand_prob, ref_prob, atol=ATOL, rtol=RTOL)
     assert torch.equal(best, ref_best)
-    # the block is read: other draft probabilities give other exit probabilities
-    assert not torch.allclose(fused_predictor(*args, draft_prob=q.flip(-1).contiguous())[0], p_exit)
-
-
-@needs_kernel
-@pytest.mark.parametrize("case", [(5, 100, 4, 64, torch.float32), (33, 320, 3, 512, torch.float32),
-                                  (5, 100, 4, 64, torch.float16)], ids=case_id)
-def test_kernel_with_the_drafts_record_matches_reference(case):
-    """Feature set "zpdqh": a fifth block of w1 against the draft's record, after the probabilities."""
-    B, D, K, H, dtype = case
-    args, q = with_draft_prob(make_inputs(B, D, K, H, dtype, DEVICE, seed=B + D))
-    args, rec = with_record(args, q)
-    p_exit, cand_prob, best = fused_predictor(*args, draft_prob=q, record=rec)
-    ref_exit, ref_prob, ref_best = fused_predictor_reference(*args, draft_prob=q, record=rec)
-    torch.testing.assert_close(p_exit, ref_exit, atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(cand_prob, ref_prob, atol=ATOL, rtol=RTOL)
-    assert torch.equal(best, ref_best)
-    # both blocks are read, each against its own block of w1
-    assert not torch.allclose(fused_predictor(*args, draft_prob=q, record=(1 - rec).contiguous())[0], p_exit)
-    assert not torch.allclose(fused_predictor(*args, draft_prob=rec, record=q)[0], p_exit)
+    # each block is read, against its own block of w1: other values give other exit probabilities
+    other = {"draft_prob": q.flip(-1).contiguous(), "record": (1 - given.get("record", q)).contiguous()}
+    for name in given:
+        assert not torch.allclose(fused_predictor(*args, **{**given, name: other[name]})[0], p_exit), name
 
 
 @needs_kernel
