@@ -284,26 +284,28 @@ def test_the_step_budget_trims_drafts_for_large_batches_and_drafting_resumes_as_
 def test_t3_gives_draft_confidence_predictors_each_nodes_candidate_probabilities(tiny, monkeypatch):
     """Predictors of feature set "zpdq" inside verification get, per scored node, the draft's
     probabilities of that node's candidates (best first, a distribution's top-k); predictors that fire
-    on any confidence exit like threshold 0, ones that never fire equal dense."""
+    on any confidence exit like threshold 0, ones that never fire equal dense. Predictors that also read
+    the draft's record ("zpdqh") get an empty one for every node, and the same exits."""
     from specee_core.early_exit import step as ee_step
     from specee_core.early_exit.predictors import HIDDEN, LayerPredictor, PredictorBank
 
     ee, L = tiny.early_exit, tiny.model.num_layers
     k = ee.predictors.k
 
-    def bank(tau: float) -> PredictorBank:  # fires iff the draft's top probability > tau
-        w1 = torch.zeros(HIDDEN, 4 * k)
+    def bank(tau: float, features: str = "zpdq") -> PredictorBank:  # fires iff the draft's top probability > tau
+        w1 = torch.zeros(HIDDEN, (5 if features == "zpdqh" else 4) * k)
         w1[0, 3 * k] = 1.0
         w2 = torch.zeros(1, HIDDEN)
         w2[0, 0] = 100.0
         return PredictorBank(k, {l: LayerPredictor(w1.clone(), torch.zeros(HIDDEN), w2.clone(),
                                                    torch.tensor([-100.0 * tau])) for l in ee.predictors.layers},
-                             features="zpdq")
+                             features=features)
 
-    seen = []
+    seen, records = [], []
     real_init = ee_step.CandidateScorer.__init__
     monkeypatch.setattr(ee_step.CandidateScorer, "__init__",
-                        lambda self, m, cand, backend, q=None: seen.append(q) or real_init(self, m, cand, backend, q))
+                        lambda self, m, cand, backend, q=None, *rest: seen.append(q) or records.append(rest[1:])
+                        or real_init(self, m, cand, backend, q, *rest))
     shape = {"proposer": "draft", "depth": 3, "width": k, "nodes": 8, "t3": True, "step_budget": None, "lookup": "off"}
     dense = tiny.generate(CODE[:2], max_new_tokens=16, ignore_eos=True, mode="dense")
     opts = ee.with_options(threshold=0.5).options
@@ -312,6 +314,9 @@ def test_t3_gives_draft_confidence_predictors_each_nodes_candidate_probabilities
         never = tiny.generate(CODE[:2], max_new_tokens=16, ignore_eos=True, mode="spec", spec=shape)
         tiny.early_exit = ee_step.EarlyExit(tiny.model, ee.speculator, bank(0.0), ee.schedule, opts)
         always = tiny.generate(CODE[:2], max_new_tokens=16, ignore_eos=True, mode="spec", spec=shape)
+        records.clear()
+        tiny.early_exit = ee_step.EarlyExit(tiny.model, ee.speculator, bank(0.0, "zpdqh"), ee.schedule, opts)
+        with_record = tiny.generate(CODE[:2], max_new_tokens=16, ignore_eos=True, mode="spec", spec=shape)
     finally:
         tiny.early_exit = ee
     assert [r.token_ids for r in never] == [r.token_ids for r in dense]
@@ -320,3 +325,6 @@ def test_t3_gives_draft_confidence_predictors_each_nodes_candidate_probabilities
     q = torch.cat([x for x in seen if x is not None])
     assert len(q) > 0 and bool((q > 0).all()) and bool((q.sum(-1) <= 1 + 1e-5).all())
     assert bool((q[:, :-1] >= q[:, 1:]).all())  # best first
+    given = [r[0] for r in records if r and r[0] is not None]
+    assert given and all(bool((r == 0).all()) for r in given)
+    assert [r.exit_layers for r in with_record] == [r.exit_layers for r in always]
