@@ -49,9 +49,7 @@ class CollectStepper:
         toks = batch.next_tokens[idx]
         cand, q = self.spec.propose_scored(alive, self.histories, toks, self.features[idx])  # [N, K] each
         if cand.shape[1] >= 3:
-            self.record.observe(alive, toks.tolist())
-            self.data.record.append(self.record.features(alive, cand.shape[1]))
-            self.record.proposed(alive, cand)
+            self.data.record.append(self.record.step(alive, toks.tolist(), cand))
         w_cand = m.head_rows(cand)  # [N, K, D]
         h = m.embed(toks[:, None])
         rope = m.rope_for(batch.positions[idx.cpu()].to(m.device)[:, None])

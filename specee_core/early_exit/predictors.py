@@ -75,9 +75,9 @@ def predictor_features(z: torch.Tensor, prev_prob: torch.Tensor, draft_prob: tor
 
 class DraftRecord:
     """Per batch row, whether the speculator's top candidate was the token the row went on with, over
-    its last RECORD_SPAN proposals (feature set "zpdqh"). The steppers call observe with the tokens they
-    feed (the previous step's outcome) before proposing, proposed after, and clear for rows whose
-    proposals stopped (dense steps, a new prompt): such a row starts over, as at its first step."""
+    its last RECORD_SPAN proposals (feature set "zpdqh"). The steppers call step once per proposal (it
+    observes the tokens fed, the previous step's outcome, and notes the new candidates), and clear for
+    rows whose proposals stopped (dense steps, a new prompt): such a row starts over, as at its first step."""
 
     def __init__(self, rows: int):
         self.hits: list[list[bool]] = [[] for _ in range(rows)]
@@ -98,6 +98,14 @@ class DraftRecord:
         """cand [N, K]: the candidates just proposed for the rows, best first."""
         for b, t in zip(rows, cand[:, 0].tolist()):
             self.top[b] = int(t)
+
+    def step(self, rows: list[int], tokens: list[int], cand: torch.Tensor) -> torch.Tensor:
+        """One proposal step: observe the tokens fed, then the record the predictors read [N, K], then
+        note the new candidates cand [N, K]."""
+        self.observe(rows, tokens)
+        out = self.features(rows, cand.shape[1])
+        self.proposed(rows, cand)
+        return out
 
     def features(self, rows: list[int], k: int) -> torch.Tensor:
         """[N, K] fp32: the last outcome, the one before, the hit rate over the last RECORD_SPAN (0 where

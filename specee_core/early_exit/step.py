@@ -474,11 +474,7 @@ class Stepper:
         opts = self.ee.options
         idx, toks, feats = self._fed(alive, rows)
         cand, q = self.speculator.propose_scored(alive, self.histories, toks, feats)
-        record = None
-        if self.record is not None:
-            self.record.observe(alive, toks.tolist())
-            record = self.record.features(alive, cand.shape[1]).to(cand.device)
-            self.record.proposed(alive, cand)
+        record = None if self.record is None else self.record.step(alive, toks.tolist(), cand).to(cand.device)
         explore = opts.explore_every > 0 and self.step_no % opts.explore_every == 0
         f = opts.audit_fraction  # steps s with floor((s + 1) f) > floor(s f): a share f, evenly spread
         audit = f > 0 and math.floor((self.step_no + 1) * f) > math.floor(self.step_no * f)
