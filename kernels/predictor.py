@@ -100,8 +100,8 @@ def _fused_predictor_kernel(
     # Softmax over the K real lanes; argmax = first index reaching the max (torch's rule).
     z_masked = tl.where(mask_k, z, float("-inf"))
     z_max = tl.max(z_masked, axis=0)
-    e = tl.exp(z_masked - z_max)  # padded lanes: exp(-inf) = 0
-    p = e / tl.sum(e, axis=0)  # [BLOCK_K]
+    ez = tl.exp(z_masked - z_max)  # padded lanes: exp(-inf) = 0
+    p = ez / tl.sum(ez, axis=0)  # [BLOCK_K]
     first = tl.min(tl.where(mask_k & (z_masked == z_max), offs_k, BLOCK_K), axis=0)
     best_id = tl.sum(tl.where(offs_k == first, ids, 0), axis=0)
     prev = tl.load(prev_ptr + row * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -119,10 +119,13 @@ def _fused_predictor_kernel(
         w1_p = tl.load(w1_rows + K, mask=mask_hk, other=0.0).to(tl.float32)
         w1_s = tl.load(w1_rows + 2 * K, mask=mask_hk, other=0.0).to(tl.float32)
         pre = tl.sum(w1_z * z[None, :] + w1_p * p[None, :] + w1_s * shift[None, :], axis=1)
-        for e in tl.static_range(EXTRA):  # [K] loads per chunk: cheaper than holding them across the loop
-            x_e = tl.load(x_ptr + row * (EXTRA * K) + e * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            w1_e = tl.load(w1_rows + (3 + e) * K, mask=mask_hk, other=0.0).to(tl.float32)
-            pre += tl.sum(w1_e * x_e[None, :], axis=1)
+        # [K] loads per chunk: cheaper than holding them across the loop. The block index must not reuse a
+        # name of the kernel's tensors (compiled Triton rejects the loop-carried type change; the interpreter
+        # does not: caught on an H200)
+        for blk in tl.static_range(EXTRA):
+            x_b = tl.load(x_ptr + row * (EXTRA * K) + blk * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            w1_b = tl.load(w1_rows + (3 + blk) * K, mask=mask_hk, other=0.0).to(tl.float32)
+            pre += tl.sum(w1_b * x_b[None, :], axis=1)
         pre += tl.load(b1_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
         w2 = tl.load(w2_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
         acc += tl.maximum(pre, 0.0) * w2
