@@ -139,6 +139,40 @@ def main(argv: list[str] | None = None) -> dict:
 
         check(checks, "specee_triton_predictor_decides_like_torch", fused_vs_torch)
 
+        def record_bank_triton_vs_torch():
+            """A feature set "zpdqh" bank (the kernel's two given feature blocks: the draft's probabilities and
+            its record) that fires exactly when the row's last proposal was a hit: the fused kernel on CUDA
+            and the torch scorer must make the same exits."""
+            import shutil
+            import tempfile
+
+            from specee_core.early_exit.predictors import HIDDEN, LayerPredictor, PredictorBank
+
+            k = engine.early_exit.predictors.k
+            w1 = torch.zeros(HIDDEN, 5 * k)
+            w1[0, 4 * k] = 1.0
+            w2 = torch.zeros(1, HIDDEN)
+            w2[0, 0] = 100.0
+            layers = sorted(engine.early_exit.predictors.layers)
+            bank = PredictorBank(k, {l: LayerPredictor(w1.clone(), torch.zeros(HIDDEN), w2.clone(),
+                                                       torch.tensor([-50.0])) for l in layers},
+                                 features="zpdqh", exit_token="draft")
+            outs = {}
+            with tempfile.TemporaryDirectory() as tmp:
+                shutil.copytree(model, tmp, dirs_exist_ok=True)
+                bank.save(Path(tmp) / "predictors.safetensors")
+                for backend in ("triton", "torch"):
+                    e = SpecEEEngine.from_pretrained(tmp, device=dev, dtype="float32", weights="fp32",
+                                                     speculator="draft", threshold=0.5, gate="off",
+                                                     predictor_backend=backend)
+                    res = run_mode(e, "specee", PROMPTS, n)
+                    outs[backend] = ([r.token_ids for r in res], [r.exit_layers for r in res])
+            exits = sum(l < engine.config.num_hidden_layers for ls in outs["torch"][1] for l in ls)
+            return {"ok": outs["triton"] == outs["torch"] and exits > 0, "exits": exits,
+                    "same": outs["triton"] == outs["torch"]}
+
+        check(checks, "specee_zpdqh_triton_predictor_decides_like_torch", record_bank_triton_vs_torch)
+
         def t3_exits_off():
             with ExitOptions(engine, threshold=2.0):
                 got = [r.token_ids for r in run_mode(engine, "spec_t3", PROMPTS, n)]
