@@ -215,6 +215,11 @@ def main(argv: list[str] | None = None) -> dict:
                                        "vs_dense": round(statistics.median(v) / base, 3)} for k, v in times.items()}
         print("speed", batch, json.dumps(speed[f"batch_{batch}"]), flush=True)
     report["speed"] = speed
+    # what mode="auto" planned here: its steps and tokens per step at batch 8, and the cost table it used
+    res = run_mode(engine, "auto", (PROMPTS * 2)[:8], n)
+    report["auto_plan"] = {"stats": {k: v for k, v in res[0].stats.items() if k in ("plan_steps", "mean_tokens_per_step")},
+                           "costs": [p.costs.to_json() for p in engine._plans.values()]}
+    print("auto plan", json.dumps(report["auto_plan"])[:1500], flush=True)
     report["all_ok"] = all(c["ok"] for c in checks.values())
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
