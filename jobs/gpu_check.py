@@ -40,18 +40,24 @@ def run_mode(engine, mode: str, prompts: list[str], n: int):
     return engine.generate(prompts, max_new_tokens=n, mode=mode, ignore_eos=True)
 
 
-class ExitOptions:
-    """The engine's early-exit options changed inside a with block (SpecEE and T3 read them)."""
+def hit_bank(k: int, layers: list[int]):
+    """Exit predictors of feature set "zpdqh" (both of the fused kernel's given feature blocks: the draft's
+    probabilities and its record) that fire exactly when the row's last proposal was a hit: one hidden unit
+    on the record's first entry. Decisions that are never near the threshold, so two scorers must agree."""
+    from specee_core.early_exit.predictors import HIDDEN, LayerPredictor, PredictorBank
 
-    def __init__(self, engine, **changes):
-        self.engine, self.changes = engine, changes
+    w1 = torch.zeros(HIDDEN, 5 * k)
+    w1[0, 4 * k] = 1.0
+    w2 = torch.zeros(1, HIDDEN)
+    w2[0, 0] = 100.0
+    return PredictorBank(k, {l: LayerPredictor(w1.clone(), torch.zeros(HIDDEN), w2.clone(), torch.tensor([-50.0]))
+                             for l in layers}, features="zpdqh", exit_token="draft")
 
-    def __enter__(self):
-        self.saved = self.engine.early_exit
-        self.engine.early_exit = self.saved.with_options(**self.changes)
 
-    def __exit__(self, *exc):
-        self.engine.early_exit = self.saved
+def outcome(engine, mode: str, n: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The tokens and exit layers of every prompt."""
+    res = run_mode(engine, mode, PROMPTS, n)
+    return [r.token_ids for r in res], [r.exit_layers for r in res]
 
 
 def check(results: dict, name: str, fn) -> None:
@@ -108,77 +114,43 @@ def main(argv: list[str] | None = None) -> dict:
 
     check(checks, "dense_equals_transformers_fp32", vs_transformers)
 
-    def lossless(mode):
+    def equals_dense(mode: str, **exit_options):
         def fn():
-            got = [r.token_ids for r in run_mode(engine, mode, PROMPTS, n)]
+            got = outcome(engine.with_options(**exit_options) if exit_options else engine, mode, n)[0]
             firsts = [first_divergence(a, b) for a, b in zip(got, dense)]
             return {"ok": all(f is None for f in firsts), "first_divergence": firsts}
         return fn
 
+    def same_exits(engines_by_backend: dict) -> dict:
+        """SpecEE through the fused Triton predictor and through the torch scorer: the same tokens and exits."""
+        outs = {backend: outcome(e, "specee", n) for backend, e in engines_by_backend.items()}
+        exits = sum(l < engine.config.num_hidden_layers for ls in outs["torch"][1] for l in ls)
+        same_tokens, same_layers = (outs["triton"][i] == outs["torch"][i] for i in (0, 1))
+        return {"ok": same_tokens and same_layers and exits > 0, "exits": exits, "same_tokens": same_tokens,
+                "same_exit_layers": same_layers}
+
     for mode in ("spec_chain", "spec_tree", "spec_lookup", "auto"):
-        check(checks, f"{mode}_equals_dense", lossless(mode))
+        check(checks, f"{mode}_equals_dense", equals_dense(mode))
     if engine.early_exit is not None:
-        def exits_off():
-            with ExitOptions(engine, threshold=2.0):
-                got = [r.token_ids for r in run_mode(engine, "specee", PROMPTS, n)]
-            return {"ok": got == dense, "first_divergence": [first_divergence(a, b) for a, b in zip(got, dense)]}
+        check(checks, "specee_exits_off_equals_dense", equals_dense("specee", threshold=2.0))
+        check(checks, "spec_t3_exits_off_equals_dense", equals_dense("spec_t3", threshold=2.0))
+        ee = engine.early_exit  # the bundled bank: its k and layers
+        check(checks, "specee_triton_predictor_decides_like_torch", lambda: same_exits(
+            {b: engine.with_options(predictor_backend=b, threshold=0.5, gate="off") for b in ("triton", "torch")}))
 
-        check(checks, "specee_exits_off_equals_dense", exits_off)
-
-        def fused_vs_torch():
-            outs = {}
-            for backend in ("triton", "torch"):
-                with ExitOptions(engine, predictor_backend=backend, threshold=0.5, gate="off"):
-                    res = run_mode(engine, "specee", PROMPTS, n)
-                outs[backend] = ([r.token_ids for r in res], [r.exit_layers for r in res])
-            exits = sum(l < engine.config.num_hidden_layers for ls in outs["torch"][1] for l in ls)
-            same_tokens = outs["triton"][0] == outs["torch"][0]
-            same_exits = outs["triton"][1] == outs["torch"][1]
-            return {"ok": same_tokens and same_exits and exits > 0, "exits": exits, "same_tokens": same_tokens,
-                    "same_exit_layers": same_exits}
-
-        check(checks, "specee_triton_predictor_decides_like_torch", fused_vs_torch)
-
-        def record_bank_triton_vs_torch():
-            """A feature set "zpdqh" bank (the kernel's two given feature blocks: the draft's probabilities and
-            its record) that fires exactly when the row's last proposal was a hit: the fused kernel on CUDA
-            and the torch scorer must make the same exits."""
+        def zpdqh_bank():
+            """The kernel's two given feature blocks (draft probabilities, record) in the engine."""
             import shutil
             import tempfile
 
-            from specee_core.early_exit.predictors import HIDDEN, LayerPredictor, PredictorBank
-
-            k = engine.early_exit.predictors.k
-            w1 = torch.zeros(HIDDEN, 5 * k)
-            w1[0, 4 * k] = 1.0
-            w2 = torch.zeros(1, HIDDEN)
-            w2[0, 0] = 100.0
-            layers = sorted(engine.early_exit.predictors.layers)
-            bank = PredictorBank(k, {l: LayerPredictor(w1.clone(), torch.zeros(HIDDEN), w2.clone(),
-                                                       torch.tensor([-50.0])) for l in layers},
-                                 features="zpdqh", exit_token="draft")
-            outs = {}
             with tempfile.TemporaryDirectory() as tmp:
                 shutil.copytree(model, tmp, dirs_exist_ok=True)
-                bank.save(Path(tmp) / "predictors.safetensors")
-                for backend in ("triton", "torch"):
-                    e = SpecEEEngine.from_pretrained(tmp, device=dev, dtype="float32", weights="fp32",
-                                                     speculator="draft", threshold=0.5, gate="off",
-                                                     predictor_backend=backend)
-                    res = run_mode(e, "specee", PROMPTS, n)
-                    outs[backend] = ([r.token_ids for r in res], [r.exit_layers for r in res])
-            exits = sum(l < engine.config.num_hidden_layers for ls in outs["torch"][1] for l in ls)
-            return {"ok": outs["triton"] == outs["torch"] and exits > 0, "exits": exits,
-                    "same": outs["triton"] == outs["torch"]}
+                hit_bank(ee.predictors.k, sorted(ee.predictors.layers)).save(Path(tmp) / "predictors.safetensors")
+                return same_exits({b: SpecEEEngine.from_pretrained(tmp, device=dev, dtype="float32", weights="fp32",
+                                                                  speculator="draft", threshold=0.5, gate="off",
+                                                                  predictor_backend=b) for b in ("triton", "torch")})
 
-        check(checks, "specee_zpdqh_triton_predictor_decides_like_torch", record_bank_triton_vs_torch)
-
-        def t3_exits_off():
-            with ExitOptions(engine, threshold=2.0):
-                got = [r.token_ids for r in run_mode(engine, "spec_t3", PROMPTS, n)]
-            return {"ok": got == dense, "first_divergence": [first_divergence(a, b) for a, b in zip(got, dense)]}
-
-        check(checks, "spec_t3_exits_off_equals_dense", t3_exits_off)
+        check(checks, "specee_zpdqh_triton_predictor_decides_like_torch", zpdqh_bank)
     engines = {"fp32": engine}
     for fmt in ("q8", "q4"):
         def lowbit(fmt=fmt):

@@ -308,15 +308,10 @@ def test_collected_record_is_the_drafts_hits_on_the_rows_tokens(ee_model_dir):
 
 def _record_bank(k: int, layers: list[int]):
     """Predictors of feature set "zpdqh" that fire exactly when the row's last proposal was a hit (the
-    record's first entry, one hidden unit on the fifth feature block)."""
-    from specee_core.early_exit.predictors import HIDDEN, LayerPredictor, PredictorBank
+    record's first entry, one hidden unit on the fifth feature block): jobs.gpu_check's."""
+    from jobs.gpu_check import hit_bank
 
-    w1 = torch.zeros(HIDDEN, 5 * k)
-    w1[0, 4 * k] = 1.0
-    w2 = torch.zeros(1, HIDDEN)
-    w2[0, 0] = 100.0
-    return PredictorBank(k, {l: LayerPredictor(w1.clone(), torch.zeros(HIDDEN), w2.clone(), torch.tensor([-50.0]))
-                             for l in layers}, features="zpdqh", exit_token="draft")
+    return hit_bank(k, layers)
 
 
 def test_record_predictors_exit_right_after_the_drafts_hits(tmp_path, ee_model_dir, monkeypatch):

@@ -17,12 +17,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 CASE = """
-import inspect, sys
+import inspect
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.lowbit_gemv import _lowbit_gemv_kernel
-from kernels.predictor import _fused_predictor_kernel, _rmsnorm_cand_logits_kernel
+from kernels.lowbit_gemv import BLOCK_B, BLOCK_K, BLOCK_O, _lowbit_gemv_kernel
+from kernels.predictor import _MAX_BLOCK_D, _MAX_BLOCK_H, _fused_predictor_kernel, _rmsnorm_cand_logits_kernel
 
 def compile_for_gpu(fn, types, constexprs):
     names = list(inspect.signature(fn.fn).parameters)
@@ -36,15 +36,15 @@ predictor = {n: PTR for n in ("h_ptr", "lm_ptr", "prev_ptr", "x_ptr", "w1_ptr", 
 predictor.update(cand_ptr="*i64", argmax_ptr="*i64", D="i32")
 for extra in (0, 1, 2):  # feature sets zpd, zpdq, zpdqh
     compile_for_gpu(_fused_predictor_kernel, predictor,
-                    dict(K=4, H=512, EXTRA=extra, BLOCK_K=4, BLOCK_D=512, BLOCK_H=128))
+                    dict(K=4, H=512, EXTRA=extra, BLOCK_K=4, BLOCK_D=_MAX_BLOCK_D, BLOCK_H=_MAX_BLOCK_H))
     print("predictor EXTRA", extra, "compiled")
 compile_for_gpu(_rmsnorm_cand_logits_kernel, dict(h_ptr=PTR, g_ptr=PTR, cand_ptr="*i64", lm_ptr=PTR, z_ptr=PTR,
-                                                  D="i32", eps="fp32"), dict(K=4, BLOCK_K=4, BLOCK_D=512))
+                                                  D="i32", eps="fp32"), dict(K=4, BLOCK_K=4, BLOCK_D=_MAX_BLOCK_D))
 print("rmsnorm_cand_logits compiled")
 for q4, qs in ((True, "*u8"), (False, "*i8")):
     compile_for_gpu(_lowbit_gemv_kernel, dict(x_ptr=PTR, qs_ptr=qs, d_ptr="*fp16", m_ptr="*fp16", y_ptr=PTR,
                                               B="i32", I="i32", O="i32"),
-                    dict(Q4=q4, BLOCK_B=16, BLOCK_O=32, BLOCK_K=64))
+                    dict(Q4=q4, BLOCK_B=BLOCK_B, BLOCK_O=BLOCK_O, BLOCK_K=BLOCK_K))
     print("lowbit_gemv", "q4" if q4 else "q8", "compiled")
 """
 
