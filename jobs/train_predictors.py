@@ -19,6 +19,7 @@ per-layer precision/recall curves on them in the report and, with --plot, a figu
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -132,15 +133,24 @@ def make_speculator(engine, model_dir: Path, kind: str, k: int):
     return PromptLookupSpeculator(k=k, fallback=draft)
 
 
+def decode_data_key(cfg: PredictorTrainConfig) -> dict:
+    """What the cached decode data depends on: the settings, and the draft head's weights (a retrained
+    draft proposes other candidates with other confidences: its predictors need new data)."""
+    key = {k: str(getattr(cfg, k)) for k in ("model", "corpus", "prompts", "exclude", "exclude_first", "dtype",
+                                             "weights", "num_prompts", "calib_prompts", "max_new_tokens",
+                                             "batch_size", "k", "speculator", "seed")}
+    weights = cfg.model / DRAFT_DIR / "model.safetensors"
+    key["draft"] = hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else ""
+    return key
+
+
 def collect(engine, prompts: list[str], cfg: PredictorTrainConfig, part: str = "train"):
     """(z [S, L-1, K], cand [S, K], final [S], q [S, K] or None, record [S, K] or None, cand_whole [S, K] or
     None) from full-depth decoding (q: the speculator's own probabilities of its candidates; record: the
     draft's record, predictors.DraftRecord),
     cached in --ckpt-dir so that a rerun with the same settings trains without decoding again.
     cand_whole: the draft head's candidates over the whole vocabulary when it ranks a subset."""
-    key = {k: str(getattr(cfg, k)) for k in ("model", "corpus", "prompts", "exclude", "exclude_first", "dtype",
-                                             "weights", "num_prompts", "calib_prompts", "max_new_tokens",
-                                             "batch_size", "k", "speculator", "seed")}
+    key = decode_data_key(cfg)
     path = cfg.ckpt_dir / f"exit_data_{part}.pt"
     if path.is_file():
         saved = torch.load(path, weights_only=True)

@@ -90,3 +90,20 @@ def test_train_draft_on_distill_data(tiny_model_dir, tmp_path, distill_file):
     again = train(cfg)
     assert again["train"]["steps"] == report["train"]["steps"]
     assert again["heldout_top1"] == report["heldout_top1"]
+
+
+def test_cached_decode_data_belongs_to_the_draft_it_was_collected_with(tmp_path):
+    """jobs.train_predictors reuses its decode data only for the same draft head: a retrained draft
+    proposes other candidates, and predictors trained on the old draft's would not match it."""
+    from jobs.train_predictors import PredictorTrainConfig, decode_data_key
+
+    cfg = PredictorTrainConfig(model=tmp_path)
+    no_draft = decode_data_key(cfg)
+    weights = tmp_path / "draft" / "model.safetensors"
+    weights.parent.mkdir()
+    weights.write_bytes(b"draft one")
+    first = decode_data_key(cfg)
+    assert first != no_draft and decode_data_key(cfg) == first
+    weights.write_bytes(b"draft two")
+    assert decode_data_key(cfg) != first
+    assert decode_data_key(PredictorTrainConfig(model=tmp_path, num_prompts=7)) != decode_data_key(cfg)
