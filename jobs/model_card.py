@@ -132,7 +132,8 @@ def render_imported(m: Path) -> str:
         f"({config.get('num_key_value_heads')} KV heads), MLP {config.get('intermediate_size')}, vocab "
         f"{config.get('vocab_size')}, tied embeddings: {config.get('tie_word_embeddings')}; chat template from the GGUF", "",
         "## Training data", "",
-        f"- Prompts: `{distill.get('prompts')}` (jobs.make_instructions: one user message per documented function "
+        f"- Prompts: `{distill.get('prompts')}` for the draft head, `{preds.get('prompts')}` for the predictors "
+        f"(jobs.make_instructions: one user message per documented function "
         f"of standard-library modules outside the held-out list). Held-out modules, never trained on: "
         f"{', '.join(distill.get('held_out_modules_excluded', []))}. `prompts/instructions_heldout.jsonl` (those "
         "modules) and HumanEval were never used for training.",
@@ -143,8 +144,8 @@ def render_imported(m: Path) -> str:
         f"- Draft head: {train.get('train_rows')} of those rows ({train.get('train_tokens', 0):,} tokens, "
         f"sequences prompt + answer); {train.get('heldout_rows')} rows held out by a hash of the id for evaluation",
         f"- Predictors: full-depth greedy decoding ({preds.get('dtype')}, {preds.get('weights', preds.get('dtype'))} "
-        f"weights) of {preds.get('num_prompts')} other training prompts (drawn from the rows after the draft's first "
-        f"{preds.get('exclude_first', 0)}), {preds.get('steps')} decode steps",
+        f"weights) of {preds.get('num_prompts')} training prompts the draft never saw (drawn from the rows of "
+        f"`{preds.get('prompts')}` after its first {preds.get('exclude_first', 0)}), {preds.get('steps')} decode steps",
         f"- Calibration: {cal.get('prompts')} further training prompts never used to train the predictors, "
         f"{cal.get('tokens')} decode steps (`calibration.safetensors`)",
         f"- Schedule: {prof.get('num_prompts')} training prompts x {prof.get('max_new_tokens')} tokens in SpecEE mode "
