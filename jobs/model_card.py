@@ -204,7 +204,7 @@ def render_imported(m: Path) -> str:
         f"--limit {distill.get('rows')} --max-new-tokens {distill.get('max_new_tokens')} --batch-size 16 --dtype {distill.get('dtype')}",
         f"python -m jobs.train_draft --model {m} --data {dcfg.get('data')} --feature-dtype {dcfg.get('feature_dtype')} "
         f"--seq-len {dcfg.get('seq_len')} --batch-size {dcfg.get('batch_size')} --epochs {dcfg.get('epochs')} "
-        f"--time-budget-min {dcfg.get('time_budget_min')}",
+        f"--train-windows {dcfg.get('train_windows')} --time-budget-min {dcfg.get('time_budget_min')}",
         f"python -m jobs.train_predictors --model {m} --dtype {preds.get('dtype')} --weights {preds.get('weights')} "
         f"--prompts {preds.get('prompts')} --exclude-first {preds.get('exclude_first', 0)} "
         f"--num-prompts {preds.get('num_prompts')} --calib-prompts {cal.get('prompts', 0)} "
