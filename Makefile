@@ -68,7 +68,7 @@ SMOL_DATA := data/distill/smollm2.jsonl
 smollm2-artifacts: model
 	$(PY) -m jobs.make_distill_data --model $(SMOLLM2) --prompts prompts/instructions_draft.jsonl --out $(SMOL_DATA) --limit 1600 --max-new-tokens 160 --batch-size 16 --dtype float32
 	$(PY) -m jobs.train_draft --model $(SMOLLM2) --data $(SMOL_DATA) --feature-dtype float32 --seq-len 512 --batch-size 8 --epochs 14 --train-windows 5000
-	$(PY) -m jobs.train_predictors --model $(SMOLLM2) --weights q4 --prompts prompts/instructions_train.jsonl --exclude-first 672 --num-prompts 700 --calib-prompts 628 --max-new-tokens 96 --epochs 30 --max-samples 72000 --plot docs/predictors_pr_smollm2.png
+	$(PY) -m jobs.train_predictors --model $(SMOLLM2) --weights q4 --prompts prompts/instructions_train.jsonl --exclude-first 672 --num-prompts 700 --calib-prompts 628 --max-new-tokens 96 --epochs 30 --max-samples 72000 --lookup-veto 2 --plot docs/predictors_pr_smollm2.png
 	$(PY) -m jobs.profile_schedule --model $(SMOLLM2) --weights q4 --prompts prompts/instructions_train.jsonl --max-disagreement 0.05
 	$(PY) -m jobs.model_card --model $(SMOLLM2)
 

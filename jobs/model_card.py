@@ -94,6 +94,17 @@ def pct(x) -> str:
     return "n/a" if x is None else f"{x:.1%}"
 
 
+def lookup_veto_note(cal: dict) -> str:
+    """The calibration's lookup veto, in words (empty without one)."""
+    veto = cal.get("lookup_veto")
+    if not veto:
+        return ""
+    shares = list(veto.get("vetoed", {}).values())
+    return (f"; certified under the lookup veto (no exit against prompt lookup's token after a match of >= "
+            f"{veto['min_ngram']} tokens: lookup matches on {pct(veto.get('matched'))} of the steps, and contradicts the "
+            f"exit's token on {pct(sum(shares) / len(shares) if shares else None)}, mean over the layers)")
+
+
 def exit_rule(profile: dict) -> str:
     """How a profiling run decided exits: a calibrated tolerance or a raw threshold."""
     if profile.get("max_disagreement") is not None:
@@ -147,7 +158,7 @@ def render_imported(m: Path) -> str:
         f"weights) of {preds.get('num_prompts')} training prompts the draft never saw (drawn from the rows of "
         f"`{preds.get('prompts')}` after its first {preds.get('exclude_first', 0)}), {preds.get('steps')} decode steps",
         f"- Calibration: {cal.get('prompts')} further training prompts never used to train the predictors, "
-        f"{cal.get('tokens')} decode steps (`calibration.safetensors`)",
+        f"{cal.get('tokens')} decode steps (`calibration.safetensors`)" + lookup_veto_note(cal),
         f"- Schedule: {prof.get('num_prompts')} training prompts x {prof.get('max_new_tokens')} tokens in SpecEE mode "
         f"with every predictor on ({exit_rule(prof)})", "",
         "## Draft head (`draft/`)", "",
@@ -209,7 +220,7 @@ def render_imported(m: Path) -> str:
         f"--prompts {preds.get('prompts')} --exclude-first {preds.get('exclude_first', 0)} "
         f"--num-prompts {preds.get('num_prompts')} --calib-prompts {cal.get('prompts', 0)} "
         f"--max-new-tokens {preds.get('max_new_tokens')} --epochs {preds.get('epochs')} "
-        f"--max-samples {preds.get('max_samples')}",
+        f"--max-samples {preds.get('max_samples')} --lookup-veto {cal.get('lookup_veto', {}).get('min_ngram', 0)}",
         f"python -m jobs.profile_schedule --model {m} --dtype {prof.get('dtype')} --weights {prof.get('weights')} "
         f"--prompts {prof.get('prompts')} --num-prompts {prof.get('num_prompts')} "
         f"--max-new-tokens {prof.get('max_new_tokens')}"

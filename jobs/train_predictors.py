@@ -37,8 +37,9 @@ from specee_core.early_exit.collect import (collect_exit_data, exit_labels, hit_
 from specee_core.early_exit.step import DRAFT_DIR, PREDICTORS_FILE
 from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration
 from specee_core.early_exit.predictors import (EXIT_TOKENS, FEATURE_SETS, PredictorBank, classification_report,
-                                               exit_probability, train_layer)
-from specee_core.early_exit.speculators import DraftHead, DraftSpeculator, PromptLookupSpeculator, Speculator
+                                               exit_choice, exit_probability, train_layer)
+from specee_core.early_exit.speculators import (LOOKUP_NGRAM, DraftHead, DraftSpeculator, PromptLookupSpeculator,
+                                                Speculator, lookup_tokens, lookup_veto)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ class PredictorTrainConfig:
     calib_prompts: int = 0  # further prompts for calibration.safetensors (0: none)
     calibrate_only: bool = False  # keep the predictors beside the model; only (re)make calibration.safetensors
     plot: Path | None = None  # the precision/recall curves of the calibration split
+    # calibrate under the lookup veto (speculators.lookup_veto): an exit whose token contradicts prompt lookup's
+    # match of at least this many tokens is not taken; 0: no veto
+    lookup_veto: int = 2
     max_new_tokens: int = 128
     batch_size: int = 16
     k: int = 4
@@ -87,6 +91,8 @@ class PredictorTrainConfig:
             raise ValueError(f"exit_token must be one of {EXIT_TOKENS} or 'auto', got {self.exit_token!r}")
         if self.exit_token == "auto":
             self.exit_token = "draft" if self.speculator == "draft" else "local"
+        if not 0 <= self.lookup_veto <= LOOKUP_NGRAM:
+            raise ValueError(f"lookup_veto must be in 0..{LOOKUP_NGRAM} (0: none), got {self.lookup_veto}")
 
 
 def optional_path(p) -> Path | None:
@@ -144,30 +150,33 @@ def decode_data_key(cfg: PredictorTrainConfig) -> dict:
     return key
 
 
-def collect(engine, prompts: list[str], cfg: PredictorTrainConfig, part: str = "train"):
-    """(z [S, L-1, K], cand [S, K], final [S], q [S, K] or None, record [S, K] or None, cand_whole [S, K] or
-    None) from full-depth decoding (q: the speculator's own probabilities of its candidates; record: the
-    draft's record, predictors.DraftRecord),
-    cached in --ckpt-dir so that a rerun with the same settings trains without decoding again.
-    cand_whole: the draft head's candidates over the whole vocabulary when it ranks a subset."""
+def collect(engine, prompts: list[str], cfg: PredictorTrainConfig, part: str = "train") -> dict:
+    """Full-depth decoding of prompts: {"z": [S, L-1, K], "cand": [S, K], "final": [S], "q": [S, K] or None,
+    "record": [S, K] or None, "cand_whole": [S, K] or None, "lookup": [S, 3]} (q: the speculator's own
+    probabilities of its candidates; record: the draft's record, predictors.DraftRecord; cand_whole: the
+    draft head's candidates over the whole vocabulary when it ranks a subset; lookup: prompt lookup's
+    followers, collect.ExitData.lookup), cached in --ckpt-dir so that a rerun with the same settings
+    trains without decoding again."""
     key = decode_data_key(cfg)
     path = cfg.ckpt_dir / f"exit_data_{part}.pt"
     if path.is_file():
         saved = torch.load(path, weights_only=True)
-        if saved["key"] == key:
+        if saved["key"] == key and "lookup" in saved:
             log.info("decode data loaded from %s", path)
-            return saved["z"], saved["cand"], saved["final"], saved["q"], saved.get("record"), saved["cand_whole"]
+            saved.setdefault("record", None)
+            return saved
     speculator = make_speculator(engine, cfg.model, cfg.speculator, cfg.k)
     shadow = None
     if isinstance(speculator, DraftSpeculator) and speculator.subset is not None:
         head = DraftHead.load(cfg.model / DRAFT_DIR, engine.config)
         shadow = speculator = ShadowSpeculator(speculator, DraftSpeculator(head, engine.model, k=cfg.k, use_subset=False))
-    z, cand, final, q, record = collect_exit_data(engine, prompts, speculator, cfg.max_new_tokens).tensors()
-    cand_whole = None if shadow is None else torch.cat(shadow.cands)
+    data = collect_exit_data(engine, prompts, speculator, cfg.max_new_tokens)
+    z, cand, final, q, record = data.tensors()
+    saved = {"key": key, "z": z, "cand": cand, "final": final, "q": q, "record": record,
+             "cand_whole": None if shadow is None else torch.cat(shadow.cands), "lookup": data.lookups()}
     cfg.ckpt_dir.mkdir(parents=True, exist_ok=True)
-    torch.save({"key": key, "z": z, "cand": cand, "final": final, "q": q, "record": record,
-                "cand_whole": cand_whole}, path)
-    return z, cand, final, q, record, cand_whole
+    torch.save(saved, path)
+    return saved
 
 
 def train(cfg: PredictorTrainConfig) -> dict:
@@ -188,7 +197,8 @@ def train(cfg: PredictorTrainConfig) -> dict:
         (cfg.model / "predictors_report.json").write_text(json.dumps(report, indent=2))
         return report
     t0 = time.perf_counter()
-    z, cand, final, q, record, cand_whole = collect(engine, prompts, cfg)
+    data = collect(engine, prompts, cfg)
+    z, cand, final, q, record, cand_whole = (data[k] for k in ("z", "cand", "final", "q", "record", "cand_whole"))
     features = cfg.features if cfg.features != "auto" else ("zpd" if q is None else "zpdq" if record is None
                                                              else "zpdqh")
     if features in ("zpdq", "zpdqh") and q is None:
@@ -236,27 +246,40 @@ def train(cfg: PredictorTrainConfig) -> dict:
     return report
 
 
-def calibrate(engine, bank: PredictorBank, prompts: list[str], cfg: PredictorTrainConfig) -> dict:
-    """calibration.safetensors from full-depth decoding of the held-out prompts; returns the report's part:
-    the split's size, per-layer precision/recall over the threshold grid, the thresholds at a few
-    tolerances."""
-    z, cand, final, q, record, _ = collect(engine, prompts, cfg, part="calib")
+def calibration_counts(data: dict, bank: PredictorBank, lookup_veto_ngram: int, seed: int = 0
+                       ) -> tuple[dict, dict, dict]:
+    """From decode data (collect): per predictor layer, the exit probability [S], whether the exit's token is
+    the full model's [S], and (lookup_veto_ngram > 0) whether the lookup veto stops the exit [S]."""
+    z, cand, final, q, record = (data[k] for k in ("z", "cand", "final", "q", "record"))
     labels = exit_labels(z, cand, final, bank.exit_token)
-    p_exit, agree = {}, {}
+    choice = exit_choice(z, cand, bank.exit_token)  # [S, L-1]
+    looked_up = lookup_tokens(data["lookup"], lookup_veto_ngram) if lookup_veto_ngram else None
     q = q if bank.reads_draft_prob else None
     if bank.reads_record and record is None:
-        raise ValueError(f"these predictors read the draft's record, which the calibration decode data lacks "
-                         f"(cached before it existed: delete {cfg.ckpt_dir / 'exit_data_calib.pt'})")
+        raise ValueError("these predictors read the draft's record, which the calibration decode data lacks")
     record = record if bank.reads_record else None
+    p_exit, agree, veto = {}, {}, {}
     for layer in sorted(bank.layers):
-        x, y = predictor_dataset(z, labels, layer, max_gap=1, seed=cfg.seed + 1000,  # the engine's feature
+        x, y = predictor_dataset(z, labels, layer, max_gap=1, seed=seed + 1000,  # the engine's feature
                                  draft_prob=q, record=record)
         with torch.no_grad():
             p_exit[layer] = exit_probability(x, bank.layers[layer])
         agree[layer] = y > 0.5
+        if looked_up is not None:
+            veto[layer] = lookup_veto(choice[:, layer - 1], looked_up)
+    return p_exit, agree, veto
+
+
+def calibrate(engine, bank: PredictorBank, prompts: list[str], cfg: PredictorTrainConfig) -> dict:
+    """calibration.safetensors from full-depth decoding of the held-out prompts; returns the report's part:
+    the split's size, per-layer precision/recall over the threshold grid (of the exits the veto leaves),
+    the thresholds at a few tolerances."""
+    data = collect(engine, prompts, cfg, part="calib")
+    p_exit, agree, veto = calibration_counts(data, bank, cfg.lookup_veto, cfg.seed)
     cal = Calibration.count(p_exit, agree, prompts=len(prompts), source=str(cfg.prompts or cfg.corpus),
                             meta={"dtype": cfg.dtype, "weights": cfg.weights, "max_new_tokens": cfg.max_new_tokens,
-                                  "exclude_first": cfg.exclude_first, "seed": cfg.seed})
+                                  "exclude_first": cfg.exclude_first, "seed": cfg.seed},
+                            veto=veto or None, lookup_veto=cfg.lookup_veto or None)
     cal.save(cfg.model / CALIBRATION_FILE)
     curves = {l: {"positive_rate": round(agree[l].float().mean().item(), 4),
                   "threshold": c.thresholds,
@@ -268,7 +291,12 @@ def calibrate(engine, bank: PredictorBank, prompts: list[str], cfg: PredictorTra
         plot_curves(curves, cfg.plot, f"{cfg.model.name}: exit predictors on {len(prompts)} held-out prompts "
                                       f"({cal.tokens} tokens)")
     log.info("calibration: %d prompts, %d tokens -> %s", len(prompts), cal.tokens, cfg.model / CALIBRATION_FILE)
-    return {"prompts": len(prompts), "tokens": cal.tokens, "curves": curves, "thresholds": at}
+    out = {"prompts": len(prompts), "tokens": cal.tokens, "curves": curves, "thresholds": at}
+    if veto:  # how often lookup matched, and how often it vetoed an exit's token (share of tokens, per layer)
+        matched = (lookup_tokens(data["lookup"], cfg.lookup_veto) >= 0).float().mean().item()
+        out["lookup_veto"] = {"min_ngram": cfg.lookup_veto, "matched": round(matched, 4),
+                              "vetoed": {l: round(v.float().mean().item(), 4) for l, v in veto.items()}}
+    return out
 
 
 def plot_curves(curves: dict, path: Path, title: str) -> None:

@@ -143,6 +143,24 @@ def test_calibration_file_roundtrip_and_errors(tmp_path):
         Calibration.load(tmp_path / "bad.safetensors")
 
 
+def test_vetoed_exits_are_left_out_of_the_calibration(tmp_path):
+    """Tokens the lookup veto stops never exit: the thresholds are certified on the exits the engine can take
+    (here the vetoed ones are the bad ones, so the layer passes at a lower threshold with the veto), and the
+    file tells the engine which rule it was certified under."""
+    grid = (0.99, 0.9, 0.5)
+    p, agree = samples(list(grid), [2000, 2100, 10000], [0, 60, 70])  # without the veto: stops at 0.99
+    veto = ~agree  # every disagreeing exit contradicts the lookup
+    cal = Calibration.count({1: p}, {1: agree}, prompts=5, veto={1: veto}, lookup_veto=2)
+    assert Calibration.count({1: p}, {1: agree}, prompts=5).thresholds(0.02, grid=grid)[1].threshold == 0.99
+    th = cal.thresholds(0.02, grid=grid)[1]
+    assert th.threshold == 0.5 and th.disagree == 0 and th.exits == int((~veto & (p > 0.5)).sum())
+    cal.save(tmp_path / "c.safetensors")
+    assert Calibration.load(tmp_path / "c.safetensors").lookup_veto == 2
+    assert synthetic_calibration().lookup_veto is None
+    with pytest.raises(ValueError, match="lookup_veto"):
+        Calibration.count({1: p}, {1: agree}, prompts=5, veto={1: veto})
+
+
 @pytest.fixture(scope="module")
 def calibrated_dir(tmp_path_factory):
     """The bundled model with a calibration file that certifies every layer at threshold 0.5 on
@@ -176,6 +194,42 @@ def test_calibrated_engine_uses_per_layer_thresholds(calibrated_dir):
     assert set(cal.thresholds.values()) == {0.5}
     res = engine.generate(PROMPTS, max_new_tokens=12, mode="specee", max_disagreement=0.02, ignore_eos=True)
     assert min(l for r in res for l in r.exit_layers) < engine.config.num_hidden_layers
+
+
+def test_calibrated_engine_applies_the_calibrations_lookup_veto(calibrated_dir, tmp_path):
+    """With a calibration certified under the lookup veto, no exit emits a token other than the one prompt
+    lookup reads off the row's history (matches of >= 1 token here); without it some exit does (the test
+    sees the veto act)."""
+    from specee_core.early_exit.speculators import NgramIndex, lookup_tokens
+
+    vetoed = tmp_path / "vetoed"
+    shutil.copytree(calibrated_dir, vetoed)
+    cal = Calibration.load(vetoed / CALIBRATION_FILE)
+    Calibration.count({l: cal.p_exit[:, c] for c, l in enumerate(cal.layers)},
+                      {l: cal.agree[:, c] for c, l in enumerate(cal.layers)}, prompts=cal.prompts,
+                      veto={l: torch.zeros(cal.tokens, dtype=torch.bool) for l in cal.layers},
+                      lookup_veto=1).save(vetoed / CALIBRATION_FILE)
+    prompts = [p * 3 for p in PROMPTS]  # repeats: lookup finds matches
+
+    def contradictions(model_dir) -> tuple[int, int]:
+        engine = SpecEEEngine.from_pretrained(model_dir, dtype="float32")
+        L = engine.config.num_hidden_layers
+        exits = bad = 0
+        for prompt, r in zip(prompts, engine.generate(prompts, max_new_tokens=24, mode="specee",
+                                                       max_disagreement=0.02, ignore_eos=True)):
+            hist, index = engine.encode_prompt(prompt), NgramIndex()
+            for t, l in zip(r.token_ids, r.exit_layers):
+                looked_up = int(lookup_tokens(torch.tensor([index.followers(0, hist)]), 1)[0])
+                if l < L:
+                    exits += 1
+                    bad += looked_up >= 0 and t != looked_up
+                hist = hist + [t]
+        return exits, bad
+
+    exits, bad = contradictions(calibrated_dir)
+    assert exits > 0 and bad > 0
+    exits, bad = contradictions(vetoed)
+    assert exits > 0 and bad == 0
 
 
 def teacher_forced_argmax(engine, prompt: str, tokens: list[int]) -> list[int]:
@@ -272,3 +326,4 @@ def test_bundled_smollm2_calibration_file_is_valid():
     cal = Calibration.load(path)
     assert cal.prompts >= 100 and cal.tokens >= 5000
     assert cal.meta["exclude_first"] >= 0 and cal.layers == list(range(1, 30))
+    assert cal.lookup_veto == 2  # certified under the lookup veto: the engine applies it with these thresholds

@@ -107,3 +107,32 @@ def test_cached_decode_data_belongs_to_the_draft_it_was_collected_with(tmp_path)
     weights.write_bytes(b"draft two")
     assert decode_data_key(cfg) != first
     assert decode_data_key(PredictorTrainConfig(model=tmp_path, num_prompts=7)) != decode_data_key(cfg)
+
+
+def test_calibration_job_certifies_under_the_lookup_veto(tmp_path):
+    """jobs.train_predictors --calibrate-only records prompt lookup's followers while it decodes, and the
+    calibration it writes gives every exit the veto stops (the exit's token contradicts lookup's after a
+    match of >= 2 tokens) probability 0 and names the rule; --lookup-veto 0 leaves them in."""
+    from jobs.train_predictors import PredictorTrainConfig, train
+    from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration
+    from specee_core.early_exit.predictors import PredictorBank, exit_choice
+    from specee_core.early_exit.speculators import lookup_tokens
+    from tests.conftest import BUNDLED
+
+    model = tmp_path / "model"
+    shutil.copytree(BUNDLED, model)
+    common = dict(model=model, prompts=BUNDLED.parents[1] / "prompts" / "instructions_train.jsonl", num_prompts=2, calib_prompts=6,
+                  max_new_tokens=24, ckpt_dir=tmp_path / "ckpt", calibrate_only=True, speculator="lookup")
+    train(PredictorTrainConfig(**common, lookup_veto=0))
+    plain = Calibration.load(model / CALIBRATION_FILE)
+    report = train(PredictorTrainConfig(**common, lookup_veto=2))["calibration"]
+    vetoed = Calibration.load(model / CALIBRATION_FILE)
+    assert plain.lookup_veto is None and vetoed.lookup_veto == 2 and report["lookup_veto"]["min_ngram"] == 2
+    data = torch.load(tmp_path / "ckpt" / "exit_data_calib.pt", weights_only=True)
+    bank = PredictorBank.load(model / "predictors.safetensors")
+    looked_up = lookup_tokens(data["lookup"], 2)
+    choice = exit_choice(data["z"], data["cand"], bank.exit_token)  # [S, L-1]
+    stop = torch.stack([(looked_up >= 0) & (choice[:, l - 1] != looked_up) for l in vetoed.layers], 1)
+    assert stop.any() and (~stop).any()  # the repeats of instructions give lookup matches of both kinds
+    assert torch.equal(vetoed.p_exit[stop], torch.zeros(int(stop.sum())))
+    assert torch.equal(vetoed.p_exit[~stop], plain.p_exit[~stop]) and (plain.p_exit[stop] > 0).any()

@@ -88,7 +88,8 @@ def test_lookup_is_scored_during_dense_steps():
 
 
 def test_the_ngram_index_answers_as_the_lookup_scan_does():
-    from specee_core.spec.proposers import LookupProposer, NgramIndex
+    from specee_core.early_exit.speculators import NgramIndex, lookup_tokens, lookup_veto
+    from specee_core.spec.proposers import LookupProposer
 
     gen = torch.Generator().manual_seed(0)
     scan, index = LookupProposer(), NgramIndex()
@@ -100,6 +101,19 @@ def test_the_ngram_index_answers_as_the_lookup_scan_does():
             size += 1 + size % 5
     index.reset(0)
     assert index.continuation(0, [7, 8, 7], 2) == [8, 7] and index.continuation(0, [9], 2) == []
+    # followers: per n, what followed the latest earlier occurrence of the last n tokens (scan per n)
+    hist = torch.randint(0, 5, (120,), generator=gen).tolist()
+    followers = NgramIndex()
+    for size in range(1, len(hist)):
+        expect = [-1] * 3
+        for n in (1, 2, 3):
+            tail = hist[size - n : size]
+            starts = [i for i in range(size - n - 1, -1, -1) if size - 1 >= n and hist[i : i + n] == tail]
+            expect[n - 1] = hist[starts[0] + n] if starts else -1
+        assert followers.followers(0, hist[:size]) == expect, size
+    assert lookup_tokens(torch.tensor([[5, 6, -1], [5, -1, -1], [-1, -1, -1]]), 2).tolist() == [6, -1, -1]
+    assert lookup_tokens(torch.tensor([[5, 6, 7]]), 1).tolist() == [7]
+    assert lookup_veto(torch.tensor([6, 3, 4]), torch.tensor([6, -1, 5])).tolist() == [False, False, True]
 
 
 def test_expected_tokens_and_the_table_helpers():

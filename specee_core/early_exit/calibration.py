@@ -15,6 +15,12 @@ its exit threshold):
 - the threshold is the last one rejected; a layer with none never exits;
 - Bonferroni over the layers: with probability >= 1 - delta no layer's rate exceeds eps.
 
+The lookup veto (Calibration.lookup_veto): where prompt lookup finds the row's last n >= lookup_veto tokens
+earlier in its prompt or output and the exit's token is not the one that followed them, the exit is not
+taken (the text is being copied, and the draft's confident candidate would rewrite it). The calibration
+sets such tokens' exit probability at that layer to 0, so the thresholds are certified on exactly the
+exits the engine can take, and the engine applies the rule whenever it uses these thresholds.
+
 Layers are calibrated from the shallowest up, each on the calibration tokens that no shallower layer
 let exit (at run time a deeper predictor sees only the tokens that did not exit below it). The
 calibration file beside the predictors (calibration.safetensors) keeps, per calibration token and
@@ -155,12 +161,30 @@ class Calibration:
 
     @classmethod
     def count(cls, p_exit: dict[int, torch.Tensor], agree: dict[int, torch.Tensor], prompts: int,
-              source: str = "", meta: dict | None = None) -> Calibration:
+              source: str = "", meta: dict | None = None, veto: dict[int, torch.Tensor] | None = None,
+              lookup_veto: int | None = None) -> Calibration:
         """From each layer's exit probabilities p_exit[l] [S] and whether its candidate-local argmax
-        is the full model's token agree[l] [S] (bool), over the same S tokens."""
+        is the full model's token agree[l] [S] (bool), over the same S tokens. veto[l] [S] (bool): where
+        the engine will not let the token exit at l whatever its predictor says (the lookup veto,
+        speculators.lookup_veto, with lookup n-grams of at least `lookup_veto` tokens): its p_exit is 0, so
+        the thresholds are certified on the exits the engine can take, and meta["lookup_veto"] tells the
+        engine to apply the same rule."""
         layers = sorted(p_exit)
-        return cls(layers, torch.stack([p_exit[l].float() for l in layers], 1),
-                   torch.stack([agree[l].bool() for l in layers], 1), prompts, source, meta or {})
+        p = torch.stack([p_exit[l].float() for l in layers], 1)
+        meta = dict(meta or {})
+        if veto is not None:
+            if lookup_veto is None:
+                raise ValueError("a veto needs the lookup's shortest n-gram (lookup_veto)")
+            p = p.masked_fill(torch.stack([veto[l].bool() for l in layers], 1), 0.0)
+            meta["lookup_veto"] = int(lookup_veto)
+        return cls(layers, p, torch.stack([agree[l].bool() for l in layers], 1), prompts, source, meta)
+
+    @property
+    def lookup_veto(self) -> int | None:
+        """The shortest lookup n-gram whose token vetoes a contradicting exit (None: no veto): the rule the
+        thresholds were certified under, which the engine applies with them."""
+        n = self.meta.get("lookup_veto")
+        return None if n is None else int(n)
 
     def layer_counts(self, grid: tuple[float, ...] = THRESHOLD_GRID) -> dict[int, LayerCounts]:
         """Each layer on its own, over every token (the precision/recall curves of the report)."""

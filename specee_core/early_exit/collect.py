@@ -8,7 +8,7 @@ import torch
 
 from specee_core.early_exit.predictors import DraftRecord, candidate_probs, exit_choice, predictor_features
 from specee_core.decode.sampling import SamplingParams
-from specee_core.early_exit.speculators import Speculator
+from specee_core.early_exit.speculators import LOOKUP_NGRAM, NgramIndex, Speculator
 from specee_core.decode.stepper import StepOutput
 
 
@@ -19,6 +19,9 @@ class ExitData:
     final: list[torch.Tensor] = field(default_factory=list)  # per step [N] the full-depth token
     q: list[torch.Tensor] = field(default_factory=list)  # per step [N, K] the speculator's own candidate probabilities
     record: list[torch.Tensor] = field(default_factory=list)  # per step [N, K] the draft's record (k >= 3)
+    # per step [N, LOOKUP_NGRAM]: per n = 1..3, the token that followed the latest earlier occurrence of the
+    # row's last n tokens (prompt lookup), -1 where none (what the calibration's lookup veto compares with)
+    lookup: list[torch.Tensor] = field(default_factory=list)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(z [S, L-1, K], cand [S, K], final [S], q [S, K] or None when the speculator scores nothing,
@@ -26,6 +29,10 @@ class ExitData:
         q = torch.cat(self.q) if self.q and len(self.q) == len(self.z) else None
         record = torch.cat(self.record) if self.record and len(self.record) == len(self.z) else None
         return torch.cat(self.z), torch.cat(self.cand), torch.cat(self.final), q, record
+
+    def lookups(self) -> torch.Tensor:
+        """[S, LOOKUP_NGRAM] int64, in the order of tensors()' steps."""
+        return torch.cat(self.lookup)
 
 
 class CollectStepper:
@@ -38,6 +45,7 @@ class CollectStepper:
         self.histories = [list(p) for p in batch.prompt_ids]
         self.features = m.final_norm(batch.last_hidden)
         self.record = DraftRecord(len(batch.prompt_ids))  # as the SpecEE stepper keeps it
+        self.ngrams = NgramIndex(LOOKUP_NGRAM)
         speculator.start(batch.prompt_ids, m.final_norm(prefill_hidden), lens, cache.max_len)
 
     @torch.inference_mode()
@@ -48,6 +56,7 @@ class CollectStepper:
         idx = torch.tensor(alive, device=m.device)
         toks = batch.next_tokens[idx]
         cand, q = self.spec.propose_scored(alive, self.histories, toks, self.features[idx])  # [N, K] each
+        self.data.lookup.append(torch.tensor([self.ngrams.followers(b, self.histories[b]) for b in alive]))
         if cand.shape[1] >= 3:
             self.data.record.append(self.record.step(alive, toks.tolist(), cand))
         w_cand = m.head_rows(cand)  # [N, K, D]

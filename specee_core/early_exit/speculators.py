@@ -309,6 +309,68 @@ def ngram_matches(hist: list[int], max_ngram: int):
                 yield i + n
 
 
+class NgramIndex:
+    """Prompt lookup in O(max_ngram) per query instead of a scan of the row's history: per row, the latest
+    start of every n-gram (n <= max_ngram) that some token follows, brought up to date with the tokens the
+    row gained since the last query. Answers as spec.proposers.LookupProposer.continuation does (a test checks)."""
+
+    def __init__(self, max_ngram: int = 3):
+        self.max_ngram = max_ngram
+        self.rows: dict[int, tuple[dict[tuple[int, ...], int], int]] = {}  # row -> (n-gram -> start, tokens seen)
+
+    def reset(self, row: int) -> None:
+        self.rows.pop(row, None)
+
+    def _index(self, row: int, hist: list[int]) -> dict[tuple[int, ...], int]:
+        """The row's index, brought up to date with hist (the row's prompt and output so far)."""
+        index, seen = self.rows.get(row, ({}, 0))
+        size = len(hist)
+        for end in range(max(seen, 1), size):  # the n-grams hist[end - n:end], followed by hist[end]
+            for n in range(1, min(self.max_ngram, end) + 1):
+                index[tuple(hist[end - n : end])] = end - n
+        self.rows[row] = (index, size)
+        return index
+
+    def continuation(self, row: int, hist: list[int], depth: int) -> list[int]:
+        index, size = self._index(row, hist), len(hist)
+        for n in range(min(self.max_ngram, size - 1), 0, -1):
+            start = index.get(tuple(hist[size - n :]))
+            if start is not None:
+                return hist[start + n : start + n + depth]
+        return []
+
+    def followers(self, row: int, hist: list[int]) -> list[int]:
+        """Per n = 1..max_ngram: the token that followed the latest earlier occurrence of hist's last n
+        tokens, -1 where there is none."""
+        index, size = self._index(row, hist), len(hist)
+        out = [-1] * self.max_ngram
+        for n in range(1, min(self.max_ngram, size - 1) + 1):
+            start = index.get(tuple(hist[size - n :]))
+            if start is not None:
+                out[n - 1] = hist[start + n]
+        return out
+
+
+LOOKUP_NGRAM = 3  # the longest n-gram the lookup veto reads (NgramIndex.followers)
+
+
+def lookup_tokens(followers: torch.Tensor, min_ngram: int) -> torch.Tensor:
+    """followers [S, n_max] (NgramIndex.followers per row) -> [S]: the token that followed the latest
+    earlier occurrence of the row's longest matching n-gram with n >= min_ngram, -1 where none matches."""
+    out = torch.full(followers.shape[:1], -1, dtype=torch.int64, device=followers.device)
+    for n in range(min_ngram, followers.shape[1] + 1):  # a longer match overrides
+        out = torch.where(followers[:, n - 1] >= 0, followers[:, n - 1], out)
+    return out
+
+
+def lookup_veto(exit_tokens: torch.Tensor, looked_up: torch.Tensor) -> torch.Tensor:
+    """Where an exit's token [S] (or [S, L-1]) contradicts prompt lookup's token looked_up [S] (-1: none):
+    the text is being copied from the prompt or the output so far, and the exit would emit something else
+    (measured on HumanEval: exits that rewrote a signature the prompt spells out)."""
+    lk = looked_up if exit_tokens.dim() == 1 else looked_up[:, None]
+    return (lk >= 0) & (exit_tokens != lk)
+
+
 class PromptLookupSpeculator(Speculator):
     """Candidates from earlier continuations of the row's latest n-gram (n = max_ngram..1),
     most recent first; short lists are completed by `fallback`, then by the row's most

@@ -21,7 +21,8 @@ from specee_core.early_exit.predictors import (DraftRecord, LayerPredictor, Pred
                                                exit_choice, exit_probability, predictor_features)
 from specee_core.decode.sampling import sample
 from specee_core.early_exit.scheduler import OnlineWindow, PayOffGate, Schedule
-from specee_core.early_exit.speculators import DraftHead, DraftSpeculator, PromptLookupSpeculator, Speculator
+from specee_core.early_exit.speculators import (LOOKUP_NGRAM, DraftHead, DraftSpeculator, NgramIndex,
+                                                PromptLookupSpeculator, Speculator, lookup_tokens, lookup_veto)
 from specee_core.decode.stepper import StepOutput
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,9 @@ class EarlyExit:
         self.calibration = calibration
         self.model_dir = model_dir
         self.thresholds = self._thresholds()
+        # the calibrated thresholds hold under the rule they were certified with: an exit whose token contradicts
+        # prompt lookup's (n-gram of at least this many tokens) is not taken (calibration.Calibration.lookup_veto)
+        self.lookup_veto = None if options.max_disagreement is None else calibration.lookup_veto
         self.gated = options.gate == "measured" or (options.gate == "auto" and model.device.type != "cuda")
         self.pay_off: dict = {}  # "costs": the PayOffCosts its gates timed (once; shared by every batch)
 
@@ -293,6 +297,7 @@ class Proposal:
     cand: torch.Tensor  # [N, K] candidate token ids
     draft_prob: torch.Tensor | None  # [N, K] the speculator's probabilities of them, when the predictors read them
     record: torch.Tensor | None  # [N, K] the draft's recent record (DraftRecord.features), when the predictors read it
+    lookup: torch.Tensor | None  # [N] prompt lookup's next token (-1: no match), when the calibration's veto needs it
     explore: bool  # every predictor runs this step (unbiased exit statistics for re-tuning)
     audit: bool  # exited rows run on to full depth and are compared with the full model's argmax
 
@@ -362,6 +367,7 @@ class Stepper:
         self.exited_last = [False] * n
         self.no_chain = ee.predictors.reads_draft_prob
         self.record = DraftRecord(n) if ee.predictors.reads_record else None
+        self.ngrams = None if ee.lookup_veto is None else NgramIndex(LOOKUP_NGRAM)
         self._chunk_rope: tuple = ((), None)  # (positions, rope) of the last recompute chunk
         self.t_draft = self.t_pred = self.t_total = 0.0
         self.step_no = 0
@@ -382,6 +388,9 @@ class Stepper:
             self.exited_last[b] = False
         if self.record is not None:
             self.record.clear(rows)
+        if self.ngrams is not None:
+            for b in rows:
+                self.ngrams.reset(b)
         idx = torch.tensor(rows, device=m.device)
         self.features[idx] = m.final_norm(batch.last_hidden[idx])
         t0 = time.perf_counter()
@@ -446,8 +455,8 @@ class Stepper:
         self.speculator.defer(alive, toks, feats)
         if self.record is not None:  # no proposals: the rows' records start over after the stretch
             self.record.clear(alive)
-        prop = Proposal(alive, idx, toks, cand=toks[:, None], draft_prob=None, record=None, explore=False,
-                        audit=False)
+        prop = Proposal(alive, idx, toks, cand=toks[:, None], draft_prob=None, record=None, lookup=None,
+                        explore=False, audit=False)
         walk, out = self._start(prop, rows)
         walk.pred_layers = [frozenset()] * len(alive)
         t0 = time.perf_counter()
@@ -475,12 +484,16 @@ class Stepper:
         idx, toks, feats = self._fed(alive, rows)
         cand, q = self.speculator.propose_scored(alive, self.histories, toks, feats)
         record = None if self.record is None else self.record.step(alive, toks.tolist(), cand).to(cand.device)
+        lookup = None
+        if self.ngrams is not None:
+            followers = torch.tensor([self.ngrams.followers(b, self.histories[b]) for b in alive])
+            lookup = lookup_tokens(followers, self.ee.lookup_veto).to(cand.device)
         explore = opts.explore_every > 0 and self.step_no % opts.explore_every == 0
         f = opts.audit_fraction  # steps s with floor((s + 1) f) > floor(s f): a share f, evenly spread
         audit = f > 0 and math.floor((self.step_no + 1) * f) > math.floor(self.step_no * f)
         self.step_no += 1
-        return Proposal(alive, idx, toks, cand, q if self.ee.predictors.reads_draft_prob else None, record, explore,
-                        audit)
+        return Proposal(alive, idx, toks, cand, q if self.ee.predictors.reads_draft_prob else None, record, lookup,
+                        explore, audit)
 
     def _start(self, prop: Proposal, rows: torch.Tensor | None) -> tuple[Walk, Decisions]:
         """Every step row runs from the embedding; nothing is decided yet."""
@@ -544,7 +557,10 @@ class Stepper:
         p_exit, prob, local = walk.scorer(hs, js_dev, prev, self.ee.predictors.layers[layer])
         for j in js:
             self.rows[prop.alive[j]].predictor_calls += 1
-        fired = [q for q, f in enumerate((p_exit > self.thresholds[layer]).tolist()) if f]  # positions in sel
+        fire = p_exit > self.thresholds[layer]
+        if prop.lookup is not None:  # the calibration's rule: no exit against prompt lookup's token
+            fire &= ~lookup_veto(local, prop.lookup if js_dev is None else prop.lookup[js_dev])
+        fired = [q for q, f in enumerate(fire.tolist()) if f]  # positions in sel
         if len(fired) == len(sel):
             return sel, hs, local
         if not fired:

@@ -168,32 +168,6 @@ class LookupProposer:
         pass
 
 
-class NgramIndex:
-    """Prompt lookup in O(max_ngram) per query instead of a scan of the row's history: per row, the latest
-    start of every n-gram (n <= max_ngram) that some token follows, brought up to date with the tokens the
-    row gained since the last query. Answers as LookupProposer.continuation does (a test checks)."""
-
-    def __init__(self, max_ngram: int = 3):
-        self.max_ngram = max_ngram
-        self.rows: dict[int, tuple[dict[tuple[int, ...], int], int]] = {}  # row -> (n-gram -> start, tokens seen)
-
-    def reset(self, row: int) -> None:
-        self.rows.pop(row, None)
-
-    def continuation(self, row: int, hist: list[int], depth: int) -> list[int]:
-        index, seen = self.rows.get(row, ({}, 0))
-        size = len(hist)
-        for end in range(max(seen, 1), size):  # the n-grams hist[end - n:end], followed by hist[end]
-            for n in range(1, min(self.max_ngram, end) + 1):
-                index[tuple(hist[end - n : end])] = end - n
-        self.rows[row] = (index, size)
-        for n in range(min(self.max_ngram, size - 1), 0, -1):
-            start = index.get(tuple(hist[size - n :]))
-            if start is not None:
-                return hist[start + n : start + n + depth]
-        return []
-
-
 @dataclass
 class TreeShape:
     depth: int  # levels below the root

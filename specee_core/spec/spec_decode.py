@@ -18,7 +18,8 @@ import torch
 
 from specee_core.spec.acceptance import Verdict, accept_greedy, accept_sampled
 from specee_core.decode.plan import Planner, StepPlan
-from specee_core.spec.proposers import Draft, DraftHeadProposer, LookupProposer, NgramIndex, Proposer, TreeShape
+from specee_core.early_exit.speculators import NgramIndex
+from specee_core.spec.proposers import Draft, DraftHeadProposer, LookupProposer, Proposer, TreeShape
 from specee_core.decode.sampling import probabilities, sample
 from specee_core.decode.stepper import StepOutput
 from specee_core.spec.t3 import T3, Verified, verify_with_exits
