@@ -163,7 +163,6 @@ def collect(engine, prompts: list[str], cfg: PredictorTrainConfig, part: str = "
         saved = torch.load(path, weights_only=True)
         if saved["key"] == key and "lookup" in saved:
             log.info("decode data loaded from %s", path)
-            saved.setdefault("record", None)
             return saved
     speculator = make_speculator(engine, cfg.model, cfg.speculator, cfg.k)
     shadow = None

@@ -44,11 +44,7 @@ for n in (0, 1, 2, 3):
     cal = Calibration.count(p_exit, agree, prompts=rows, veto=veto or None, lookup_veto=n or None)
     for eps in (0.01, 0.02, 0.05, 0.1):
         th = {l: c.threshold for l, c in cal.thresholds(eps).items() if c.threshold is not None}
-        first = torch.full((S,), L)
-        for c, l in reversed(list(enumerate(cal.layers))):  # the shallowest firing layer wins
-            if l in th:
-                first = torch.where(cal.p_exit[:, c] > th[l], torch.tensor(l), first)
-        layer, exited = first.tolist(), [False] * S
+        layer, exited = cal.exit_layers(th, L).tolist(), [False] * S
         for t in range(S):  # no exit right after an exit (in step order: prev[t] < t)
             if prev[t] >= 0 and exited[prev[t]]:
                 layer[t] = L

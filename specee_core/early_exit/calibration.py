@@ -186,6 +186,15 @@ class Calibration:
         n = self.meta.get("lookup_veto")
         return None if n is None else int(n)
 
+    def exit_layers(self, thresholds: dict[int, float], num_layers: int) -> torch.Tensor:
+        """[S] the layer each calibration token exits at under these thresholds (a layer missing from them
+        never exits): the shallowest whose exit probability passes its threshold, num_layers where none does."""
+        exit_at = torch.full((self.tokens,), num_layers)
+        for c, l in reversed(list(enumerate(self.layers))):  # deepest first: a shallower exit overwrites
+            if thresholds.get(l) is not None:
+                exit_at = torch.where(self.p_exit[:, c] > thresholds[l], torch.tensor(l), exit_at)
+        return exit_at
+
     def layer_counts(self, grid: tuple[float, ...] = THRESHOLD_GRID) -> dict[int, LayerCounts]:
         """Each layer on its own, over every token (the precision/recall curves of the report)."""
         out = {}

@@ -139,10 +139,7 @@ class EarlyExit:
             return None
         if "expected_skip" not in self.pay_off:
             L, layers = self.model.num_layers, self.exit_layers()
-            exit_at = torch.full((cal.tokens,), L)
-            for c, l in reversed(list(enumerate(cal.layers))):  # deepest first: a shallower exit overwrites
-                if l in layers:
-                    exit_at = torch.where(cal.p_exit[:, c] > self.thresholds[l], torch.tensor(l), exit_at)
+            exit_at = cal.exit_layers({l: t for l, t in self.thresholds.items() if l in layers}, L)
             self.pay_off["expected_skip"] = float((L - exit_at).float().mean())
         return self.pay_off["expected_skip"]
 
