@@ -3,14 +3,12 @@
 
 - stream: the job as it is: one streaming pass through pipeline.processor (Ray Data's streaming
           executor and actor pool), engine actors that load the model once;
-- driver: the same pass through the hand-written actor pool (`jobs.generate --executor driver`);
 - waves:  the same job in the shape it had before, rows split into --waves groups by a hash of
           their id, each group its own run with new actors (one model load per actor per wave);
 - bare:   the engine alone in this process (all CPUs), the same prompts in batches of the same size.
 
     python -m jobs.bench_pipeline --out docs/bench_pipeline.json
     python -m jobs.bench_pipeline --limit 48 --max-new-tokens 16 --variants stream,bare   # quick
-    python -m jobs.bench_pipeline --variants stream,driver --out docs/bench_pipeline_executor.json
     python -m jobs.bench_pipeline --variants stream --modes auto,dense   # the default job against dense
     python -m jobs.bench_pipeline --variants stream --weights fp32,bf16,q4   # weight formats, dense
 
@@ -33,7 +31,7 @@ import zlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("stream", "driver", "waves", "bare")
+VARIANTS = ("stream", "waves", "bare")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,7 +78,7 @@ def stage_config(args, mode: str, weights: str):
                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
 
 
-def pipeline_run(args, mode: str, weights: str, inputs: list[Path], out: Path, executor: str = "processor") -> dict:
+def pipeline_run(args, mode: str, weights: str, inputs: list[Path], out: Path) -> dict:
     """One run() per input file into one output: a single file is the stream shape, several the waves."""
     import pandas as pd
 
@@ -88,7 +86,7 @@ def pipeline_run(args, mode: str, weights: str, inputs: list[Path], out: Path, e
 
     t0 = time.perf_counter()
     summaries = [run(BatchConfig(input=[str(f)], output=str(out), stage=stage_config(args, mode, weights),
-                                 num_actors=args.num_actors, show_progress=False, executor=executor))
+                                 num_actors=args.num_actors, show_progress=False))
                  for f in inputs]
     wall = time.perf_counter() - t0
     df = pd.read_parquet(out)
@@ -172,8 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
                     r = bare_run(args, mode, weights, rows)
                 else:
                     out_dir = work / f"out-{shape}-{mode}-{weights}-{rnd}"
-                    r = pipeline_run(args, mode, weights, waves if shape == "waves" else [whole], out_dir,
-                                     "driver" if shape == "driver" else "processor")
+                    r = pipeline_run(args, mode, weights, waves if shape == "waves" else [whole], out_dir)
                 r["rows_per_s"] = r["rows"] / r["wall_s"]
                 r["tokens_per_s"] = r["tokens"] / r["wall_s"]
                 r["generate_tokens_per_s"] = r["tokens"] / r["generate_s"] if r["generate_s"] else None
@@ -196,8 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "in fp32 by the tests, not here.",
         "variants": summary,
     }
-    pairs = [("stream", "bare"), ("stream", "driver"), ("stream", "waves")] + [(f"{v}:{m}", f"{v}:dense") for v in VARIANTS for m in modes
-                                                         if m != "dense"]
+    pairs = [("stream", "bare"), ("stream", "waves")] + [(f"{v}:{m}", f"{v}:dense") for v in VARIANTS for m in modes
+                                                       if m != "dense"]
     pairs += [(v, v.rsplit("@", 1)[0] + f"@{formats[0]}") for v in variants if "@" in v and not v.endswith(f"@{formats[0]}")]
     for a, b in pairs:
         if a in summary and b in summary:

@@ -39,7 +39,7 @@ import torch
 from jobs.bench import git_commit
 from jobs.cli import parse_config
 from specee_core import SpecEEEngine
-from specee_core.decode.engine import DenseStepper
+from specee_core.decode.dense import DenseStepper
 from specee_core.decode.sampling import SamplingParams
 from specee_eval import humaneval, metrics
 from specee_eval.forced import Forcing

@@ -89,9 +89,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spec-lookup", choices=["off", "merge", "first"], default=None,
                    help="spec with the draft head: prompt lookup's chain joins its tree (merge) or replaces it "
                         "where lookup finds a continuation (first)")
-    p.add_argument("--executor", choices=["processor", "driver"], default="processor",
-                   help="processor (default: Ray Data's streaming executor over pipeline.processor) | driver (the "
-                        "hand-written actor pool, kept for jobs.bench_pipeline's comparison)")
     p.add_argument("--rows-per-file", type=int, default=1000)
     p.add_argument("--address", default=None, help="Ray cluster address; 'local' starts a private instance "
                                                    "(default: RAY_ADDRESS, else a cluster started here with "
@@ -130,7 +127,7 @@ def build_config(args: argparse.Namespace):
                        num_actors=args.num_actors, cpus_per_actor=args.cpus_per_actor,
                        input_format=args.input_format, prompt_column=args.prompt_column, id_column=args.id_column,
                        limit=args.limit, schedule=args.schedule, rows_per_file=args.rows_per_file,
-                       show_progress=not args.no_progress, executor=args.executor)
+                       show_progress=not args.no_progress)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -9,11 +9,6 @@ duplicates rows. In SpecEE mode the processor's schedule store actor (pipeline.s
 gathers each batch's exit statistics and re-tunes the predictor schedule every N generated tokens;
 engines pick up new versions between batches, every row records the version it ran with, and the
 driver saves each version under _schedules/.
-
-executor="driver" runs the same rows through the hand-written actor pool the job had before the
-processor (stream(): each actor kept CALLS_PER_ACTOR batches busy, inline constructor arguments,
-TASK_RETRIES retries, then the batch's rows one by one and error rows). jobs.bench_pipeline compares
-the two on the same rows and tests/pipeline/test_chaos.py kills actors under both.
 """
 from __future__ import annotations
 
@@ -21,10 +16,9 @@ import logging
 import math
 import time
 import uuid
-from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -33,16 +27,11 @@ import ray.data
 
 from pipeline.output import DoneIds, OutputDir
 from pipeline.prompts import read_prompts
-from pipeline.schedule_store import remote_store
-from pipeline.stage import OUTPUT_SCHEMA, GenerateRows, StageConfig
+from pipeline.stage import OUTPUT_SCHEMA, StageConfig
 from specee_core.early_exit.step import initial_schedule
 from specee_core.early_exit.scheduler import Schedule
 
 log = logging.getLogger(__name__)
-
-EXECUTORS = ("processor", "driver")
-CALLS_PER_ACTOR = 2  # batches queued on each actor, so that it starts the next as soon as one ends
-TASK_RETRIES = 2  # a batch whose actor dies is run again twice; then its rows one by one, then error rows
 
 
 @dataclass
@@ -64,9 +53,6 @@ class BatchConfig:
     flush_every_s: float = 60.0  # also write a part file this often, so a crash loses little work
     runtime_env: dict | None = None  # for the actors, e.g. {"env_vars": {...}}
     show_progress: bool = True
-    # "processor": the rows go through pipeline.processor (Ray Data's streaming executor and actor pool);
-    # "driver": the hand-written actor pool below (kept for jobs.bench_pipeline's comparison)
-    executor: str = "processor"
 
     def __post_init__(self) -> None:
         self.input = [self.input] if isinstance(self.input, str) else list(self.input)
@@ -79,8 +65,6 @@ class BatchConfig:
             raise ValueError(f"cpus_per_actor must be > 0, got {self.cpus_per_actor}")
         if self.schedule is not None and self.stage.mode != "specee":
             raise ValueError(f"a schedule only applies to mode='specee', mode is {self.stage.mode!r}")
-        if self.executor not in EXECUTORS:
-            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
 
 
 @dataclass
@@ -173,31 +157,6 @@ class Progress:
         self.bar.close()
 
 
-def batches_to_do(inputs: ray.data.Dataset, done: DoneIds, size: int) -> Iterator[pa.Table]:
-    """The input rows not in done, in tables of `size` rows (the last one shorter), streamed."""
-    return rebatch(inputs.iter_batches(batch_format="pyarrow", batch_size=None), done, size)
-
-
-def rebatch(blocks: Iterable[pa.Table], done: DoneIds, size: int) -> Iterator[pa.Table]:
-    """The rows of blocks whose ids are not in done, in tables of `size` rows (the last one shorter)."""
-    pending: list[pa.Table] = []
-    n = 0
-    for block in blocks:
-        if len(done):
-            block = block.filter(pa.array(~done.mask(block["id"].to_pylist())))
-        if not block.num_rows:
-            continue
-        pending.append(block)
-        n += block.num_rows
-        while n >= size:
-            whole = pa.concat_tables(pending)
-            yield whole.slice(0, size)
-            rest = whole.slice(size)
-            pending, n = ([rest] if rest.num_rows else []), rest.num_rows
-    if n:
-        yield pa.concat_tables(pending)
-
-
 def count_to_do(inputs: ray.data.Dataset, done: DoneIds) -> int:
     """Rows of the input not yet in the output: one read of the id column, for the progress bar."""
     total = 0
@@ -275,8 +234,8 @@ def run(cfg: BatchConfig) -> dict:
     inputs = read_prompts(cfg.input, input_format=cfg.input_format, prompt_column=cfg.prompt_column,
                           id_column=cfg.id_column, limit=cfg.limit)
     total = count_to_do(inputs, done)
-    log.info("run %s: %d rows to do (%d already in %s); %d actors with %s; mode %s; executor %s", run_id, total,
-             len(done), out.root, cfg.num_actors, actor_resources(cfg), cfg.stage.mode, cfg.executor)
+    log.info("run %s: %d rows to do (%d already in %s); %d actors with %s; mode %s", run_id, total,
+             len(done), out.root, cfg.num_actors, actor_resources(cfg), cfg.stage.mode)
     stats = RowStats()
     writer = Writer(out, run_id, cfg.rows_per_file, cfg.flush_every_s)
     progress = Progress(total, cfg.show_progress)
@@ -286,9 +245,8 @@ def run(cfg: BatchConfig) -> dict:
         writer.add(rows)
         progress.update(rows.num_rows, stats, pc.max(rows["schedule_version"]).as_py())
 
-    execute = run_processor if cfg.executor == "processor" else run_driver
     try:
-        store_state, engine_info = execute(cfg, run_id, inputs, done, schedule, out, sink, writer)
+        store_state, engine_info = run_processor(cfg, run_id, inputs, done, schedule, out, sink, writer)
     finally:
         writer.flush()  # complete rows are kept even when the run stops with an error
         progress.close()
@@ -362,111 +320,6 @@ def start_failure(e: BaseException) -> str | None:
     return lines[-1] if lines else text
 
 
-def run_driver(cfg: BatchConfig, run_id: str, inputs: ray.data.Dataset, done: DoneIds, schedule: Schedule | None,
-               out: OutputDir, sink: Callable[[pa.Table], None], writer: Writer) -> tuple[dict | None, list[dict]]:
-    """The hand-written actor pool (stream): rows to sink as each call returns."""
-    resources = actor_resources(cfg)
-    store_name = f"specee-schedule-{run_id}"
-    opts = cfg.stage.engine_options
-    store = remote_store(store_name, schedule, cfg.retune_every_tokens, cfg.retune_min_exits,
-                         opts.get("max_disagreement"), opts.get("confidence", 0.95)) \
-        if cfg.stage.mode == "specee" else None
-    engine = ray.remote(GenerateRows).options(max_restarts=-1, max_task_retries=TASK_RETRIES,
-                                              runtime_env=cfg.runtime_env, **resources)
-    actors = [engine.remote(cfg.stage, run_id, store_name if store else None) for _ in range(cfg.num_actors)]
-    versions = SavedVersions(store, out, schedule)
-    try:
-        try:  # waits for the first actor to load (and measure)
-            first = ray.get(actors[0].describe.remote())
-        except ray.exceptions.RayActorError as e:
-            if "creation task" in str(e):
-                reason = [line for line in str(e).splitlines() if line.strip()][-1]
-                raise RuntimeError(f"an engine actor could not start: {reason}") from e
-            raise
-        log.info("engine: %s (%s), %s weights (%s)%s", first["dtype"], first["dtype_reason"], first["weights"],
-                 first["weights_reason"], plan_line(first.get("plan")))
-        stream(actors, batches_to_do(inputs, done, cfg.stage.batch_size), writer, sink, versions,
-               lambda batch, error: error_rows(batch, error, cfg.stage.mode, run_id))
-        versions.poll(wait=True)
-        store_state = ray.get(store.state.remote()) if versions.store is not None else None
-        try:  # for the summary only: an actor lost at the end must not fail a finished job
-            engine_info = ray.get([a.describe.remote() for a in actors], timeout=120)
-        except (ray.exceptions.RayError, TimeoutError) as e:
-            log.warning("could not read the engines' plans for the summary: %s", e)
-            engine_info = [first]
-    finally:
-        for a in actors + ([store] if store else []):
-            ray.kill(a)
-    return store_state, engine_info
-
-
-def stream(actors: list, batches: Iterator[pa.Table], writer: Writer, sink: Callable[[pa.Table], None],
-           versions: SavedVersions, failed: Callable[[pa.Table, str], pa.Table]) -> None:
-    """Keep every actor CALLS_PER_ACTOR batches busy until the input runs out; write rows as they return.
-
-    A batch whose actor died 1 + TASK_RETRIES times (Ray restarts the actor and reruns the call) is
-    split into its rows, run one by one with nothing else in flight; a row that still kills its actor
-    becomes an error row (failed(batch, error)), so one poisonous prompt costs its own row, not the
-    job or its neighbours."""
-    free = deque(a for _ in range(CALLS_PER_ACTOR) for a in actors)  # round robin first: a1, a2, a1, a2
-    in_flight: dict = {}
-    singles: deque[pa.Table] = deque()  # rows of batches that killed their actor, to run alone
-    exhausted = False
-    while True:
-        # suspects (rows of a batch that killed its actor) run alone, one at a time: a poisonous row
-        # must not take the calls queued beside it down with it
-        while free and not any(alone for _, _, alone in in_flight.values()) and (singles or not exhausted):
-            if singles and in_flight:
-                break  # let the pool drain first
-            alone = bool(singles)
-            batch = singles.popleft() if alone else next(batches, None)
-            if batch is None:
-                exhausted = True
-                break
-            actor = free.popleft()
-            in_flight[actor.generate_batch.remote(batch)] = (actor, batch, alone)
-        if not in_flight:
-            break
-        ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=1.0)
-        for ref in ready:
-            actor, batch, _ = in_flight.pop(ref)
-            free.append(actor)
-            try:
-                rows = ray.get(ref).cast(OUTPUT_SCHEMA)
-            except ray.exceptions.RayActorError as e:
-                reason = [line for line in str(e).splitlines() if line.strip()][-1]
-                if "creation task" in str(e):  # a constructor that raised: no batch can run
-                    raise RuntimeError(f"an engine actor could not start: {reason}") from e
-                if batch.num_rows > 1:
-                    log.warning("an engine actor died %d times on a batch of %d rows; running them one by one",
-                                1 + TASK_RETRIES, batch.num_rows)
-                    singles.extend(batch.slice(i, 1) for i in range(batch.num_rows))
-                    continue
-                rows = failed(batch, f"WorkerDied: the engine process died {1 + TASK_RETRIES} times on this row "
-                                     f"({reason})")
-            sink(rows)
-        if writer.due():
-            writer.flush()
-        versions.poll()
-
-
-def error_rows(batch: pa.Table, error: str, mode: str, run_id: str) -> pa.Table:
-    """OUTPUT_SCHEMA error rows for the rows of an input batch."""
-    return pa.Table.from_pylist([{"id": i, "prompt": p, "mode": mode, "run_id": run_id, "error": error}
-                                 for i, p in zip(batch["id"].to_pylist(), batch["prompt"].to_pylist())],
-                                schema=OUTPUT_SCHEMA)
-
-
-def plan_line(plan: dict | None) -> str:
-    """One line of what mode auto will do at the job's batch size, for the log."""
-    if not plan:
-        return ""
-    (b, p), = list(plan["by_batch"].items())[-1:]
-    return (f"; plan at batch {b}: dense {p['dense_tokens_per_s']} tok/s by the table; rows with a lookup hit: "
-            f"{p['lookup_hit']['step']}, without: {p['no_lookup_hit']['step']} (at acceptance "
-            f"{plan['at_prior_acceptance']}, learned per row while decoding)")
-
-
 def summarize(cfg: BatchConfig, out: OutputDir, run_id: str, this_run: RowStats, store_state: dict | None,
               wall_s: float, engine_info: list[dict] | None = None) -> dict:
     """Totals over every row in the output, plus this run's throughput on the job's one clock."""
@@ -505,6 +358,7 @@ def summarize(cfg: BatchConfig, out: OutputDir, run_id: str, this_run: RowStats,
         # specee with a tolerance: the live audit's disagreement per layer with its upper bound, layers closed
         "audit": None if store_state is None else store_state.get("audit"),
         "dtype": engine_info[0]["dtype"] if engine_info else None,
+        "kv_memory": engine_info[0].get("kv_memory") if engine_info else None,  # an engine's KV budget at start
         "weights": engine_info[0]["weights"] if engine_info else None,
         "engines": engine_info,  # per actor: dtype and why, the machine, in mode auto the plan and its choices
     }

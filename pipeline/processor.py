@@ -102,7 +102,8 @@ class ProcessorConfig:
                            weights=self.weights, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                            top_p=self.top_p, top_k=self.top_k, stop=tuple(self.stop), seed=self.seed,
                            batch_size=self.batch_size, torch_threads=self.torch_threads, chat=False,
-                           engine_options=dict(self.engine_options), spec=dict(self.spec))
+                           engine_options=dict(self.engine_options), spec=dict(self.spec),
+                           engines_per_node=self.concurrency)
 
     def resources(self) -> dict:
         from pipeline.batch import share_resources

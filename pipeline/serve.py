@@ -6,22 +6,21 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (when the tokenizer has a chat template),
 GET /v1/models, GET /healthz.
 
-Batching (`batching`): "continuous" (default) runs every request, streaming or not, through
-specee_core.decode.continuous: prompts join the running batch at decode-step boundaries, leave it when they
-finish, get free rows in turn per request (a 1000-prompt request does not starve a 1-prompt one),
-and long prompts are prefilled in chunks between decode steps. "request" is the earlier shape, kept
-for comparison (jobs.bench_serve): non-streaming requests that arrive together are batched
-(@serve.batch) into engine calls that run to completion, streams run one engine call each. Either
-way the engine runs on one thread of its own (it is not thread-safe), and JSON parsing, chat
-templating and tokenization run on a small pool of other threads, so the event loop stays free to
-accept requests and answer /healthz.
+Batching: every request, streaming or not, runs through the engine's one core
+(specee_core.decode.core, the same scheduler and decode loop as SpecEEEngine.generate and the batch
+job): prompts join the running batch at decode-step boundaries, leave it when they finish, get free
+rows in turn per request (a 1000-prompt request does not starve a 1-prompt one), long prompts are
+prefilled in chunks between decode steps, and a prompt waits for its KV blocks in the engine's budget
+(`engine_options` kv_cache_gb; prompt blocks already computed come from the prefix cache and are
+reported as usage.prompt_tokens_details.cached_tokens). The core runs on one thread of its own (it
+is not thread-safe), and JSON parsing, chat templating and tokenization run on a small pool of other
+threads, so the event loop stays free to accept requests and answer /healthz.
 
 Limits, each a 4xx with an OpenAI-style error body (ServeArgs): body size (413), JSON nesting depth,
 prompts per request, characters per prompt before tokenizing, tokens per request, stop strings'
 count and length (400), requests waiting beyond the running batch (429 with Retry-After), and with
 `api_keys` set, a missing or wrong `Authorization: Bearer` (401; /healthz stays open)."""
 import asyncio
-import functools
 import hmac
 import json
 import logging
@@ -35,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -45,8 +43,8 @@ from ray.serve import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specee_core import PromptError, SpecEEEngine
-from specee_core.decode.continuous import Request as EngineRequest
-from specee_core.decode.continuous import Runner, Scheduler, Watchdog
+from specee_core.decode.core import Request as EngineRequest
+from specee_core.decode.core import Runner
 from specee_core.decode.engine import MODES
 from specee_core.decode.plan import machine_facts
 from specee_core.decode.sampling import SamplingParams
@@ -83,12 +81,10 @@ class ServeArgs(BaseModel):
     # auto: the checkpoint's own low-bit format (a GGUF's Q4_1) where its kernel is faster here, else the dtype
     weights: Literal["auto", "fp32", "bf16", "q8", "q4"] = "auto"
     engine_options: dict = Field(default_factory=dict)  # more SpecEEEngine.from_pretrained options
-    batching: Literal["continuous", "request"] = "continuous"  # see the module's docstring
-    max_batch_size: int = Field(8, ge=1)  # rows decoding at once (continuous); prompts per engine call (request)
-    prefill_chunk: int = Field(256, ge=1)  # continuous: prompt tokens prefilled per step (one lane)
-    batch_wait_timeout_s: float = Field(0.02, ge=0)  # request batching: how long a batch waits to fill up
+    max_batch_size: int = Field(8, ge=1)  # rows decoding at once
+    prefill_chunk: int = Field(256, ge=1)  # prompt tokens prefilled per step (one lane)
     max_tokens_limit: int | None = Field(None, ge=1)  # default: the context length - 1
-    stall_timeout_s: float = Field(600.0, gt=0)  # an engine call running longer fails the health check
+    stall_timeout_s: float = Field(600.0, gt=0)  # a decode step running longer fails the health check
     num_cpus: float = Field(1.0, gt=0)  # per replica
     # clients must send `Authorization: Bearer <one of these>` (401 otherwise); empty: no authentication
     api_keys: list[str] = Field(default_factory=lambda: os.environ.get(API_KEYS_ENV, ""))
@@ -127,7 +123,7 @@ class Work:
     prompts: tuple[str, ...]
     params: dict  # max_new_tokens, temperature, top_p, top_k, stop (tuple), seed, max_disagreement
     mode: str
-    ids: tuple = ()  # the prompts' token ids (continuous batching runs these)
+    ids: tuple = ()  # the prompts' token ids (what the engine runs)
 
     def engine_request(self, on_token=None) -> EngineRequest:
         p = self.params
@@ -135,16 +131,6 @@ class Work:
                                   top_k=p["top_k"], stop=list(p["stop"]), seed=p["seed"])
         return EngineRequest([list(i) for i in self.ids], sampling, self.mode, on_token=on_token,
                              max_disagreement=p.get("max_disagreement"))
-
-    def key(self) -> tuple:
-        """Requests with equal keys can share one engine call."""
-        p = dict(self.params)
-        if p["temperature"] == 0:  # greedy: the other sampling knobs do nothing
-            p.update(top_p=1.0, top_k=0, seed=None)
-        elif p["seed"] is not None:
-            # one generator serves a whole engine call: a seeded request runs alone to be reproducible
-            return (id(self),)
-        return (self.mode, *sorted(p.items()))
 
 
 def pick_mode(requested: str | None, *, has_predictors: bool) -> str:
@@ -157,58 +143,6 @@ def pick_mode(requested: str | None, *, has_predictors: bool) -> str:
     if requested == "specee" and not has_predictors:
         raise ValueError("mode 'specee' is not available: this model has no predictors")
     return requested
-
-
-def _prompt_count(works: list[Work]) -> int:
-    return sum(len(w.prompts) for w in works)
-
-
-def run_grouped(engine, works: list[Work]) -> list:
-    """One engine.generate() per group of works with equal keys, in arrival order. Per work:
-    (its results, prompts in its engine call), or the exception its group raised; other groups
-    still run."""
-    groups: dict[tuple, list[int]] = {}
-    for i, w in enumerate(works):
-        groups.setdefault(w.key(), []).append(i)
-    out: list = [None] * len(works)
-    for idx in groups.values():
-        prompts = [p for i in idx for p in works[i].prompts]
-        w0 = works[idx[0]]
-        try:
-            results = engine.generate(prompts, mode=w0.mode, **w0.params)
-        except Exception as e:  # noqa: BLE001 - handed to the requests of this group only
-            for i in idx:
-                out[i] = e
-            continue
-        for r in results:  # the engine cuts already: this guards the API contract (no stop string is returned)
-            r.text = cut_at_stop(r.text, w0.params["stop"])
-        s = 0
-        for i in idx:
-            n = len(works[i].prompts)
-            out[i], s = (results[s : s + n], len(prompts)), s + n
-    return out
-
-
-class EngineThread(Watchdog):
-    """The one thread that runs a replica's engine calls with request batching (the engine is not
-    thread-safe), watched for the health check."""
-
-    def __init__(self, stall_timeout_s: float):
-        super().__init__(stall_timeout_s)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specee-engine")
-
-    def submit(self, fn, *args) -> asyncio.Future:
-        return asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, *args)
-
-    def _run(self, fn, *args):
-        self._busy_since = time.monotonic()
-        try:
-            return fn(*args)
-        except (MemoryError, torch.OutOfMemoryError) as e:  # this replica is done
-            self._fatal = repr(e)
-            raise
-        finally:
-            self._busy_since = None
 
 
 class Admission:
@@ -357,7 +291,8 @@ class SpecEEServer:
     def __init__(self, args: ServeArgs):
         self.engine = SpecEEEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                                    weights=args.weights,
-                                                   **{"max_batch_size": args.max_batch_size, **args.engine_options})
+                                                   **{"max_batch_size": args.max_batch_size,
+                                                      "prefill_chunk": args.prefill_chunk, **args.engine_options})
         self.model_name = args.model_name or Path(args.model).name
         try:
             self.mode = self._pick_mode(args.mode)
@@ -367,26 +302,23 @@ class SpecEEServer:
         self.max_tokens_limit = args.max_tokens_limit or self.engine.context_len - 1
         tok = self.engine.tokenizer
         self.chat_template = getattr(tok, "chat_template", None)
-        self._thread = EngineThread(args.stall_timeout_s)
-        self._runner = None if args.batching == "request" else Runner(
-            Scheduler(self.engine, max_rows=args.max_batch_size, prefill_chunk=args.prefill_chunk),
-            args.stall_timeout_s)
+        # lanes with room for requests that join later: a request's rows decode beside the next ones'
+        self.engine.core.min_lane_rows = self.engine.core.max_rows
+        self._runner = Runner(self.engine.core, args.stall_timeout_s)
         # JSON parsing, chat templates and tokenization of big inputs: off the event loop, beside the engine
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specee-requests")
         self.args = args
         self._api_keys = [k.encode() for k in args.api_keys]
         self._admission = Admission(args.max_batch_size, args.max_queued_requests)
         self.metrics = EngineMetrics(self.model_name, self.engine.model.num_layers, args.max_batch_size)
-        self._generate_batch.set_max_batch_size(args.max_batch_size)
-        self._generate_batch.set_batch_wait_timeout_s(args.batch_wait_timeout_s)
         self.engine.generate(["Hello"], max_new_tokens=1, mode=self.mode)  # warm up; fail here, not on a request
         for mode in {"spec", "auto", self.mode}:  # build what each mode drafts with now, not on a request's thread
             self.engine.stepper_factory(mode)
         if self.mode == "auto":  # its costs, measured (or read from the cache) now, not on a request
             self.engine.prepare_plan([args.max_batch_size])
-        if self._runner is not None:  # and the batching thread, with a lane for greedy requests in the default mode
-            self._runner.submit(EngineRequest([self.engine.encode_prompt("Hello")], SamplingParams(max_new_tokens=2),
-                                              self.mode)).result(timeout=600)
+        # and the batching thread, with a lane for greedy requests in the default mode
+        self._runner.submit(EngineRequest([self.engine.encode_prompt("Hello")], SamplingParams(max_new_tokens=2),
+                                          self.mode)).result(timeout=600)
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()  # = its actor's name
         log.info("serving %s as %r, mode=%s, context=%d, chat=%s, api keys: %d", args.model, self.model_name,
                  self.mode, self.engine.context_len, self.chat_template is not None, len(self._api_keys))
@@ -394,16 +326,12 @@ class SpecEEServer:
     # ---- health -------------------------------------------------------------------------------
     def check_health(self) -> None:
         """Called by Serve every health_check_period_s; raising makes Serve replace this replica."""
-        (self._runner or self._thread).check()
+        self._runner.check()
         self._record_load()
 
     def _record_load(self) -> None:
-        if self._runner is not None:
-            running, waiting = self._runner.scheduler.load
-        else:  # request batching: what is admitted is in or waiting for an engine call
-            running, waiting = min(self._admission.active, self.max_batch_size), max(
-                0, self._admission.active - self.max_batch_size)
-        self.metrics.load(running, waiting)
+        self.metrics.load(*self._runner.core.load)
+        self.metrics.memory(self._runner.core.memory())
 
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
@@ -416,7 +344,7 @@ class SpecEEServer:
                              "dtype": plan.dtype, "dtype_reason": plan.dtype_reason, **self.engine.weights_info(),
                              "machine": machine_facts(self.engine.device),
                              "plan": plan.to_json([1, self.max_batch_size]),
-                             "replica": self.replica_id, "batching": self.args.batching, "rss_mb": rss_mb()})
+                             "kv_memory": self._runner.core.memory(), "replica": self.replica_id, "rss_mb": rss_mb()})
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict:
@@ -449,7 +377,8 @@ class SpecEEServer:
         rid, mode, n_prompt, results, batch_size = out
         body = completion_response(rid, self.model_name,
                                    [{"text": r.text, "finish_reason": r.finish_reason} for r in results],
-                                   usage(n_prompt, sum(len(r.token_ids) for r in results)),
+                                   usage(n_prompt, sum(len(r.token_ids) for r in results),
+                                         sum(r.cached_prompt_tokens for r in results)),
                                    specee_summary(results, self.engine.model.num_layers, mode, batch_size))
         return JSONResponse(body)
 
@@ -465,7 +394,7 @@ class SpecEEServer:
             return out
         rid, mode, n_prompt, results, batch_size = out
         r = results[0]
-        body = chat_response(rid, self.model_name, r.text, r.finish_reason, usage(n_prompt, len(r.token_ids)),
+        body = chat_response(rid, self.model_name, r.text, r.finish_reason, usage(n_prompt, len(r.token_ids), r.cached_prompt_tokens),
                              specee_summary(results, self.engine.model.num_layers, mode, batch_size))
         return JSONResponse(body)
 
@@ -592,40 +521,25 @@ class SpecEEServer:
 
     # ---- engine calls -------------------------------------------------------------------------
     async def _generate(self, work: Work):
-        """(results, the batch it ran in: prompts per engine call, or the most rows decoding beside it);
-        APIError on failure."""
-        if self._runner is not None:
-            request = work.engine_request()
-            try:
-                fut = asyncio.wrap_future(self._runner.submit(request))
-            except ValueError as e:  # PromptError included
-                raise engine_error(e) from None
-            try:
-                results = await fut
-            except asyncio.CancelledError:  # the client went away: free its rows
-                request.cancel()
-                raise
-            except Exception as e:  # noqa: BLE001 -- as the client sees it
-                raise engine_error(e) from None
-            self._finished(results, work.mode)
-            return results, request.peak_batch or len(work.prompts)
-        if len(work.prompts) > self.max_batch_size:  # too big to share a batch: run it alone
-            out = (await self._thread.submit(run_grouped, self.engine, [work]))[0]
-        else:
-            out = await self._generate_batch(work)
-        if isinstance(out, Exception):
-            raise engine_error(out)
-        self._finished(out[0], work.mode)
-        return out
+        """(results, the batch it ran in: the most rows decoding beside it); APIError on failure."""
+        request = work.engine_request()
+        try:
+            fut = asyncio.wrap_future(self._runner.submit(request))
+        except ValueError as e:  # PromptError included
+            raise engine_error(e) from None
+        try:
+            results = await fut
+        except asyncio.CancelledError:  # the client went away: free its rows
+            request.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 -- as the client sees it
+            raise engine_error(e) from None
+        self._finished(results, work.mode)
+        return results, request.peak_batch or len(work.prompts)
 
     def _finished(self, results, mode: str) -> None:
         self.metrics.finished(results, mode)
         self._record_load()
-
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.02, batch_size_fn=_prompt_count)
-    async def _generate_batch(self, works: list[Work]) -> list:
-        # the sizes set here are replaced in __init__ from ServeArgs
-        return await self._thread.submit(run_grouped, self.engine, works)
 
     def _stream(self, rid: str, work: Work, *, chat: bool, include_usage: bool, ticket: Ticket) -> StreamingResponse:
         """Server-sent events in OpenAI's chunk format: text deltas as tokens are chosen, then a
@@ -655,13 +569,8 @@ class SpecEEServer:
                     f.exception()  # retrieved here: a cancelled stream's error is expected
                 queue.put_nowait(None)
 
-            request = None
-            if self._runner is not None:  # joins the running batch
-                request = work.engine_request(on_token)
-                fut = asyncio.wrap_future(self._runner.submit(request))
-            else:  # an engine call of its own
-                run = functools.partial(self.engine.generate, list(prompts), mode=mode, on_token=on_token, **params)
-                fut = self._thread.submit(run)
+            request = work.engine_request(on_token)  # joins the running batch
+            fut = asyncio.wrap_future(self._runner.submit(request))
             fut.add_done_callback(done)
             fut.add_done_callback(lambda _: ticket.release())
             texts = [StreamText(tok, params["stop"]) for _ in prompts]
@@ -684,11 +593,12 @@ class SpecEEServer:
                 raise
             finally:
                 cancelled.set()  # the client left (GeneratorExit / CancelledError) or we are done
-                if request is not None and not request.done:
+                if not request.done:
                     request.cancel()
             self._finished(results, mode)
-            u = usage(sum(r.prompt_tokens for r in results), sum(len(r.token_ids) for r in results))
-            batch = request.peak_batch if request is not None and request.peak_batch else len(prompts)
+            u = usage(sum(r.prompt_tokens for r in results), sum(len(r.token_ids) for r in results),
+                      sum(r.cached_prompt_tokens for r in results))
+            batch = request.peak_batch or len(prompts)
             summary = specee_summary(results, self.engine.model.num_layers, mode, batch)
             for i, r in enumerate(results):
                 if rest := texts[i].finish(cut_at_stop(r.text, params["stop"])):

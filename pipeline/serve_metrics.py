@@ -37,6 +37,11 @@ class EngineMetrics:
         self.occupancy = m.Gauge("specee_batch_occupancy_perc", "rows decoding / max_batch_size", tag_keys=tags)
         self.rate = m.Gauge("specee_generation_tokens_per_s", "generated tokens per second, last interval",
                             tag_keys=tags)
+        self.kv_usage = m.Gauge("specee_kv_cache_usage_perc", "KV budget blocks in use (lanes and prefix cache)",
+                                tag_keys=tags)
+        self.preemptions = m.Gauge("specee_num_preemptions_total", "rows preempted for KV memory", tag_keys=tags)
+        self.prefix_hits = m.Counter("specee_prefix_cache_hit_tokens_total", "prompt tokens found in the prefix cache",
+                                     tag_keys=tags)
         self.prompt_tokens = m.Counter("specee_prompt_tokens_total", "prompt tokens", tag_keys=tags)
         self.generation_tokens = m.Counter("specee_generation_tokens_total", "generated tokens", tag_keys=tags)
         self.success = m.Counter("specee_request_success_total", "prompts finished",
@@ -51,7 +56,8 @@ class EngineMetrics:
                                       boundaries=[l + 0.5 for l in range(1, num_layers)], tag_keys=tags)
         self.accepted = m.Histogram("specee_spec_decode_tokens_per_step", "tokens per verify step, per prompt",
                                     boundaries=[1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8], tag_keys=tags)
-        for metric in (self.running, self.waiting, self.occupancy, self.rate, self.prompt_tokens,
+        for metric in (self.running, self.waiting, self.occupancy, self.rate, self.kv_usage, self.preemptions,
+                       self.prefix_hits, self.prompt_tokens,
                        self.generation_tokens, self.ttft, self.itl, self.e2e, self.exit_layer, self.accepted):
             metric.set_default_tags(dict(self._tags))  # serve adds its tags into the dict it is given
         self.success.set_default_tags(dict(self._tags))
@@ -67,6 +73,8 @@ class EngineMetrics:
                 continue
             n += len(r.token_ids)
             self.prompt_tokens.inc(r.prompt_tokens)
+            if r.cached_prompt_tokens:
+                self.prefix_hits.inc(r.cached_prompt_tokens)
             self.generation_tokens.inc(len(r.token_ids))
             self.success.inc(1, tags={"finished_reason": r.finish_reason})
             self.ttft.observe(r.metrics["ttft_s"])
@@ -81,6 +89,11 @@ class EngineMetrics:
                 self.accepted.observe(per_step)
         with self._lock:
             self._tokens_since += n
+
+    def memory(self, report: dict) -> None:
+        """The engine core's KV budget (EngineCore.memory())."""
+        self.kv_usage.set(100.0 * report["kv_blocks_used"] / max(report["kv_blocks"], 1))
+        self.preemptions.set(report["preemptions"])
 
     def load(self, running: int, waiting: int) -> None:
         """The batch's state now, and the token rate since the last call."""

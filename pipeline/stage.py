@@ -29,6 +29,7 @@ OUTPUT_SCHEMA = pa.schema([
     ("completion", pa.string()),
     ("finish_reason", pa.string()),
     ("prompt_tokens", pa.int32()),
+    ("cached_prompt_tokens", pa.int32()),  # of them, found in the engine's prefix cache (not prefilled)
     ("completion_tokens", pa.int32()),
     ("exit_layers", pa.list_(pa.int16())),  # per generated token: decoder layers run (1-based)
     ("avg_layers", pa.float64()),
@@ -76,6 +77,7 @@ class StageConfig:
     chat: bool | None = None  # prompt = a user message through the chat template; None: when the model has one
     engine_options: dict = field(default_factory=dict)  # early-exit options (EarlyExitOptions), specee only
     spec: dict = field(default_factory=dict)  # speculative decoding options (SpecOptions: proposer, depth): spec, auto
+    engines_per_node: int = 1  # engine actors sharing a node: each takes its share of the default KV budget
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -101,11 +103,11 @@ class StageConfig:
 class GenerateRows:
     """One engine, loaded once, turning PROMPT_SCHEMA batches into OUTPUT_SCHEMA rows.
 
-    In the batch job it is a Ray actor (pipeline.batch) whose constructor arguments are small and
-    inline (a StageConfig of plain values and two names), so Ray can restart it anywhere. In
-    SpecEE mode it follows the run's schedule store: the latest version is fetched once at start,
-    then picked up before each batch without waiting (a request is kept in flight and only read
-    once answered), and each batch's exit statistics are sent back without waiting either."""
+    It runs inside each engine actor of pipeline.processor (EngineRows), which the batch job
+    (pipeline.batch) uses too. In SpecEE mode it follows the run's schedule store: the latest
+    version is fetched once at start, then picked up before each batch without waiting (a request
+    is kept in flight and only read once answered), and each batch's exit statistics are sent back
+    without waiting either."""
 
     def __init__(self, cfg: StageConfig, run_id: str, store=None, schedule: Schedule | None = None):
         """store: the schedule store actor, or its name (None: none)."""
@@ -119,7 +121,8 @@ class GenerateRows:
         self.batches = 0
         early_exit = cfg.engine_options if cfg.mode == "specee" or cfg.spec.get("t3") else {}
         self.engine = SpecEEEngine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype, weights=cfg.weights,
-                                                   max_batch_size=cfg.batch_size, **early_exit)
+                                                   max_batch_size=cfg.batch_size,
+                                                   engines_per_node=cfg.engines_per_node, **early_exit)
         self.engine.stepper_factory(cfg.mode, dict(cfg.spec) or None)  # a mode it cannot run fails here, not per row
         if cfg.mode == "auto":  # measured (or read from the cache) now, not in the first batch
             self.engine.prepare_plan([cfg.batch_size], dict(cfg.spec) or None)
@@ -181,15 +184,12 @@ class GenerateRows:
         """What this engine runs with: dtype (and why) and, in mode auto, the measured plan and its choices."""
         e = self.engine
         out = {"dtype": str(e.model.dtype).removeprefix("torch."), "dtype_reason": e.dtype_reason,
-               **e.weights_info(), "machine": machine_facts(e.device), "worker": self.worker}
+               **e.weights_info(), "machine": machine_facts(e.device), "worker": self.worker,
+               "kv_memory": e.core.memory()}
         if self.cfg.mode == "auto":
             out["plan"] = {**e.spec_plan(dict(self.cfg.spec) or None).to_json([self.cfg.batch_size]),
                            "steps_chosen": dict(self.plan_steps)}
         return out
-
-    def generate_batch(self, batch: pa.Table) -> pa.Table:
-        """One output row per input row of batch (the actor method the driver calls)."""
-        return self(batch)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         started_at, t0 = time.time(), time.perf_counter()
@@ -275,7 +275,7 @@ class GenerateRows:
         return {
             "id": row_id, "prompt": prompt, "error": None,
             "completion": r.text, "finish_reason": r.finish_reason, "prompt_tokens": r.prompt_tokens,
-            "completion_tokens": len(r.token_ids), "exit_layers": r.exit_layers,
+            "cached_prompt_tokens": r.cached_prompt_tokens, "completion_tokens": len(r.token_ids), "exit_layers": r.exit_layers,
             "avg_layers": r.stats["avg_layers"], "latency_s": r.metrics["e2e_latency_s"],
             "ttft_s": r.metrics["ttft_s"],
             "retune_histogram": r.stats.get("retune_histogram") if self.cfg.mode == "specee" else None,

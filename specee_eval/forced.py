@@ -33,13 +33,10 @@ class Forcing:
         self.nll = 0.0
 
     def factory(self, inner_factory):
-        """A StepperFactory whose steppers wrap inner_factory's; targets are matched to the batch's
-        rows by their prompts (a batch holds a slice of the run's prompts)."""
+        """A StepperFactory whose steppers wrap inner_factory's; targets are matched to the rows by their
+        prompts as rows are admitted."""
         def build(engine, batch, cache, prefill_hidden, lens):
-            rows = [self._row_of(p) for p in batch.prompt_ids]
-            for b, r in enumerate(rows):  # each row stops where its reference text ends
-                batch.max_new[b] = min(batch.max_new[b], len(self.targets[r]))
-            return _Forced(self, inner_factory(engine, batch, cache, prefill_hidden, lens), batch, rows)
+            return _Forced(self, inner_factory(engine, batch, cache, prefill_hidden, lens), batch)
         return build
 
     def register(self, prompts: list[list[int]]) -> None:
@@ -60,18 +57,30 @@ class Forcing:
 
 
 class _Forced:
-    def __init__(self, probe: Forcing, inner, batch, rows: list[int]):
-        self.probe, self.inner, self.batch, self.rows = probe, inner, batch, rows
-        self.first = True
+    def __init__(self, probe: Forcing, inner, batch):
+        self.probe, self.inner, self.batch = probe, inner, batch
+        self.rows: dict[int, int] = {}  # batch row -> target row
+        self.fresh: set[int] = set()  # rows not stepped yet: the prefill's choice is replaced
+
+    def admit(self, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
+        batch = self.batch
+        for b in rows:  # each row stops where its reference text ends
+            self.rows[b] = self.probe._row_of(batch.prompt_ids[b])
+            batch.max_new[b] = min(batch.max_new[b], len(self.probe.targets[self.rows[b]]))
+            self.fresh.add(b)
+        self.inner.admit(rows, prefill_hidden, lens)
+
+    def caches(self) -> list:
+        return self.inner.caches()
 
     def step(self, alive, rows, generator) -> StepOutput:
         batch, p = self.batch, self.probe
         truths = [p.targets[self.rows[b]][len(batch.generated[b])] for b in alive]
-        if self.first:  # the prefill's own choice was fed: feed the true token instead
-            idx = torch.tensor(alive, device=batch.next_tokens.device)
-            batch.next_tokens[idx] = torch.tensor([p.targets[self.rows[b]][0] for b in alive],
+        if first := [b for b in alive if b in self.fresh]:  # the prefill's own choice was fed: feed the truth
+            idx = torch.tensor(first, device=batch.next_tokens.device)
+            batch.next_tokens[idx] = torch.tensor([p.targets[self.rows[b]][0] for b in first],
                                                   device=batch.next_tokens.device)
-            self.first = False
+            self.fresh.difference_update(first)
         out = self.inner.step(alive, rows, generator)
         if p.on_step is not None:  # what the stepper chose, before the true tokens replace it
             p.on_step(out, truths)

@@ -1,4 +1,4 @@
-"""Continuous batching (specee_core.decode.continuous) on the trained bundled model in fp32: every prompt of
+"""Continuous batching (specee_core.decode.core) on the trained bundled model in fp32: every prompt of
 requests that arrive while others decode, with chunked prefill, fewer rows than prompts, stop strings
 and different lengths, gets exactly what it gets when run alone, in every mode; admission is fair
 per request; cancellation frees rows; failures stay with their request."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specee_core import SpecEEEngine
-from specee_core.decode.continuous import CancelledRequest, Request, Runner, Scheduler
+from specee_core.decode.core import CancelledRequest, EngineCore, Request, Runner
 from specee_core.decode.sampling import SamplingParams
 from tests.conftest import BUNDLED
 
@@ -39,7 +39,7 @@ def alone(engine, prompt_ids, params, mode, spec):
 @pytest.mark.parametrize("mode, spec", [("dense", None), ("spec", {"proposer": "lookup"}), ("spec", None),
                                         ("spec", {"width": 2, "depth": 3}), ("specee", None)])
 def test_rows_joining_a_running_batch_get_what_they_get_alone(engine, ids, mode, spec):
-    sch = Scheduler(engine, max_rows=3, prefill_chunk=5, min_len=64)
+    sch = EngineCore(engine, max_rows=3, prefill_chunk=5)
     first = sch.submit(Request([ids[0], ids[1]], SamplingParams(max_new_tokens=12), mode, spec))
     sch.step()
     sch.step()  # the first request is decoding when the next ones arrive
@@ -63,7 +63,7 @@ def test_rows_joining_a_running_batch_get_what_they_get_alone(engine, ids, mode,
 def test_a_short_request_is_not_starved_by_a_long_one(engine, ids):
     """200 prompts arrive first, then one: the late request gets the next free row (turns per request),
     so it finishes long before the big one, which still ends with every result right."""
-    sch = Scheduler(engine, max_rows=4, prefill_chunk=64, min_len=64)
+    sch = EngineCore(engine, max_rows=4, prefill_chunk=64)
     big = sch.submit(Request([ids[i % len(ids)] for i in range(200)], SamplingParams(max_new_tokens=6), "dense"))
     sch.step()
     small = sch.submit(Request([ids[3]], SamplingParams(max_new_tokens=6), "dense"))
@@ -81,7 +81,7 @@ def test_a_short_request_is_not_starved_by_a_long_one(engine, ids):
 
 
 def test_requests_with_different_sampling_run_in_lanes_of_their_own(engine, ids):
-    sch = Scheduler(engine, max_rows=4, min_len=64)
+    sch = EngineCore(engine, max_rows=4)
     greedy = sch.submit(Request([ids[0]], SamplingParams(max_new_tokens=8), "dense"))
     seeded = sch.submit(Request([ids[1]], SamplingParams(max_new_tokens=8, temperature=1.0, seed=7), "dense"))
     spec = sch.submit(Request([ids[2]], SamplingParams(max_new_tokens=8), "spec"))
@@ -94,7 +94,7 @@ def test_requests_with_different_sampling_run_in_lanes_of_their_own(engine, ids)
 
 
 def test_cancel_frees_rows_and_a_failing_callback_ends_only_its_request(engine, ids):
-    sch = Scheduler(engine, max_rows=2, min_len=64)
+    sch = EngineCore(engine, max_rows=2)
     long = sch.submit(Request([ids[0], ids[1]], SamplingParams(max_new_tokens=40, ignore_eos=True), "dense"))
 
     def broken(i, tok):
@@ -116,7 +116,7 @@ def test_cancel_frees_rows_and_a_failing_callback_ends_only_its_request(engine, 
 
 def test_chunked_prefill_keeps_others_decoding(engine, ids):
     """A long prompt prefilled 8 tokens per step: the row already decoding makes a token every step."""
-    sch = Scheduler(engine, max_rows=2, prefill_chunk=8, min_len=64)
+    sch = EngineCore(engine, max_rows=2, prefill_chunk=8)
     running = sch.submit(Request([ids[0]], SamplingParams(max_new_tokens=30, ignore_eos=True), "dense"))
     while not sch.lanes or len(sch.lanes[0].batch.generated[0]) < 2:  # its own prefill done, decoding
         sch.step()
@@ -135,7 +135,7 @@ def test_chunked_prefill_keeps_others_decoding(engine, ids):
 
 
 def test_runner_serves_threads(engine, ids):
-    runner = Runner(Scheduler(engine, max_rows=4, min_len=64))
+    runner = Runner(EngineCore(engine, max_rows=4))
     futures = {}
 
     def client(i):
@@ -161,7 +161,7 @@ def test_runner_serves_threads(engine, ids):
 def test_runner_survives_callers_that_cancel_their_futures(engine, ids):
     """asyncio.wrap_future cancels the concurrent future when the awaiting task is cancelled (a client
     hanging up); the request ending later must not kill the runner's thread."""
-    runner = Runner(Scheduler(engine, max_rows=2, min_len=64))
+    runner = Runner(EngineCore(engine, max_rows=2))
     req = Request([ids[0]], SamplingParams(max_new_tokens=200, ignore_eos=True), "dense")
     fut = runner.submit(req)
     assert fut.cancel() or fut.done()
@@ -174,22 +174,25 @@ def test_runner_survives_callers_that_cancel_their_futures(engine, ids):
 
 
 def test_emptied_lanes_are_reused_unless_long(engine, ids):
-    sch = Scheduler(engine, max_rows=2, min_len=32, idle_lanes=2)
+    sch = EngineCore(engine, max_rows=2, idle_lanes=2, kv_bytes=256 << 20)
+    sch.idle_max_slots = 256
     sch.run(Request([ids[0]], SamplingParams(max_new_tokens=4), "dense"))
     [lane] = sch.idle
     sch.run(Request([ids[1]], SamplingParams(max_new_tokens=4), "dense"))
     assert sch.idle == [lane]  # the same lane (and KV cache) served the second request
-    sch.run(Request([ids[2]], SamplingParams(max_new_tokens=200), "dense"))  # needs a 256-slot lane: 8 x min_len
-    assert sch.idle == [lane] and not sch.lanes  # the long lane's memory went back
+    used = sch.budget.used
+    assert used == lane.blocks(sch.budget) > 0  # an idle lane keeps its blocks
+    sch.run(Request([ids[2]], SamplingParams(max_new_tokens=300, ignore_eos=True), "dense"))  # grows past 256 slots
+    assert sch.idle == [lane] and not sch.lanes and sch.budget.used == used  # the long lane's memory went back
 
 
 @pytest.mark.parametrize("mode", ["spec", "specee"])
 def test_lanes_side_by_side_keep_their_own_draft_state(engine, ids, mode):
-    """Two lanes of one mode at once (two length buckets): each stepper drafts with its own draft
+    """Two lanes of one mode at once (their sampling differs): each stepper drafts with its own draft
     cache (Speculator.fork), so both give their solo results."""
-    sch = Scheduler(engine, max_rows=2, min_len=32)
+    sch = EngineCore(engine, max_rows=2)
     short = sch.submit(Request([ids[0], ids[1]], SamplingParams(max_new_tokens=10), mode))
-    long = sch.submit(Request([ids[2], ids[3]], SamplingParams(max_new_tokens=60), mode))  # a 128-slot lane
+    long = sch.submit(Request([ids[2], ids[3]], SamplingParams(max_new_tokens=60, ignore_eos=True), mode))
     sch.step()
     assert len(sch.lanes) == 2
     while not (short.done and long.done):

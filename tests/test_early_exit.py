@@ -39,7 +39,7 @@ def test_always_exit_runs_fewer_layers(ee_model_dir, verify, kv_mode, skip):
     for r in res:
         assert sum(r.stats["exit_histogram"]) == len(r.token_ids)
         assert r.stats["avg_layers"] == pytest.approx(sum(r.exit_layers) / len(r.exit_layers))
-    cache = engine._cache
+    cache = engine.core.idle[-1].cache  # the lane the call ran in, kept for reuse with its last lengths
     full = cache.lengths[0, :4]
     if kv_mode == "propagate":  # every layer keeps a full cache
         assert (cache.lengths[:, :4] == full).all()
@@ -69,7 +69,7 @@ def test_batch_skip_keeps_exited_rows_flowing(ee_model_dir):
     b = bat.generate(PROMPTS[:1], max_new_tokens=10, mode="specee", ignore_eos=True)[0]
     assert a.token_ids == b.token_ids and a.exit_layers == b.exit_layers  # batch of one: identical
     res = bat.generate(PROMPTS, max_new_tokens=10, mode="specee", ignore_eos=True)
-    cache = bat._cache
+    cache = bat.core.idle[-1].cache  # the lane the call ran in, kept with its last lengths
     # a layer's KV is missing for a position only when every alive row skipped it
     behind = cache.lengths[:, :4] < cache.lengths[0, :4]
     assert (behind.all(1) | ~behind.any(1)).all(), cache.lengths[:, :4]

@@ -127,19 +127,6 @@ def test_uniform_fast_path_equals_per_row_path(tiny_model_dir):
     assert fast.lengths.tolist() == slow.lengths.tolist() == [[10, 10]] * model.num_layers
 
 
-def test_smaller_batch_reuses_the_cache_memory(tiny_model_dir):
-    """A batch smaller than the last one runs on a row view of the same allocation, and its tokens
-    equal a fresh engine's."""
-    engine = SpecEEEngine.from_pretrained(tiny_model_dir, dtype="float32")
-    engine.generate(PROMPTS, max_new_tokens=6, mode="dense")
-    memory = engine._cache_memory
-    again = engine.generate(PROMPTS[:1], max_new_tokens=6, mode="dense")[0]
-    assert engine._cache_memory is memory and engine._cache.batch == 1
-    assert engine._cache.k.data_ptr() == memory.k.data_ptr()
-    fresh = SpecEEEngine.from_pretrained(tiny_model_dir, dtype="float32").generate(PROMPTS[:1], max_new_tokens=6, mode="dense")[0]
-    assert again.token_ids == fresh.token_ids
-
-
 def test_fused_rms_norm_and_rope_forms_equal_the_reference_formulas():
     from specee_core.model.model import RMSNorm, rms_norm
     from specee_core.model.rope import apply_rope

@@ -1,3 +1,3 @@
-"""Decoding: the engine (batched prefill and the decode loop), the per-row batch state, the step contract
-between the loop and a decode step, sampling, stop strings, continuous batching and the measured plan of
-mode auto."""
+"""Decoding: the engine (loading, modes, generate), its one core (scheduler and decode loop over a KV
+budget with a prefix cache), the per-row state, the step contract between the loop and a decode step,
+sampling, stop strings and the measured plan of mode auto."""

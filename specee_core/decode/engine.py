@@ -1,12 +1,12 @@
-"""The SpecEE engine: loading, batched prefill and the decode loop (the only place that
-advances positions). Dense decoding runs every layer; mode="specee" hands each decode step
+"""The SpecEE engine: loading, the modes and their options, and generate(), which hands its prompts to
+the engine's one core (specee_core.decode.core: the scheduler and decode loop shared with the batch job
+and Serve) and drains the results. Dense decoding runs every layer; mode="specee" hands each decode step
 to the early-exit stepper (specee_core.early_exit.step)."""
 from __future__ import annotations
 
 import functools
 import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -17,38 +17,41 @@ from specee_core.model.loader import find_model_dir, load_model, load_tokenizer
 from specee_core.model.model import LlamaModel
 from specee_core.decode.plan import (CostTable, Planner, SpecPlan, StepTimes, choose_dtype, cost_key, could_pay,
                                      load_costs)
-from specee_core.decode.sampling import SamplingParams, sample
-from specee_core.decode.state import Batch
-from specee_core.decode.stepper import StepEngine, StepOutput, StepperFactory
+from specee_core.decode.core import EngineCore, Request
+from specee_core.decode.dense import DenseStepper
+from specee_core.decode.memory import default_kv_bytes
+from specee_core.decode.sampling import SamplingParams
+from specee_core.decode.state import GenerationResult, PromptError, TextRules, exit_stats
+from specee_core.decode.stepper import StepperFactory
 
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "dense", "specee", "spec")
 
 
-class PromptError(ValueError):
-    """A prompt the engine cannot run (wrong type, empty, longer than the context)."""
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop string) | "length"
-    exit_layers: list[int]  # per generated token: layers run (1-based); num_layers in dense mode
-    prompt_tokens: int
-    metrics: dict = field(default_factory=dict)  # ttft_s, tpot_s, e2e_latency_s, tokens_per_s, ...
-    stats: dict = field(default_factory=dict)  # early-exit statistics (histogram, average layers, ...)
-
-
 @dataclass
 class EngineOptions:
-    max_batch_size: int = 32
+    max_batch_size: int = 32  # rows decoding at once in the engine core
     context_len: int | None = None  # default: the model's max_position_embeddings
+    prefill_chunk: int = 512  # prompt tokens prefilled per lane per iteration (the rest wait a step)
+    # the KV budget (every cache the engine keeps: the model's, the draft head's, the prefix cache) in GiB;
+    # None: a share of the memory free at start (specee_core.decode.memory.default_kv_bytes) / engines_per_node
+    kv_cache_gb: float | None = None
+    engines_per_node: int = 1  # engines sharing this node's memory (actors, replicas): the default budget's divisor
+    kv_block_size: int = 16  # token slots per block of the budget and the prefix cache
+    prefix_cache: bool = True  # reuse full prompt blocks across rows and requests
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise ValueError(f"kv_cache_gb must be > 0 (or None: a share of free memory), got {self.kv_cache_gb}")
+        if self.engines_per_node < 1:
+            raise ValueError(f"engines_per_node must be >= 1, got {self.engines_per_node}")
+        if self.kv_block_size < 1:
+            raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
 
 
 class SpecEEEngine:
@@ -71,8 +74,31 @@ class SpecEEEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
-        self._cache_memory = None  # the KV allocation kept between calls
-        self._cache = None  # the cache of the last batch (a view of that memory)
+        self.rules = TextRules(frozenset(eos), self._decode, model.num_layers)
+        self._core: EngineCore | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def slot_bytes(self) -> int:
+        """KV bytes of one token slot of one row: every layer's keys and values, the draft head's layer,
+        and a hidden state (what the prefix cache keeps beside the KV)."""
+        c, m = self.config, self.model
+        kv = 2 * c.num_key_value_heads * c.head_dim * torch.empty((), dtype=m.kv_dtype).element_size()
+        layers = m.num_layers + (1 if self.draft_head is not None else 0)
+        return layers * kv + c.hidden_size * torch.empty((), dtype=m.dtype).element_size()
+
+    @property
+    def core(self) -> EngineCore:
+        """The engine core every generation runs on (made on first use; its KV budget from the options)."""
+        if self._core is None:
+            o = self.options
+            kv = (int(o.kv_cache_gb * 2**30) if o.kv_cache_gb is not None
+                  else default_kv_bytes(self.device, o.engines_per_node))
+            self._core = EngineCore(self, max_rows=o.max_batch_size, prefill_chunk=o.prefill_chunk, kv_bytes=kv,
+                                    block_size=o.kv_block_size, prefix_cache=o.prefix_cache, min_lane_rows=1)
+            log.info("engine core: %d rows, KV budget %s", o.max_batch_size, self._core.budget.report())
+        return self._core
 
     @property
     def config(self) -> ModelConfig:
@@ -202,7 +228,8 @@ class SpecEEEngine:
                  seed: int | None = None, mode: str = "auto", ignore_eos: bool = False,
                  on_token: Callable[[int, int], None] | None = None, spec: dict | None = None,
                  max_disagreement: float | None = None) -> list[GenerationResult]:
-        """Generate a completion for each prompt, in batches of options.max_batch_size.
+        """Generate a completion for each prompt: they are queued on the engine core, which decodes up
+        to options.max_batch_size of them at once (a row that finishes makes room for the next prompt).
 
         mode: "auto" (default; lossless: per step a dense step or speculative decoding, whichever the
         measured plan expects to be faster), "dense", "spec" (speculative decoding with a fixed shape:
@@ -210,14 +237,14 @@ class SpecEEEngine:
 
         on_token(prompt_index, token_id) is called for every generated token as it is chosen
         (streaming); tokens after a stop string are still reported, the final text is cut. An
-        exception raised by on_token cancels the call and propagates (the cache is reset per call).
+        exception raised by on_token cancels the call and propagates.
 
         max_disagreement (mode "specee"): exit thresholds calibrated so that at most this share of
         exited tokens differs from the full model's choice (specee_core.early_exit.calibration); None: the
         engine's own setting."""
         if isinstance(prompts, str):
             raise PromptError("prompts must be a list of strings, got a single string")
-        factory, headroom = self.stepper_factory(mode, spec, max_disagreement)
+        self.stepper_factory(mode, spec, max_disagreement)  # a mode or options it cannot run fail before any prompt
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, stop=stop or [], seed=seed,
                                 ignore_eos=ignore_eos)
@@ -227,7 +254,7 @@ class SpecEEEngine:
                 ids.append(self.encode_prompt(p))
             except PromptError as e:
                 raise PromptError(f"prompt {i}: {e}") from None
-        return self.run(ids, params, factory, on_token, mode=mode, cache_headroom=headroom)
+        return self.run(ids, params, on_token=on_token, mode=mode, spec=spec, max_disagreement=max_disagreement)
 
     def weights_info(self) -> dict:
         """The weight format in use, why, and its resident bytes (recorded beside the dtype everywhere)."""
@@ -347,175 +374,21 @@ class SpecEEEngine:
 
     def run(self, prompt_ids: list[list[int]], params: SamplingParams, new_stepper: StepperFactory | None = None,
             on_token: Callable[[int, int], None] | None = None, mode: str | None = None,
-            cache_headroom: int = 0) -> list[GenerationResult]:
-        """Lower-level generate over token ids: new_stepper(engine, batch, cache, prefill_hidden, lens)
-        builds the batch's Stepper (specee_core.decode.stepper; None: dense), whose step returns what it
-        decided for the alive rows. mode names
-        the results' stats["mode"] (default: "dense" without a stepper, else "specee"); cache_headroom:
-        KV slots allocated past each batch's longest row."""
-        mode = mode or ("dense" if new_stepper is None else "specee")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        out: list[GenerationResult] = []
-        bs = self.options.max_batch_size
-        for s in range(0, len(prompt_ids), bs):
-            report = None if on_token is None else (lambda b, tok, _s=s: on_token(_s + b, tok))
-            out += self._generate_batch(prompt_ids[s : s + bs], params, new_stepper, generator, report, mode,
-                                        cache_headroom)
-        return out
-
-    def _get_cache(self, batch: int, max_len: int):
-        """An empty cache of exactly `batch` rows, on memory kept between calls (grown when too small)."""
-        c = self._cache_memory
-        if c is None or c.batch < batch or c.max_len < max_len:
-            grown = (batch, max_len) if c is None else (max(batch, c.batch), max(max_len, c.max_len))
-            self._cache_memory = c = self.model.new_cache(*grown)
-        self._cache = c.first_rows(batch)
-        return self._cache
-
-    @torch.inference_mode()
-    def _generate_batch(self, prompt_ids: list[list[int]], params: SamplingParams, new_stepper: StepperFactory | None,
-                        generator: torch.Generator | None, on_token=None, mode: str = "dense",
-                        cache_headroom: int = 0) -> list[GenerationResult]:
-        t0 = time.perf_counter()
-        model, dev = self.model, self.device
-        n = len(prompt_ids)
-        lens = torch.tensor([len(p) for p in prompt_ids])
-        max_new = [min(params.max_new_tokens, self.context_len - len(p)) for p in prompt_ids]
-        cache = self._get_cache(n, int(max(len(p) + m for p, m in zip(prompt_ids, max_new))) + cache_headroom)
-
-        # prefill: right-padded, every layer, never early exit
-        t_max = int(lens.max())
-        tokens = torch.zeros(n, t_max, dtype=torch.int64)
-        for b, p in enumerate(prompt_ids):
-            tokens[b, : len(p)] = torch.tensor(p)
-        positions = torch.arange(t_max).expand(n, t_max)
-        h = model.forward(tokens.to(dev), positions.to(dev), cache, n_valid=lens)
-        last = h[torch.arange(n, device=dev), (lens - 1).to(dev)]  # [B, D]
-        first = sample(model.logits(last), params, generator)
-
-        batch = Batch(prompt_ids=prompt_ids, params=params, max_new=max_new, generated=[[] for _ in range(n)],
-                      exit_layers=[[] for _ in range(n)], finish=[None] * n, texts=[None] * n,
-                      positions=lens.clone(), next_tokens=first, last_hidden=last, t_done=[0.0] * n,
-                      on_token=on_token, mode=mode)
-        stepper = (new_stepper or DenseStepper)(self, batch, cache, h, lens)
-        del h
-        batch.t_first = time.perf_counter()
-        self._record(batch, list(range(n)), [[t] for t in first.tolist()], [[model.num_layers]] * n)
-
-        while alive := batch.alive():
-            rows = torch.tensor(alive, device=dev) if (len(alive) < cache.batch) else None
-            self._commit(batch, alive, rows, stepper.step(alive, rows, generator))
-        return [self._result(batch, b, t0, stepper) for b in range(n)]
-
-    def _commit(self, batch: Batch, alive: list[int], rows: torch.Tensor | None, out: StepOutput) -> None:
-        """Take a step's decisions into the batch: each row's last token is fed next (with its hidden
-        state), its tokens are recorded."""
-        last = torch.tensor([block[-1] for block in out.tokens], device=self.device)
-        if rows is None:  # every row of the cache is alive
-            batch.next_tokens.copy_(last)
-            if out.hidden is not None:
-                batch.last_hidden.copy_(out.hidden)
-        else:
-            batch.next_tokens[rows] = last
-            if out.hidden is not None:
-                batch.last_hidden[rows] = out.hidden
-        self._record(batch, alive, out.tokens, out.layers)
-
-    def _record(self, batch: Batch, alive: list[int], toks: list[list[int]], layers: list[list[int]]) -> None:
-        """Append each alive row's new tokens (one, or a verified block), advance positions, and settle
-        finished rows: no token after a row's stop (EOS, stop string, max_new) is kept."""
-        now = time.perf_counter()
-        for b, block, block_layers in zip(alive, toks, layers):
-            for tok, layer in zip(block, block_layers):
-                if batch.finish[b] is None:
-                    self._record_one(batch, b, tok, layer, now)
-
-    def _record_one(self, batch: Batch, b: int, tok: int, layer: int, now: float) -> None:
-        """Append one token to row b, advance its position, and settle the row if it finished."""
-        batch.generated[b].append(tok)
-        if batch.on_token is not None:
-            batch.on_token(b, tok)
-        batch.exit_layers[b].append(layer)
-        # the token just chosen is fed next, right after the prompt and the tokens before it: the
-        # prefill's token goes in at position len(prompt), not one past it
-        batch.positions[b] = len(batch.prompt_ids[b]) + len(batch.generated[b]) - 1
-        if tok in self.eos_ids and not batch.params.ignore_eos:
-            batch.finish[b] = "stop"
-        elif batch.stop_matchers[b].stops:
-            # the whole id list is decoded (a character split across tokens comes out right); only
-            # the new tail is searched
-            text = self.tokenizer.decode(batch.generated[b], skip_special_tokens=True)
-            cut = batch.stop_matchers[b].update(text)
-            if cut >= 0:
-                batch.texts[b] = text[:cut]
-                batch.finish[b] = "stop"
-        if batch.finish[b] is None and len(batch.generated[b]) >= batch.max_new[b]:
-            batch.finish[b] = "length"
-        if batch.finish[b] is not None:
-            batch.t_done[b] = now
-
-    def _result(self, batch: Batch, b: int, t0: float, stepper, t_first: float | None = None) -> GenerationResult:
-        """Row b's result; t0: when its work started, t_first: when its first token came (default: the batch's)."""
-        ids = batch.generated[b]
-        text = batch.texts[b] if batch.texts[b] is not None else self.tokenizer.decode(ids, skip_special_tokens=True)
-        n_tok = len(ids)
-        t_first = batch.t_first if t_first is None else t_first
-        ttft = t_first - t0
-        e2e = batch.t_done[b] - t0
-        decode_s = batch.t_done[b] - t_first
-        metrics = {
-            "ttft_s": ttft,
-            "tpot_s": decode_s / max(n_tok - 1, 1),  # mean inter-token latency after the first token
-            "e2e_latency_s": e2e,
-            "tokens_per_s": n_tok / e2e if e2e > 0 else 0.0,
-            "decode_tokens_per_s": (n_tok - 1) / decode_s if decode_s > 0 else 0.0,
-        }
-        layers = batch.exit_layers[b]
-        stats = exit_stats(layers, self.model.num_layers)
-        stats["mode"] = batch.mode
-        stats.update(stepper.row_stats(b))
-        # what the scheduler's update rule should consume: unbiased exploration exits when taken
-        stats["retune_histogram"] = stats.get("explore_histogram") or stats["exit_histogram"]
-        return GenerationResult(text=text, token_ids=ids, finish_reason=batch.finish[b], exit_layers=layers,
-                                prompt_tokens=len(batch.prompt_ids[b]), metrics=metrics, stats=stats)
-
+            cache_headroom: int = 0, spec: dict | None = None,
+            max_disagreement: float | None = None) -> list[GenerationResult]:
+        """Lower-level generate over token ids, through the engine core. Without new_stepper: the mode's
+        own decode step (mode, spec, max_disagreement as in generate). With it: new_stepper(engine, batch,
+        cache, prefill_hidden, lens) builds a custom Stepper (specee_core.decode.stepper; measurement
+        probes) that needs cache_headroom KV slots past a row's last token; mode then only names the
+        results' stats["mode"] (default "specee")."""
+        custom = None if new_stepper is None else (new_stepper, cache_headroom)
+        mode = mode or ("auto" if new_stepper is None else "specee")
+        request = Request([list(p) for p in prompt_ids], params, mode, spec=spec, max_disagreement=max_disagreement,
+                          on_token=on_token, stepper=custom)
+        return self.core.run(request)
 
 def default_context_len(c: ModelConfig) -> int:
     """max_position_embeddings, stretched by the factor of dynamic (NTK) RoPE, which extrapolates."""
     if c.rope_type == "dynamic":
         return int(c.max_position_embeddings * c.rope_scaling["factor"])
     return c.max_position_embeddings
-
-
-def exit_stats(exit_layers: list[int], num_layers: int) -> dict:
-    """Histogram (index = layers run, 1..L) and average layers of one request's tokens."""
-    hist = [0] * (num_layers + 1)
-    for l in exit_layers:
-        hist[l] += 1
-    n = max(len(exit_layers), 1)
-    avg = sum(exit_layers) / n
-    return {"exit_histogram": hist[1:], "avg_layers": avg, "layer_fraction": avg / num_layers}
-
-class DenseStepper:
-    """mode="dense": one token per row per step through every layer."""
-
-    def __init__(self, engine: StepEngine, batch: Batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor):
-        self.model, self.batch, self.cache = engine.model, batch, cache
-
-    def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
-        batch, m = self.batch, self.model
-        if rows is None:  # every row of the cache is alive: no gathers
-            fed, positions = batch.next_tokens, batch.positions
-        else:
-            fed, positions = batch.next_tokens[rows], batch.positions[torch.tensor(alive)]
-        h = m.forward(fed.unsqueeze(1), positions.unsqueeze(1).to(m.device), self.cache, rows)[:, 0]  # [N, D]
-        toks = sample(m.logits(h), batch.params, generator)
-        return StepOutput([[t] for t in toks.tolist()], [[m.num_layers]] * len(alive), h)
-
-    def row_stats(self, b: int) -> dict:
-        return {}
-
-    def admit(self, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
-        pass  # no per-row state

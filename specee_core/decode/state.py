@@ -1,8 +1,10 @@
-"""Per-row decode state shared by the engine's decode loop and the decode steps: the engine owns and
-writes a Batch (tokens, positions, the token to feed next, finish); steppers and proposers only read it.
-Below both, so neither imports the other for it."""
+"""Per-row decode state: the one object that owns every running row's tokens, positions, the token to
+feed next and its stop state. The engine core places prompts in its rows and commits each decode
+step's decisions through its methods; steppers and proposers only read it. Below both, so neither
+imports the other for it."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -11,12 +13,73 @@ import torch
 from specee_core.decode.sampling import SamplingParams
 from specee_core.decode.stops import StopMatcher
 
+FREE = "free"  # finish of an empty row (not None: not alive)
+PREFILL = "prefill"  # ... of a row whose prompt is still being prefilled
+
+
+@dataclass
+class StepOutput:
+    """What one decode step decided for the alive rows it was given (in that order)."""
+    tokens: list[list[int]]  # per row: the tokens decided this step, in order (one, or a verified block)
+    layers: list[list[int]]  # per row: the layers each of those tokens ran (num_layers = all)
+    # [N, D] per row: the hidden state (before the final norm) whose logits chose the row's last token;
+    # None when the stepper keeps its own features (the engine's copy is then left as it was)
+    hidden: torch.Tensor | None = None
+    # [N, D] the final-normed hidden state the last token was chosen from, where the stepper's differs from
+    # final_norm(hidden) or it keeps no hidden (early exit: the exit layer's); measurement reads it, the engine not
+    normed: torch.Tensor | None = None
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot run (wrong type, empty, longer than the context or the KV budget)."""
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) | "length"
+    exit_layers: list[int]  # per generated token: layers run (1-based); num_layers in dense mode
+    prompt_tokens: int
+    metrics: dict = field(default_factory=dict)  # ttft_s, tpot_s, e2e_latency_s, tokens_per_s, ...
+    stats: dict = field(default_factory=dict)  # early-exit statistics (histogram, average layers, ...)
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not prefilled)
+
+
+def exit_stats(exit_layers: list[int], num_layers: int) -> dict:
+    """Histogram (index = layers run, 1..L) and average layers of one request's tokens."""
+    hist = [0] * (num_layers + 1)
+    for l in exit_layers:
+        hist[l] += 1
+    n = max(len(exit_layers), 1)
+    avg = sum(exit_layers) / n
+    return {"exit_histogram": hist[1:], "avg_layers": avg, "layer_fraction": avg / num_layers}
+
+
+@dataclass(frozen=True)
+class TextRules:
+    """What settles a row: the model's end-of-sequence ids and the tokenizer's decode (stop strings)."""
+    eos_ids: frozenset[int]
+    decode: Callable[[list[int]], str]
+    num_layers: int
+
+
+@dataclass
+class SavedRow:
+    """A preempted row's tokens and stop state (Batch.save): it resumes with them, its context prefilled again."""
+    generated: list[int]
+    exit_layers: list[int]
+    stop_matcher: StopMatcher
+    t_first: float
+
 
 @dataclass
 class Batch:
-    """Decode state of one generate() batch. Row b of every tensor is prompt b of the batch."""
+    """Decode state of the rows of one KV cache (a lane of the engine core). Row b of every tensor is
+    cache row b; a row is FREE, PREFILL (its prompt being prefilled) or alive (finish None) until it
+    settles ("stop" / "length"). Built by Batch.empty only."""
     prompt_ids: list[list[int]]
-    params: SamplingParams
+    params: SamplingParams  # the lane's sampling; max_new and the stop strings are per row
     max_new: list[int]  # per row, clipped to the context
     generated: list[list[int]]
     exit_layers: list[list[int]]
@@ -24,15 +87,146 @@ class Batch:
     texts: list[str | None]  # the text cut at a stop string; None = decode the tokens
     positions: torch.Tensor  # [B] host: position of the next token to feed = len(prompt) + len(generated) - 1
     next_tokens: torch.Tensor  # [B] device: the token to feed next
-    last_hidden: torch.Tensor | None = None  # [B, D] hidden state of the last fed token (draft heads use it)
-    t_first: float = 0.0
-    t_done: list[float] = field(default_factory=list)
-    on_token: Callable[[int, int], None] | None = None
+    last_hidden: torch.Tensor  # [B, D] hidden state of the last fed token (draft heads use it)
+    rules: TextRules
     mode: str = "dense"
+    on_token: Callable[[int, int], None] | None = None  # (row, token id) for every token recorded
     stop_matchers: list[StopMatcher] = field(init=False)  # per row: the stop-string search of its text
+    t_first: list[float] = field(init=False)  # per row: when its first token was chosen
+    t_done: list[float] = field(init=False)  # per row: when it settled
 
     def __post_init__(self) -> None:
-        self.stop_matchers = [StopMatcher(self.params.stop) for _ in self.prompt_ids]
+        n = len(self.prompt_ids)
+        self.stop_matchers = [StopMatcher(()) for _ in range(n)]
+        self.t_first, self.t_done = [0.0] * n, [0.0] * n
+
+    @classmethod
+    def empty(cls, rows: int, hidden_size: int, dtype: torch.dtype, device: torch.device, params: SamplingParams,
+              rules: TextRules, mode: str, on_token: Callable[[int, int], None] | None = None) -> Batch:
+        """`rows` FREE rows."""
+        return cls(prompt_ids=[[] for _ in range(rows)], params=params, max_new=[0] * rows,
+                   generated=[[] for _ in range(rows)], exit_layers=[[] for _ in range(rows)], finish=[FREE] * rows,
+                   texts=[None] * rows, positions=torch.zeros(rows, dtype=torch.int64),
+                   next_tokens=torch.zeros(rows, dtype=torch.int64, device=device),
+                   last_hidden=torch.zeros(rows, hidden_size, dtype=dtype, device=device), rules=rules, mode=mode,
+                   on_token=on_token)
 
     def alive(self) -> list[int]:
         return [b for b, f in enumerate(self.finish) if f is None]
+
+    # ---- a row's life -------------------------------------------------------------------------
+    def reserve(self, b: int) -> None:
+        """Row b takes a prompt whose prefill has not finished yet."""
+        self.finish[b] = PREFILL
+
+    def start(self, rows: list[int], prompts: list[list[int]], max_new: list[int], stops: list[list[str]],
+              first: torch.Tensor, last_hidden: torch.Tensor, saved: list[SavedRow | None] | None = None) -> None:
+        """Rows whose prompts are prefilled start decoding: first [N] the token chosen from the prompt's
+        last hidden state last_hidden [N, D]. saved[r]: a preempted row's state (save()); its context
+        (context()) was prefilled again, first is its last generated token, and nothing is recorded again."""
+        now = time.perf_counter()
+        fresh = []
+        for r, b in enumerate(rows):
+            old = None if saved is None else saved[r]
+            self.prompt_ids[b], self.max_new[b] = prompts[r], max_new[r]
+            if old is None:
+                self.generated[b], self.exit_layers[b], self.texts[b] = [], [], None
+                self.stop_matchers[b] = StopMatcher(stops[r])
+                self.t_first[b] = now
+                fresh.append(r)
+            else:
+                self.generated[b], self.exit_layers[b], self.texts[b] = old.generated, old.exit_layers, None
+                self.stop_matchers[b], self.t_first[b] = old.stop_matcher, old.t_first
+            self.positions[b] = len(prompts[r]) + max(len(self.generated[b]) - 1, 0)
+            self.t_done[b] = 0.0
+            self.finish[b] = None
+        idx = torch.tensor(rows, device=self.next_tokens.device)
+        self.next_tokens[idx] = first
+        self.last_hidden[idx] = last_hidden
+        if fresh:
+            toks = first.tolist()
+            self.record([rows[r] for r in fresh], [[toks[r]] for r in fresh], [[self.rules.num_layers]] * len(fresh))
+
+    def context(self, b: int) -> list[int]:
+        """The tokens whose KV row b holds before its next fed token: the prompt and every generated
+        token but the last (what a row admitted now was prefilled with)."""
+        return self.prompt_ids[b] + self.generated[b][:-1]
+
+    def save(self, b: int) -> SavedRow:
+        """Row b's generated state, to resume it after preemption (its KV is dropped)."""
+        return SavedRow(self.generated[b], self.exit_layers[b], self.stop_matchers[b], self.t_first[b])
+
+    def release(self, b: int) -> None:
+        self.finish[b] = FREE
+
+    # ---- a decode step ------------------------------------------------------------------------
+    def commit(self, alive: list[int], rows: torch.Tensor | None, out: StepOutput) -> None:
+        """Take a step's decisions for the rows `alive` (rows: them on the device, None = every row): each
+        row's last token is fed next (with its hidden state), its tokens are recorded."""
+        last = torch.tensor([block[-1] for block in out.tokens], device=self.next_tokens.device)
+        if rows is None:  # every row is alive
+            self.next_tokens.copy_(last)
+            if out.hidden is not None:
+                self.last_hidden.copy_(out.hidden)
+        else:
+            self.next_tokens[rows] = last
+            if out.hidden is not None:
+                self.last_hidden[rows] = out.hidden
+        self.record(alive, out.tokens, out.layers)
+
+    def record(self, alive: list[int], toks: list[list[int]], layers: list[list[int]]) -> None:
+        """Append each alive row's new tokens (one, or a verified block), advance positions, and settle
+        finished rows: no token after a row's stop (EOS, stop string, max_new) is kept."""
+        now = time.perf_counter()
+        for b, block, block_layers in zip(alive, toks, layers):
+            for tok, layer in zip(block, block_layers):
+                if self.finish[b] is None:
+                    self._record_one(b, tok, layer, now)
+
+    def _record_one(self, b: int, tok: int, layer: int, now: float) -> None:
+        self.generated[b].append(tok)
+        if self.on_token is not None:
+            self.on_token(b, tok)
+        self.exit_layers[b].append(layer)
+        # the token just chosen is fed next, right after the prompt and the tokens before it: the
+        # prefill's token goes in at position len(prompt), not one past it
+        self.positions[b] = len(self.prompt_ids[b]) + len(self.generated[b]) - 1
+        if tok in self.rules.eos_ids and not self.params.ignore_eos:
+            self.finish[b] = "stop"
+        elif self.stop_matchers[b].stops:
+            # the whole id list is decoded (a character split across tokens comes out right); only
+            # the new tail is searched
+            text = self.rules.decode(self.generated[b])
+            cut = self.stop_matchers[b].update(text)
+            if cut >= 0:
+                self.texts[b] = text[:cut]
+                self.finish[b] = "stop"
+        if self.finish[b] is None and len(self.generated[b]) >= self.max_new[b]:
+            self.finish[b] = "length"
+        if self.finish[b] is not None:
+            self.t_done[b] = now
+
+    # ---- results ------------------------------------------------------------------------------
+    def result(self, b: int, t0: float, stats: dict, cached_prompt_tokens: int = 0) -> GenerationResult:
+        """Row b's result; t0: when its work started (its request's submission), stats: its stepper's."""
+        ids = self.generated[b]
+        text = self.texts[b] if self.texts[b] is not None else self.rules.decode(ids)
+        n_tok = len(ids)
+        e2e = self.t_done[b] - t0
+        decode_s = self.t_done[b] - self.t_first[b]
+        metrics = {
+            "ttft_s": self.t_first[b] - t0,
+            "tpot_s": decode_s / max(n_tok - 1, 1),  # mean inter-token latency after the first token
+            "e2e_latency_s": e2e,
+            "tokens_per_s": n_tok / e2e if e2e > 0 else 0.0,
+            "decode_tokens_per_s": (n_tok - 1) / decode_s if decode_s > 0 else 0.0,
+        }
+        layers = self.exit_layers[b]
+        row = exit_stats(layers, self.rules.num_layers)
+        row["mode"] = self.mode
+        row.update(stats)
+        # what the scheduler's update rule should consume: unbiased exploration exits when taken
+        row["retune_histogram"] = row.get("explore_histogram") or row["exit_histogram"]
+        return GenerationResult(text=text, token_ids=list(ids), finish_reason=self.finish[b], exit_layers=list(layers),
+                                prompt_tokens=len(self.prompt_ids[b]), metrics=metrics, stats=row,
+                                cached_prompt_tokens=cached_prompt_tokens)

@@ -1,33 +1,20 @@
 """The contract between the engine's decode loop and a decode step.
 
-The engine owns every row's state (tokens, positions, the token to feed next, finish); a stepper
-decides what the next tokens are and returns them in a StepOutput, which the engine commits. A
-stepper reads the batch but never writes to it.
+The engine core owns every row's state (specee_core.decode.state.Batch: tokens, positions, the token
+to feed next, finish); a stepper decides what the next tokens are and returns them in a StepOutput,
+which the core commits. A stepper reads the batch but never writes to it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from specee_core.decode.state import Batch, StepOutput  # noqa: F401 -- StepOutput: part of this contract
+
 if TYPE_CHECKING:
-    from specee_core.decode.state import Batch
     from specee_core.model.kv_cache import KVCache
     from specee_core.model.model import LlamaModel
-
-
-@dataclass
-class StepOutput:
-    """What one decode step decided for the alive rows it was given (in that order)."""
-    tokens: list[list[int]]  # per row: the tokens decided this step, in order (one, or a verified block)
-    layers: list[list[int]]  # per row: the layers each of those tokens ran (num_layers = all)
-    # [N, D] per row: the hidden state (before the final norm) whose logits chose the row's last token;
-    # None when the stepper keeps its own features (the engine's copy is then left as it was)
-    hidden: torch.Tensor | None = None
-    # [N, D] the final-normed hidden state the last token was chosen from, where the stepper's differs from
-    # final_norm(hidden) or it keeps no hidden (early exit: the exit layer's); measurement reads it, the engine not
-    normed: torch.Tensor | None = None
 
 
 class StepEngine(Protocol):
@@ -51,9 +38,14 @@ class Stepper(Protocol):
         ...
 
     def admit(self, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
-        """Continuous batching: batch rows `rows` now hold new prompts, prefilled (prefill_hidden [N, T, D]
-        right-padded, lens [N]; the batch already has their first token and last hidden state). Forget
-        what the rows held before and start them as the constructor starts a batch's rows."""
+        """Batch rows `rows` now hold new prompts (or resumed rows), prefilled: prefill_hidden [N, T, D] of
+        each row's context (Batch.context) right-padded, lens [N]; the batch already has their first token
+        and last hidden state. Forget what the rows held before."""
+        ...
+
+    def caches(self) -> list[KVCache]:
+        """The KV caches it keeps beside the target's (a draft head's): the engine core grows them with
+        the target's and counts them in its memory budget."""
         ...
 
 

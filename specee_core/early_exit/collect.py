@@ -77,6 +77,19 @@ class CollectStepper:
         self.features[idx] = hn
         return StepOutput([[t] for t in tok.tolist()], [[m.num_layers]] * len(alive))
 
+    def admit(self, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
+        batch, m = self.batch, self.model
+        for b in rows:
+            self.histories[b] = list(batch.prompt_ids[b])
+            self.ngrams.reset(b)
+        self.record.clear(rows)
+        idx = torch.tensor(rows, device=m.device)
+        self.features[idx] = m.final_norm(batch.last_hidden[idx])
+        self.spec.admit([batch.context(b) for b in rows], m.final_norm(prefill_hidden), lens, rows)
+
+    def caches(self) -> list:
+        return self.spec.caches()
+
     def row_stats(self, b: int) -> dict:
         return {}
 

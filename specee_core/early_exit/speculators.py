@@ -158,6 +158,10 @@ class Speculator:
     def admit(self, prompt_ids: list[list[int]], features: torch.Tensor, lens: torch.Tensor, rows: list[int]) -> None:
         """Continuous batching: batch rows `rows` start new prompts (features and lens as in start)."""
 
+    def caches(self) -> list:
+        """The KV caches it keeps (the draft head's), which grow with the target's."""
+        return []
+
     def defer(self, rows: list[int], tokens: torch.Tensor, features: torch.Tensor) -> None:
         """A decode step that drafts nothing (SpecEE's dense steps): the rows fed tokens [N] with the
         previous features [N, D]; a speculator with a cache takes these pairs in with its next proposal."""
@@ -205,6 +209,9 @@ class DraftSpeculator(Speculator):
         m = self.draft
         h = self.fc(torch.cat((m.embed(tokens), feats), dim=-1))
         return m.layer(0, h, m.rope_for(positions), self.cache, rows, n_valid, tree)
+
+    def caches(self) -> list:
+        return [] if self.cache is None else [self.cache]
 
     def start(self, prompt_ids, features, lens, max_len) -> None:
         self.cache = self.draft.new_cache(features.shape[0], max_len)
@@ -386,6 +393,9 @@ class PromptLookupSpeculator(Speculator):
     def admit(self, prompt_ids, features, lens, rows) -> None:
         if self.fallback is not None:
             self.fallback.admit(prompt_ids, features, lens, rows)
+
+    def caches(self) -> list:
+        return [] if self.fallback is None else self.fallback.caches()
 
     def fork(self) -> PromptLookupSpeculator:
         twin = copy.copy(self)

@@ -375,6 +375,9 @@ class Stepper:
         self.speculator.start(batch.prompt_ids, m.final_norm(prefill_hidden), lens, cache.max_len)
         self.t_draft += time.perf_counter() - t0
 
+    def caches(self) -> list:
+        return self.speculator.caches()
+
     def admit(self, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
         batch, m = self.batch, self.model
         for b in rows:
@@ -391,7 +394,7 @@ class Stepper:
         idx = torch.tensor(rows, device=m.device)
         self.features[idx] = m.final_norm(batch.last_hidden[idx])
         t0 = time.perf_counter()
-        self.speculator.admit([batch.prompt_ids[b] for b in rows], m.final_norm(prefill_hidden), lens, rows)
+        self.speculator.admit([batch.context(b) for b in rows], m.final_norm(prefill_hidden), lens, rows)
         self.t_draft += time.perf_counter() - t0
 
     def _predictor_layers(self, alive: list[int], explore: bool) -> list[frozenset[int]]:

@@ -213,6 +213,38 @@ class KVCache:
         first = int(lens[0])
         self.uniform[layer] = first if bool((lens == first).all()) else None
 
-    def reset(self) -> None:
-        self.lengths.zero_()
-        self.uniform = [0] * len(self.uniform)
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def slot_bytes(self) -> int:
+        """Bytes of one row's slot in every layer, keys and values."""
+        return self.nbytes // (self.batch * self.max_len)
+
+    def resize(self, max_len: int) -> None:
+        """Reallocate to max_len slots per row, keeping every row's valid slots (max_len below a row's
+        length is an error). The object stays the same, so whoever holds it sees the new memory."""
+        if max_len < int(self.lengths.max()):
+            raise ValueError(f"cannot shrink the cache to {max_len} slots: a row holds {int(self.lengths.max())}")
+        keep = min(max_len, self.max_len)
+        lengths, uniform = self.lengths.clone(), list(self.uniform)
+        shape = (*self.k.shape[:3], max_len, self.k.shape[4])
+        k = self.k.new_zeros(shape)
+        v = self.v.new_zeros(shape)
+        k[:, :, :, :keep].copy_(self.k[:, :, :, :keep])
+        v[:, :, :, :keep].copy_(self.v[:, :, :, :keep])
+        self._attach(k, v)
+        self.lengths.copy_(lengths)
+        self.uniform = uniform
+
+    def read_slots(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of row `row`'s keys and values in slots [start, end) of every layer: [L, Hkv, end - start, hd] each."""
+        return self.k[:, row, :, start:end].clone(), self.v[:, row, :, start:end].clone()
+
+    def write_prefix(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Row `row` starts over holding k, v [L, Hkv, T, hd] in slots [0, T) of every layer (a cached prefix)."""
+        t = k.shape[2]
+        self._check_room(0, t)
+        self.k[:, row, :, :t].copy_(k)
+        self.v[:, row, :, :t].copy_(v)
+        self.truncate(torch.tensor([row]), torch.tensor([t]))

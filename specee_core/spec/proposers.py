@@ -129,6 +129,10 @@ class Proposer(Protocol):
     def admit(self, batch: Batch, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
         """Continuous batching: batch rows `rows` start new prompts, prefilled (as start, for those rows)."""
 
+    def caches(self) -> list:
+        """The KV caches it keeps (a draft head's), which grow with the target's."""
+        ...
+
     def propose(self, rows: list[int], batch: Batch, depths: list[int], params: SamplingParams | None = None,
                 generator: torch.Generator | None = None, max_nodes: int | None = None) -> Draft:
         """Drafts after each row's root (its last generated token), no deeper than depths[r] (>= 1 for
@@ -153,6 +157,9 @@ class LookupProposer:
 
     def admit(self, batch, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
         pass  # drafts from the batch's tokens alone
+
+    def caches(self) -> list:
+        return []
 
     def continuation(self, hist: list[int], depth: int) -> list[int]:
         start = next(ngram_matches(hist, self.max_ngram), None)
@@ -200,11 +207,14 @@ class DraftHeadProposer:
         # without a draft append without copying)
         self.pend_feats = [[m.final_norm(batch.last_hidden[b : b + 1])] for b in range(n)]
 
+    def caches(self) -> list:
+        return self.spec.caches()
+
     def admit(self, batch, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
         """New prompts in batch rows `rows` (continuous batching): prefill their draft cache rows and
         set their pending pairs, as start does for a whole batch."""
         m = self.spec.model_base
-        self.spec.admit([batch.prompt_ids[b] for b in rows], m.final_norm(prefill_hidden), lens, rows)
+        self.spec.admit([batch.context(b) for b in rows], m.final_norm(prefill_hidden), lens, rows)
         for b in rows:
             self.pend_tokens[b] = [int(batch.next_tokens[b])]
             self.pend_feats[b] = [m.final_norm(batch.last_hidden[b : b + 1])]

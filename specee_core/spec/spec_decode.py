@@ -98,6 +98,9 @@ class SpecStepper:
         proposer.start(engine, batch, cache, prefill_hidden, lens)
         self.stats.t_draft += time.perf_counter() - t0
 
+    def caches(self) -> list:
+        return self.proposer.caches()
+
     def admit(self, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
         for b in rows:
             self.stats.per_row_steps[b] = self.stats.per_row_accepted[b] = 0

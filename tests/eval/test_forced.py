@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specee_core import SpecEEEngine
-from specee_core.decode.engine import DenseStepper
+from specee_core.decode.dense import DenseStepper
 from specee_core.decode.sampling import SamplingParams
 from specee_eval.forced import Forcing
 

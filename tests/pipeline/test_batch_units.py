@@ -1,5 +1,5 @@
 """Units of the batch pipeline without a Ray cluster: the prompt reader's rows, the schedule
-store, the done-id set, re-batching, the output directory, the stage with a fake engine."""
+store, the done-id set, the output directory, the stage with a fake engine."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from pipeline.batch import BatchConfig, RowStats, rebatch
+from pipeline.batch import BatchConfig, RowStats
 from pipeline.output import DoneIds, OutputDir
 from pipeline.prompts import PROMPT_SCHEMA, infer_format, to_prompt_table
 from pipeline.schedule_store import ScheduleStore
@@ -111,18 +111,6 @@ def test_done_ids():
     big = DoneIds.of([pa.chunked_array([ids[::2]])])
     assert big.mask(ids).tolist() == [i % 2 == 0 for i in range(5000)]
     assert big.digests.nbytes == 16 * 2500
-
-
-def test_rebatch_drops_done_rows_and_fills_batches():
-    def block(ids):
-        return pa.table({"id": ids, "prompt": ids, "input_error": [None] * len(ids)}, schema=PROMPT_SCHEMA)
-
-    blocks = [block(["a", "b", "c"]), block([]), block(["d", "e"]), block(["f", "g", "h", "i", "j"])]
-    done = DoneIds.of([pa.chunked_array([["b", "g"]])])
-    out = [t["id"].to_pylist() for t in rebatch(iter(blocks), done, 3)]
-    assert out == [["a", "c", "d"], ["e", "f", "h"], ["i", "j"]]
-    assert [t["id"].to_pylist() for t in rebatch(iter(blocks), DoneIds.of([]), 4)] == \
-        [["a", "b", "c", "d"], ["e", "f", "g", "h"], ["i", "j"]]
 
 
 def test_output_reads_back_with_pandas_and_part_files_are_atomic(tmp_path):

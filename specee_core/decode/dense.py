@@ -1,0 +1,34 @@
+"""mode="dense": the decode step that runs every layer for one token per row."""
+from __future__ import annotations
+
+import torch
+
+from specee_core.decode.sampling import sample
+from specee_core.decode.state import Batch
+from specee_core.decode.stepper import StepEngine, StepOutput
+
+
+class DenseStepper:
+    """One token per row per step through every layer."""
+
+    def __init__(self, engine: StepEngine, batch: Batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor):
+        self.model, self.batch, self.cache = engine.model, batch, cache
+
+    def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
+        batch, m = self.batch, self.model
+        if rows is None:  # every row of the cache is alive: no gathers
+            fed, positions = batch.next_tokens, batch.positions
+        else:
+            fed, positions = batch.next_tokens[rows], batch.positions[torch.tensor(alive)]
+        h = m.forward(fed.unsqueeze(1), positions.unsqueeze(1).to(m.device), self.cache, rows)[:, 0]  # [N, D]
+        toks = sample(m.logits(h), batch.params, generator)
+        return StepOutput([[t] for t in toks.tolist()], [[m.num_layers]] * len(alive), h)
+
+    def row_stats(self, b: int) -> dict:
+        return {}
+
+    def admit(self, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
+        pass  # no per-row state
+
+    def caches(self) -> list:
+        return []

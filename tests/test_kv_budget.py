@@ -1,0 +1,96 @@
+"""KV memory with a budget and the prefix cache (specee_core.decode.core, specee_core.decode.memory) on the
+trained bundled model in fp32: rows preempted when the budget runs dry resume with the tokens they get
+without preemption, in every lossless mode, and a stream sends no token twice; a row that could never
+fit is refused at submission; cached prompt blocks give the same tokens as prefilling them."""
+from __future__ import annotations
+
+import pytest
+
+from specee_core import PromptError, SpecEEEngine
+from specee_core.decode.core import EngineCore, Request
+from specee_core.decode.sampling import SamplingParams
+from tests.conftest import BUNDLED
+
+PROMPTS = ["def add(a, b):\n", "import os\n", "class Point:\n    def __init__(self", "for i in range(10):\n"]
+SYSTEM = ("# utilities for parsing configuration files, reading and writing JSON, and checking paths\n"
+          "import json\nimport os\nfrom pathlib import Path\n\n\ndef load(path):\n    with open(path) as f:\n"
+          "        return json.load(f)\n\n\n")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return SpecEEEngine.from_pretrained(BUNDLED, dtype="float32", gate="off")
+
+
+@pytest.fixture(scope="module")
+def ids(engine):
+    return [engine.encode_prompt(p) for p in PROMPTS]
+
+
+def solo(engine, prompt, params, mode, spec):
+    core = EngineCore(engine, max_rows=1, kv_bytes=256 << 20, prefix_cache=False)
+    return core.run(Request([prompt], params, mode, spec))[0]
+
+
+@pytest.mark.parametrize("mode, spec", [("dense", None), ("spec", None), ("spec", {"proposer": "lookup"}),
+                                        ("spec", {"width": 2, "depth": 3})])
+def test_preempted_rows_resume_with_their_tokens(engine, ids, mode, spec):
+    """Two lanes (their stop rules differ), each of which alone fits the budget and together do not:
+    the newest rows are preempted as the lanes grow and resumed when memory is free again."""
+    bs = 16
+    core = EngineCore(engine, max_rows=2, prefill_chunk=64, kv_bytes=8 * bs * engine.slot_bytes(), block_size=bs,
+                      prefix_cache=False)
+    core.min_slots = 16
+    streamed: dict[tuple[int, int], list[int]] = {}
+    reqs = [core.submit(Request([ids[0], ids[1]], SamplingParams(max_new_tokens=56, ignore_eos=True), mode, spec,
+                                on_token=lambda i, t: streamed.setdefault((0, i), []).append(t))),
+            core.submit(Request([ids[2], ids[3]], SamplingParams(max_new_tokens=56), mode, spec,
+                                on_token=lambda i, t: streamed.setdefault((1, i), []).append(t)))]
+    steps = 0
+    while not all(r.done for r in reqs):
+        core.step()
+        steps += 1
+        assert steps < 2000
+        assert core.budget.used <= core.budget.capacity
+    assert core.preemptions > 0
+    for k, req in enumerate(reqs):
+        assert req.error is None
+        for i, (p, got) in enumerate(zip(req.prompt_ids, req.results)):
+            ref = solo(engine, p, req.params, mode, spec)
+            assert (got.token_ids, got.text, got.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason)
+            assert streamed[(k, i)] == got.token_ids  # no token re-sent after a resume
+    assert core.budget.used == sum(lane.blocks(core.budget) for lane in core.idle)  # the rest went back
+
+
+def test_a_row_that_could_never_fit_the_budget_is_refused_at_once(engine, ids):
+    core = EngineCore(engine, max_rows=2, kv_bytes=4 * 16 * engine.slot_bytes(), block_size=16)
+    with pytest.raises(PromptError, match="KV budget holds 4"):
+        core.submit(Request([ids[0]], SamplingParams(max_new_tokens=100), "dense"))
+    assert core.run(Request([ids[0]], SamplingParams(max_new_tokens=8), "dense"))[0].token_ids  # this one fits
+
+
+@pytest.mark.parametrize("mode", ["dense", "spec", "specee"])
+def test_prefix_cache_gives_the_same_tokens_as_prefilling(engine, mode):
+    prompts = [engine.encode_prompt(SYSTEM + p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=24)
+    got = {}
+    for on in (False, True):
+        core = EngineCore(engine, max_rows=2, prefill_chunk=512, kv_bytes=64 << 20, prefix_cache=on)
+        got[on] = core.run(Request(prompts, params, mode))
+    assert [r.token_ids for r in got[True]] == [r.token_ids for r in got[False]]
+    assert [r.exit_layers for r in got[True]] == [r.exit_layers for r in got[False]]
+    assert all(r.cached_prompt_tokens == 0 for r in got[False])
+    shared = len(engine.encode_prompt(SYSTEM)) - 1
+    # the first two rows prefill together; the next find the shared blocks cached (whole blocks only)
+    assert [r.cached_prompt_tokens for r in got[True][:2]] == [0, 0]
+    for r in got[True][2:]:
+        assert 0 < r.cached_prompt_tokens <= shared and r.cached_prompt_tokens % 16 == 0
+        assert r.cached_prompt_tokens > shared - 16
+
+
+def test_generate_reports_cached_prompt_tokens(engine):
+    prompts = [SYSTEM + p for p in PROMPTS[:2]]
+    engine.generate(prompts[:1], max_new_tokens=2, mode="dense")
+    again = engine.generate(prompts, max_new_tokens=2, mode="dense")
+    assert all(r.cached_prompt_tokens > 0 for r in again)
+    assert engine.core.memory()["prefix_cache_blocks"] > 0
