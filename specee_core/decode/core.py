@@ -119,6 +119,7 @@ class Row:
     hidden: list[torch.Tensor] = field(default_factory=list)  # [T_chunk, D] per prefill chunk
     cached: int = 0  # prompt tokens found in the prefix cache, first admission
     saved: SavedRow | None = None  # a preempted row's tokens
+    computing: list[bytes] = field(default_factory=list)  # prefix-cache keys of the blocks its prefill computes
     resume_after: int = 0  # a preempted row waits until the core has finished more rows than this
     admitted: int = 0  # admission order (preemption takes the latest)
 
@@ -135,6 +136,7 @@ class Lane:
         self.params = SamplingParams(max_new_tokens=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                                      seed=p.seed, ignore_eos=p.ignore_eos)
         self.generator = request.generator(engine.device)
+        self.seeded = self.generator is not None and not p.greedy
         self.mode = request.mode
         factory, self.headroom = core.stepper_of(request)
         self.cache = m.new_cache(slots, capacity)
@@ -175,7 +177,7 @@ class Lane:
 
     def reusable(self) -> bool:
         """Whether to keep this emptied lane for the next requests of its key."""
-        return not self.failed and self.capacity <= self.core.idle_max_slots and self.key[-1] is None  # seeded: one request
+        return not self.failed and self.capacity <= self.core.idle_max_slots and not self.seeded  # seeded: one request
 
     # ---- rows ------------------------------------------------------------------------------------
     def free_slots(self) -> list[int]:
@@ -202,6 +204,7 @@ class Lane:
     def remove(self, s: int) -> Row:
         row = self.rows.pop(s)
         self.batch.release(s)
+        self.core.computed(row)
         return row
 
     def _on_token(self, s: int, tok: int) -> None:
@@ -272,6 +275,8 @@ class Lane:
             for r, (s, row) in enumerate(whole):
                 prefix.insert(row.tokens, lambda a, b, s=s, r=r: PrefixBlock(*self.cache.read_slots(s, a, b),
                                                                             hidden[r, a:b].clone()))
+        for _, row in whole:
+            self.core.computed(row)
 
     def decode(self) -> None:
         alive = self.batch.alive()
@@ -318,6 +323,7 @@ class EngineCore:
         self.min_slots = MIN_SLOTS  # a new lane's first allocation per row, and the shortest max_len
         self.budget = KVBudget(kv_bytes, block_size, engine.slot_bytes())
         self.prefix = PrefixCache(self.budget) if prefix_cache else None
+        self.computing: dict[bytes, int] = {}  # prefix blocks being prefilled now -> rows computing them
         self.idle: list[Lane] = []  # emptied lanes kept for reuse, oldest first
         self.inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.requests: deque[Request] = deque()  # with prompts waiting for a row, in turn order
@@ -556,13 +562,34 @@ class EngineCore:
             if not lane.rows:
                 self._retire(lane)
             return False
-        prefix = self.prefix.match(row.tokens) if self.prefix is not None else []
+        prefix = []
+        if self.prefix is not None:
+            keys = self.prefix.keys(row.tokens)
+            prefix = self.prefix.match(row.tokens, keys)
+            if len(prefix) < len(keys) and keys[len(prefix)] in self.computing:
+                # a row being prefilled computes its next block: wait for the cache, do not compute it twice
+                if not lane.rows:
+                    self._retire(lane)
+                return False
+            row.computing = keys[len(prefix):]
+            for k in row.computing:
+                self.computing[k] = self.computing.get(k, 0) + 1
         row.admitted = next(_ADMISSIONS)
         lane.place(row, prefix)
         return True
 
+    def computed(self, row: Row) -> None:
+        """The row's prefill ended (done, preempted or dropped): its blocks are no longer in flight."""
+        for k in row.computing:
+            if self.computing.get(k, 0) <= 1:
+                self.computing.pop(k, None)
+            else:
+                self.computing[k] -= 1
+        row.computing = []
+
     def _lane_for(self, req: Request, row_len: int, context: int) -> Lane | None:
-        key = req.lane_key()
+        # a lane's stepper was built from the engine's early-exit state of its day: swapped, new lanes
+        key = (*req.lane_key(), id(self.engine.early_exit))
         for lane in self.lanes:
             if lane.key == key and lane.fits(row_len) and lane.free_slots():
                 return lane
@@ -571,8 +598,8 @@ class EngineCore:
         bs, cap_blocks = self.budget.block_size, self.budget.capacity
         # rows for the prompts of this key waiting now (a generate() call's), at least min_lane_rows (Serve:
         # room for requests that join later); a lane with free rows decodes through a gather of its rows
-        demand = sum(len(r.waiting) for r in self.requests if r.lane_key() == key)
-        demand += sum(1 for row in self.resumes if row.request.lane_key() == key)
+        demand = sum(len(r.waiting) for r in self.requests if r.lane_key() == key[:-1])
+        demand += sum(1 for row in self.resumes if row.request.lane_key() == key[:-1])
         want = min(self.max_rows, max(self.min_lane_rows, demand, 1))
         for lane in self.idle:
             if lane.key == key and lane.fits(row_len) and lane.slots == want:
@@ -623,6 +650,7 @@ class EngineCore:
             self.lanes.clear()
             self.idle.clear()
             self.resumes.clear()
+            self.computing.clear()
             while not self.inbox.empty():
                 self.active.append(self.inbox.get())
             for req in self.active:

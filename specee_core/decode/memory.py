@@ -115,10 +115,13 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.blocks)
 
-    def match(self, tokens: list[int]) -> list[PrefixBlock]:
-        """The cached blocks of the longest cached prefix of tokens, leaving at least one token to
-        compute (its logits choose the next token)."""
-        keys = block_hashes(tokens, self.budget.block_size, len(tokens) - 1)
+    def keys(self, tokens: list[int]) -> list[bytes]:
+        """Keys of the blocks a row with these tokens may take from the cache: its full blocks, leaving at
+        least one token to compute (its logits choose the next token)."""
+        return block_hashes(tokens, self.budget.block_size, len(tokens) - 1)
+
+    def match(self, tokens: list[int], keys: list[bytes]) -> list[PrefixBlock]:
+        """The cached blocks of the longest cached prefix of tokens (keys: self.keys(tokens))."""
         found = []
         for key in keys:
             blk = self.blocks.get(key)

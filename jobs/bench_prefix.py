@@ -1,0 +1,111 @@
+"""Prefix cache benchmark: prompts that share a long system prompt, each with its own question, prefilled
+with the engine core's prefix cache on and off (interleaved rounds), in dense and auto modes. Reports the
+prefill time (generate with one new token: the prompts' prefill and the first token's choice), the ratio,
+and whether the tokens of a longer generation are the same (fp32).
+
+    python -m jobs.bench_prefix --out docs/bench_prefix_cache.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specee_core import SpecEEEngine
+from specee_core.decode.plan import machine_facts
+
+QUESTIONS = ["How do I reverse a list in Python?", "What is the capital of Australia and why was it chosen?",
+             "Explain the difference between a process and a thread.", "Write a haiku about autumn leaves.",
+             "What causes the seasons on Earth?", "Give three tips for writing clear emails.",
+             "How does a hash table handle collisions?", "What is the boiling point of water at high altitude?"]
+
+
+@dataclass
+class Config:
+    model: str = "models/smollm2-135m-instruct"
+    prompts: int = 64
+    system_tokens: int = 500
+    batch_size: int = 16
+    modes: str = "dense,auto"
+    rounds: int = 2
+    check_tokens: int = 16
+    out: str | None = None
+
+
+def system_prompt(engine: SpecEEEngine, tokens: int) -> str:
+    """A system prompt of about `tokens` tokens: house rules, numbered (distinct text, no repetition)."""
+    lines, text = [], ""
+    i = 0
+    while len(engine.tokenizer(text)["input_ids"]) < tokens:
+        i += 1
+        lines.append(f"Rule {i}: when a user asks about topic number {i * 7 % 97}, answer politely, cite rule {i}, "
+                     f"and keep the answer under {20 + i} words.")
+        text = "You are a helpful assistant for the SpecEE help desk.\n" + "\n".join(lines)
+    return text
+
+
+def run(cfg: Config) -> dict:
+    from jobs.bench import git_commit
+
+    engine = SpecEEEngine.from_pretrained(cfg.model, dtype="float32", weights="fp32", max_batch_size=cfg.batch_size)
+    system = system_prompt(engine, cfg.system_tokens)
+    prompts = [engine.chat_prompt([{"role": "system", "content": system},
+                                   {"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (ticket {i})"}])
+               for i in range(cfg.prompts)]
+    lens = [len(engine.encode_prompt(p)) for p in prompts]
+    modes = cfg.modes.split(",")
+    if "auto" in modes:
+        engine.prepare_plan([cfg.batch_size])
+    times: dict[tuple[str, bool], list[float]] = {}
+    tokens: dict[tuple[str, bool], list[list[int]]] = {}
+    cached: dict[tuple[str, bool], int] = {}
+    for r in range(cfg.rounds + 1):  # round 0 warms up
+        for mode in modes:
+            for on in (False, True):
+                engine.options.prefix_cache = on
+                engine._core = None  # a fresh core: an empty prefix cache
+                t0 = time.perf_counter()
+                res = engine.generate(prompts, max_new_tokens=1, mode=mode)
+                dt = time.perf_counter() - t0
+                if r:
+                    times.setdefault((mode, on), []).append(dt)
+                    cached[(mode, on)] = sum(x.cached_prompt_tokens for x in res)
+                print(f"[bench_prefix] round {r} {mode} prefix_cache={on}: {dt:.2f} s", flush=True)
+    for mode in modes:
+        for on in (False, True):
+            engine.options.prefix_cache = on
+            engine._core = None
+            tokens[(mode, on)] = [x.token_ids for x in engine.generate(prompts, max_new_tokens=cfg.check_tokens,
+                                                                          mode=mode)]
+    results = []
+    for mode in modes:
+        off, on = min(times[(mode, False)]), min(times[(mode, True)])
+        results.append({"mode": mode, "prefill_s_no_cache": round(off, 3), "prefill_s_cache": round(on, 3),
+                        "speedup": round(off / on, 2), "cached_prompt_tokens": cached[(mode, True)],
+                        "prompt_tokens": sum(lens), "same_tokens": tokens[(mode, False)] == tokens[(mode, True)],
+                        "rounds_s": {"no_cache": times[(mode, False)], "cache": times[(mode, True)]}})
+    out = {"benchmark": "jobs.bench_prefix", "git_commit": git_commit(), "config": vars(cfg),
+           "machine": machine_facts(engine.device), "torch": torch.__version__,
+           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "dtype": "float32",
+           "prompt_tokens_each": {"min": min(lens), "max": max(lens)}, "results": results}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f, v in vars(Config()).items():
+        p.add_argument("--" + f.replace("_", "-"), type=type(v) if v is not None else str, default=v)
+    cfg = Config(**vars(p.parse_args()))
+    out = run(cfg)
+    text = json.dumps(out, indent=2)
+    print(text)
+    if cfg.out:
+        with open(cfg.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
