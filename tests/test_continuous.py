@@ -57,7 +57,7 @@ def test_rows_joining_a_running_batch_get_what_they_get_alone(engine, ids, mode,
             ref = alone(engine, p, req.params, mode, spec)
             assert (got.token_ids, got.text, got.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason)
             assert got.exit_layers == ref.exit_layers
-    assert max(r.peak_batch for r in (first, second, third)) == 3 and not sch.lanes  # rows shared steps; lanes idle
+    assert max(r.peak_batch for r in (first, second, third)) == 3 and not sch.lanes  # rows shared steps; lanes gone
 
 
 def test_a_short_request_is_not_starved_by_a_long_one(engine, ids):
@@ -173,17 +173,17 @@ def test_runner_survives_callers_that_cancel_their_futures(engine, ids):
     runner.check()
 
 
-def test_emptied_lanes_are_reused_unless_long(engine, ids):
-    sch = EngineCore(engine, max_rows=2, idle_lanes=2, kv_bytes=256 << 20)
-    sch.idle_max_slots = 256
-    sch.run(Request([ids[0]], SamplingParams(max_new_tokens=4), "dense"))
-    [lane] = sch.idle
-    sch.run(Request([ids[1]], SamplingParams(max_new_tokens=4), "dense"))
-    assert sch.idle == [lane]  # the same lane (and KV cache) served the second request
-    used = sch.budget.used
-    assert used == lane.blocks(sch.budget) > 0  # an idle lane keeps its blocks
-    sch.run(Request([ids[2]], SamplingParams(max_new_tokens=300, ignore_eos=True), "dense"))  # grows past 256 slots
-    assert sch.idle == [lane] and not sch.lanes and sch.budget.used == used  # the long lane's memory went back
+def test_lanes_grow_with_their_rows_and_give_their_memory_back(engine, ids):
+    sch = EngineCore(engine, max_rows=2, kv_bytes=256 << 20, prefix_cache=False)
+    req = sch.submit(Request([ids[2]], SamplingParams(max_new_tokens=300, ignore_eos=True), "dense"))
+    caps = []
+    while not req.done:
+        sch.step()
+        caps += [lane.capacity for lane in sch.lanes]
+        assert sch.budget.used == sum(lane.blocks(sch.budget) for lane in sch.lanes)
+    assert caps[0] == 256 and caps == sorted(caps) and caps[-1] > 256  # first 256 slots, grown as the row grew
+    assert len(req.results[0].token_ids) == 300
+    assert not sch.lanes and sch.budget.used == 0  # an emptied lane gives its blocks back
 
 
 @pytest.mark.parametrize("mode", ["spec", "specee"])

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from specee_core import SpecEEEngine
+from specee_core.decode.sampling import SamplingParams
 from specee_core.early_exit.scheduler import Schedule, retune, select_offline_layers
 
 PROMPTS = ["def f(x):\n    return x", "import os\n", "class A:\n    pass\n\nclass B(A):", "for i in range(10):"]
@@ -24,12 +25,25 @@ def test_exits_off_equals_dense(ee_model_dir, speculator, kv_mode, skip):
         assert b.stats["predictor_calls"] > 0
 
 
+def specee_keeping_cache(engine, prompts, **params):
+    """generate(mode="specee") through the engine core, also returning the KV cache its rows ran in."""
+    caches = []
+
+    def factory(*args):  # (engine, batch, cache, prefill_hidden, lens)
+        caches.append(args[2])
+        return engine.early_exit.new_stepper(*args)
+
+    res = engine.run([engine.encode_prompt(p) for p in prompts], SamplingParams(**params), factory, mode="specee")
+    [cache] = caches
+    return res, cache
+
+
 @pytest.mark.parametrize("skip", ["row", "batch"])
 @pytest.mark.parametrize("verify", ["local", "full"])
 @pytest.mark.parametrize("kv_mode", ["propagate", "gap", "recompute"])
 def test_always_exit_runs_fewer_layers(ee_model_dir, verify, kv_mode, skip):
     engine = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.0, verify=verify, kv_mode=kv_mode, skip=skip, dtype="float32")
-    res = engine.generate(PROMPTS, max_new_tokens=10, mode="specee", ignore_eos=True)
+    res, cache = specee_keeping_cache(engine, PROMPTS, max_new_tokens=10, ignore_eos=True)
     L = engine.config.num_hidden_layers
     assert all(r.exit_layers[0] == L for r in res)  # prefill's token: full depth, always
     layers = [l for r in res for l in r.exit_layers[1:]]
@@ -39,7 +53,6 @@ def test_always_exit_runs_fewer_layers(ee_model_dir, verify, kv_mode, skip):
     for r in res:
         assert sum(r.stats["exit_histogram"]) == len(r.token_ids)
         assert r.stats["avg_layers"] == pytest.approx(sum(r.exit_layers) / len(r.exit_layers))
-    cache = engine.core.idle[-1].cache  # the lane the call ran in, kept for reuse with its last lengths
     full = cache.lengths[0, :4]
     if kv_mode == "propagate":  # every layer keeps a full cache
         assert (cache.lengths[:, :4] == full).all()
@@ -68,8 +81,7 @@ def test_batch_skip_keeps_exited_rows_flowing(ee_model_dir):
     a = row.generate(PROMPTS[:1], max_new_tokens=10, mode="specee", ignore_eos=True)[0]
     b = bat.generate(PROMPTS[:1], max_new_tokens=10, mode="specee", ignore_eos=True)[0]
     assert a.token_ids == b.token_ids and a.exit_layers == b.exit_layers  # batch of one: identical
-    res = bat.generate(PROMPTS, max_new_tokens=10, mode="specee", ignore_eos=True)
-    cache = bat.core.idle[-1].cache  # the lane the call ran in, kept with its last lengths
+    res, cache = specee_keeping_cache(bat, PROMPTS, max_new_tokens=10, ignore_eos=True)
     # a layer's KV is missing for a position only when every alive row skipped it
     behind = cache.lengths[:, :4] < cache.lengths[0, :4]
     assert (behind.all(1) | ~behind.any(1)).all(), cache.lengths[:, :4]

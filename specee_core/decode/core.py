@@ -16,7 +16,7 @@ A *lane* is the rows that can share decode steps (same mode, spec options and sa
 max_tokens and stop strings are per row): one KV cache (contiguous per row, so attention and the
 fused decode kernel read it in place), one Batch (specee_core.decode.state) and one stepper. Its cache
 takes blocks from the budget (specee_core.decode.memory) as its rows grow. When a step would need
-blocks the budget does not have (after dropping idle lanes and evicting prefix blocks), the most
+blocks the budget does not have (after evicting prefix blocks), the most
 recently admitted row is preempted: its blocks are freed, its tokens kept, and it resumes by
 prefilling its context again (a stream sends no token twice; a seeded request's generator is its own).
 
@@ -46,7 +46,6 @@ from specee_core.decode.stepper import StepperFactory
 
 log = logging.getLogger(__name__)
 
-IDLE_MAX_SLOTS = 1024  # emptied lanes holding up to this many slots per row are kept for reuse
 MIN_SLOTS = 256  # a new lane's first allocation per row (it grows from there)
 _REQUEST_IDS = itertools.count()
 _ADMISSIONS = itertools.count()
@@ -136,7 +135,6 @@ class Lane:
         self.params = SamplingParams(max_new_tokens=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                                      seed=p.seed, ignore_eos=p.ignore_eos)
         self.generator = request.generator(engine.device)
-        self.seeded = self.generator is not None and not p.greedy
         self.mode = request.mode
         factory, self.headroom = core.stepper_of(request)
         self.cache = m.new_cache(slots, capacity)
@@ -174,10 +172,6 @@ class Lane:
             elif b.finish[s] == PREFILL:
                 need = max(need, len(row.tokens) + 1 + self.headroom)
         return need
-
-    def reusable(self) -> bool:
-        """Whether to keep this emptied lane for the next requests of its key."""
-        return not self.failed and self.capacity <= self.core.idle_max_slots and not self.seeded  # seeded: one request
 
     # ---- rows ------------------------------------------------------------------------------------
     def free_slots(self) -> list[int]:
@@ -309,22 +303,20 @@ class EngineCore:
     block_size slots). `step()` is one iteration (see the module's docstring)."""
 
     def __init__(self, engine, max_rows: int = 8, prefill_chunk: int = 256, kv_bytes: int = 1 << 30,
-                 block_size: int = 16, prefix_cache: bool = True, idle_lanes: int = 2, max_lanes: int = 4,
+                 block_size: int = 16, prefix_cache: bool = True, max_lanes: int = 4,
                  min_lane_rows: int | None = None):
         """min_lane_rows: the rows a new lane has at least (None: max_rows, room for requests that join
         later); fewer when fewer prompts of its kind wait, so a lane's rows are all decoding and its steps
         take the path without gathers (SpecEEEngine.generate's core: 1)."""
-        if max_rows < 1 or prefill_chunk < 1 or idle_lanes < 0 or max_lanes < 1:
-            raise ValueError("max_rows, prefill_chunk and max_lanes must be >= 1, idle_lanes >= 0")
+        if max_rows < 1 or prefill_chunk < 1 or max_lanes < 1:
+            raise ValueError("max_rows, prefill_chunk and max_lanes must be >= 1")
         self.engine, self.max_rows, self.prefill_chunk = engine, max_rows, prefill_chunk
-        self.idle_lanes, self.max_lanes = idle_lanes, max_lanes
+        self.max_lanes = max_lanes
         self.min_lane_rows = max_rows if min_lane_rows is None else min(min_lane_rows, max_rows)
-        self.idle_max_slots = IDLE_MAX_SLOTS
         self.min_slots = MIN_SLOTS  # a new lane's first allocation per row, and the shortest max_len
         self.budget = KVBudget(kv_bytes, block_size, engine.slot_bytes())
         self.prefix = PrefixCache(self.budget) if prefix_cache else None
         self.computing: dict[bytes, int] = {}  # prefix blocks being prefilled now -> rows computing them
-        self.idle: list[Lane] = []  # emptied lanes kept for reuse, oldest first
         self.inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.requests: deque[Request] = deque()  # with prompts waiting for a row, in turn order
         self.resumes: deque[Row] = deque()  # preempted rows, resumed before any new prompt
@@ -431,10 +423,7 @@ class EngineCore:
 
     # ---- memory ----------------------------------------------------------------------------------
     def _take(self, blocks: int) -> bool:
-        """Take blocks from the budget, dropping idle lanes and then evicting prefix blocks (least
-        recently used) as needed."""
-        while self.budget.free() < blocks and self.idle:
-            self._drop(self.idle.pop(0))
+        """Take blocks from the budget, evicting prefix blocks (least recently used) as needed."""
         short = blocks - self.budget.free()
         if short > 0 and self.prefix is not None:
             self.prefix.evict(short)
@@ -506,13 +495,10 @@ class EngineCore:
             self._resize(lane, lane.need(), shrink=True)
 
     def _retire(self, lane: Lane) -> None:
+        """An emptied lane gives its memory back. It is not kept for reuse: its stepper was built from the
+        engine's state of its day (plan, early-exit options), and a new lane costs a small allocation."""
         self.lanes.remove(lane)
-        if lane.reusable():
-            self.idle.append(lane)
-            while len(self.idle) > self.idle_lanes:
-                self._drop(self.idle.pop(0))
-        else:
-            self._drop(lane)
+        self._drop(lane)
 
     # ---- admission -------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -553,29 +539,27 @@ class EngineCore:
                 self.requests = deque(r for r in self.requests if r is not req)
 
     def _place(self, row: Row) -> bool:
-        """Put the row in a lane of its key with a free slot and room in the budget for its context."""
-        req = row.request
-        lane = self._lane_for(req, len(row.prompt) + row.max_new, len(row.tokens))
+        """Put the row in a lane of its key with a free slot and room in the budget for its context. It
+        waits while another row prefills the next block it could take from the prefix cache."""
+        keys = self.prefix.keys(row.tokens) if self.prefix is not None else []
+        prefix = self.prefix.match(row.tokens, keys) if keys else []
+        if len(prefix) < len(keys) and keys[len(prefix)] in self.computing:
+            return False  # do not compute that block twice: it will be cached in a step or two
+        lane = self._lane_for(row.request, len(row.prompt) + row.max_new, len(row.tokens))
         if lane is None:
             return False
         if not self._resize(lane, max(lane.need(), len(row.tokens) + 1 + lane.headroom)):
             if not lane.rows:
                 self._retire(lane)
             return False
-        prefix = []
-        if self.prefix is not None:
-            keys = self.prefix.keys(row.tokens)
-            prefix = self.prefix.match(row.tokens, keys)
-            if len(prefix) < len(keys) and keys[len(prefix)] in self.computing:
-                # a row being prefilled computes its next block: wait for the cache, do not compute it twice
-                if not lane.rows:
-                    self._retire(lane)
-                return False
-            row.computing = keys[len(prefix):]
-            for k in row.computing:
-                self.computing[k] = self.computing.get(k, 0) + 1
+        row.computing = keys[len(prefix):]
+        for k in row.computing:
+            self.computing[k] = self.computing.get(k, 0) + 1
         row.admitted = next(_ADMISSIONS)
         lane.place(row, prefix)
+        if self.prefix is not None:
+            self.prefix.queries += len(row.tokens)
+            self.prefix.hits += row.done_tokens
         return True
 
     def computed(self, row: Row) -> None:
@@ -588,8 +572,7 @@ class EngineCore:
         row.computing = []
 
     def _lane_for(self, req: Request, row_len: int, context: int) -> Lane | None:
-        # a lane's stepper was built from the engine's early-exit state of its day: swapped, new lanes
-        key = (*req.lane_key(), id(self.engine.early_exit))
+        key = req.lane_key()
         for lane in self.lanes:
             if lane.key == key and lane.fits(row_len) and lane.free_slots():
                 return lane
@@ -598,14 +581,9 @@ class EngineCore:
         bs, cap_blocks = self.budget.block_size, self.budget.capacity
         # rows for the prompts of this key waiting now (a generate() call's), at least min_lane_rows (Serve:
         # room for requests that join later); a lane with free rows decodes through a gather of its rows
-        demand = sum(len(r.waiting) for r in self.requests if r.lane_key() == key[:-1])
-        demand += sum(1 for row in self.resumes if row.request.lane_key() == key[:-1])
+        demand = sum(len(r.waiting) for r in self.requests if r.lane_key() == key)
+        demand += sum(1 for row in self.resumes if row.request.lane_key() == key)
         want = min(self.max_rows, max(self.min_lane_rows, demand, 1))
-        for lane in self.idle:
-            if lane.key == key and lane.fits(row_len) and lane.slots == want:
-                self.idle.remove(lane)
-                self.lanes.append(lane)
-                return lane
         if len(self.lanes) >= self.max_lanes:
             return None  # its turn comes when a lane empties
         _, headroom = self.stepper_of(req)
@@ -645,10 +623,9 @@ class EngineCore:
     def fail_all(self, error: BaseException) -> None:
         """End every request with `error` and drop the lanes (after a step failed outside a lane)."""
         with self._lock:
-            for lane in self.lanes + self.idle:
+            for lane in self.lanes:
                 self._drop(lane)
             self.lanes.clear()
-            self.idle.clear()
             self.resumes.clear()
             self.computing.clear()
             while not self.inbox.empty():

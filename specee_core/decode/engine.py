@@ -73,9 +73,17 @@ class SpecEEEngine:
         eos = set(c.eos_token_id)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
-        self.eos_ids = eos
         self.rules = TextRules(frozenset(eos), self._decode, model.num_layers)
         self._core: EngineCore | None = None
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """The ids that end a row (the config's and the tokenizer's EOS)."""
+        return self.rules.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids) -> None:
+        self.rules.eos_ids = frozenset(ids)  # every lane's Batch reads this one object
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -110,7 +110,7 @@ class PrefixCache:
     def __init__(self, budget: KVBudget):
         self.budget = budget
         self.blocks: OrderedDict[bytes, PrefixBlock] = OrderedDict()  # least recently used first
-        self.hits = self.queries = 0  # prompt tokens found / looked up
+        self.hits = self.queries = 0  # prompt tokens of placed rows found here / in all
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -129,8 +129,6 @@ class PrefixCache:
                 break
             self.blocks.move_to_end(key)
             found.append(blk)
-        self.queries += len(tokens)
-        self.hits += len(found) * self.budget.block_size
         return found
 
     def insert(self, tokens: list[int], read) -> None:

@@ -56,9 +56,10 @@ def exit_stats(exit_layers: list[int], num_layers: int) -> dict:
     return {"exit_histogram": hist[1:], "avg_layers": avg, "layer_fraction": avg / num_layers}
 
 
-@dataclass(frozen=True)
+@dataclass
 class TextRules:
-    """What settles a row: the model's end-of-sequence ids and the tokenizer's decode (stop strings)."""
+    """What settles a row: the model's end-of-sequence ids and the tokenizer's decode (stop strings). One
+    object per engine, shared by its lanes' Batches."""
     eos_ids: frozenset[int]
     decode: Callable[[list[int]], str]
     num_layers: int
