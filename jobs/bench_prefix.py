@@ -7,13 +7,12 @@ and whether the tokens of a longer generation are the same (fp32).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from dataclasses import dataclass
 
 import torch
 
+from jobs.cli import emit_json, parse_config
 from specee_core import SpecEEEngine
 from specee_core.decode.plan import machine_facts
 
@@ -30,7 +29,7 @@ class Config:
     system_tokens: int = 500
     batch_size: int = 16
     modes: str = "dense,auto"
-    rounds: int = 2
+    rounds: int = 2  # timed rounds after a warm-up round; the fastest counts
     check_tokens: int = 16
     out: str | None = None
 
@@ -94,17 +93,9 @@ def run(cfg: Config) -> dict:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f, v in vars(Config()).items():
-        p.add_argument("--" + f.replace("_", "-"), type=type(v) if v is not None else str, default=v)
-    cfg = Config(**vars(p.parse_args()))
-    out = run(cfg)
-    text = json.dumps(out, indent=2)
-    print(text)
-    if cfg.out:
-        with open(cfg.out, "w") as f:
-            f.write(text + "\n")
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(Config, __doc__, argv)
+    emit_json(run(cfg), cfg.out)
 
 
 if __name__ == "__main__":

@@ -75,3 +75,13 @@ def ee_model_dir(tmp_path_factory):
     make_hf_model(path, layers=4, hidden=64, heads=4, kv_heads=2, tied=True, seed=1)
     add_early_exit_files(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def bundled_fp32():
+    """The bundled trained model in fp32 with SpecEE's pay-off gate off: the gate runs dense stretches per
+    batch, so a row's steps would depend on the batch it shares; gated off, every step is a SpecEE step and
+    a row exits alike shared and alone."""
+    from specee_core import SpecEEEngine
+
+    return SpecEEEngine.from_pretrained(BUNDLED, dtype="float32", gate="off")

@@ -10,20 +10,16 @@ import time
 import pytest
 import torch
 
-from specee_core import SpecEEEngine
 from specee_core.decode.core import CancelledRequest, EngineCore, Request, Runner
 from specee_core.decode.sampling import SamplingParams
-from tests.conftest import BUNDLED
 
 PROMPTS = ["def add(a, b):\n", "import os\n", "class Point:\n    def __init__(self", "for i in range(10):\n",
            "x = [1, 2, 3]\n", "with open(path) as f:\n", "return sorted(", "try:\n    import json\n"]
 
 
 @pytest.fixture(scope="module")
-def engine():
-    # gate off: SpecEE's pay-off gate runs dense stretches per batch, so a row's steps would depend on
-    # the batch it shares; here every step is a SpecEE step, and a row exits alike shared and alone
-    return SpecEEEngine.from_pretrained(BUNDLED, dtype="float32", gate="off")
+def engine(bundled_fp32):
+    return bundled_fp32
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from specee_core import PromptError, SpecEEEngine
+from specee_core import PromptError
 from specee_core.decode.core import EngineCore, Request
 from specee_core.decode.sampling import SamplingParams
-from tests.conftest import BUNDLED
 
 PROMPTS = ["def add(a, b):\n", "import os\n", "class Point:\n    def __init__(self", "for i in range(10):\n"]
 SYSTEM = ("# utilities for parsing configuration files, reading and writing JSON, and checking paths\n"
@@ -18,8 +17,8 @@ SYSTEM = ("# utilities for parsing configuration files, reading and writing JSON
 
 
 @pytest.fixture(scope="module")
-def engine():
-    return SpecEEEngine.from_pretrained(BUNDLED, dtype="float32", gate="off")
+def engine(bundled_fp32):
+    return bundled_fp32
 
 
 @pytest.fixture(scope="module")
