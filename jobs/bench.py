@@ -44,8 +44,8 @@ import torch
 from jobs.cli import parse_config
 from jobs.build_corpus import sample_snippets
 from specee_core import SpecEEEngine
-from specee_core.decode.plan import machine_facts
-from specee_core.decode.sampling import SamplingParams
+from specee_core.machine import machine_facts
+from specee_core.step.sampling import SamplingParams
 from specee_eval import metrics
 from specee_eval.forced import Forcing
 

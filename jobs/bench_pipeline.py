@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     from jobs.bench import git_commit
     from jobs.cli import emit_json
     from pipeline.local_ray import init_ray
-    from specee_core.decode.plan import machine_facts
+    from specee_core.machine import machine_facts
 
     commit = git_commit()
     rows = read_rows(args.input, args.limit)

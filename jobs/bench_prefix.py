@@ -14,7 +14,7 @@ import torch
 
 from jobs.cli import emit_json, parse_config
 from specee_core import SpecEEEngine
-from specee_core.decode.plan import machine_facts
+from specee_core.machine import machine_facts
 
 QUESTIONS = ["How do I reverse a list in Python?", "What is the capital of Australia and why was it chosen?",
              "Explain the difference between a process and a thread.", "Write a haiku about autumn leaves.",

@@ -40,7 +40,7 @@ from jobs.bench import git_commit
 from jobs.cli import parse_config
 from specee_core import SpecEEEngine
 from specee_core.decode.dense import DenseStepper
-from specee_core.decode.sampling import SamplingParams
+from specee_core.step.sampling import SamplingParams
 from specee_eval import humaneval, metrics
 from specee_eval.forced import Forcing
 from specee_eval.sandbox import Limits, run_many

@@ -109,7 +109,7 @@ def render_prompt(engine, prompt: str) -> str:
 
 def distill(cfg: DistillConfig) -> dict:
     from specee_core import SpecEEEngine
-    from specee_core.decode.sampling import SamplingParams
+    from specee_core.step.sampling import SamplingParams
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

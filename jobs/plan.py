@@ -17,7 +17,8 @@ import torch
 from jobs.cli import emit_json, parse_config
 from specee_core import SpecEEEngine
 from specee_core.model.config import resolve_dtype
-from specee_core.decode.plan import CostTable, machine_facts
+from specee_core.machine import machine_facts
+from specee_core.spec.plan import CostTable
 
 
 @dataclass
@@ -56,7 +57,7 @@ def run(cfg: PlanConfig) -> dict:
     out = {"model": str(cfg.model), **machine_facts(engine.device), **engine.weights_info()}
     if cfg.weights == "auto" and cfg.dtype == "auto":  # what auto would load at each batch size
         from specee_core.model.loader import find_model_dir
-        from specee_core.decode.plan import choose_dtype
+        from specee_core.machine import choose_dtype
         from specee_core.model.weight_plan import choose_weights
 
         dev, model_dir = torch.device(cfg.device), find_model_dir(cfg.model)

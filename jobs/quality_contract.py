@@ -35,7 +35,7 @@ from jobs.cli import parse_config
 from jobs.make_distill_data import read_prompts, render_prompt
 from specee_core import SpecEEEngine
 from specee_core.early_exit.calibration import upper_bound
-from specee_core.decode.plan import machine_facts
+from specee_core.machine import machine_facts
 from specee_eval import metrics
 
 log = logging.getLogger(__name__)

@@ -98,10 +98,20 @@ def lowbit_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.T
     return y
 
 
-def lowbit_linear_reference(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-    """The same product in plain torch: dequantize (specee_core.model.quant's reference), then F.linear in fp32."""
-    from specee_core.model.quant import QuantWeight, dequantize_reference
+def dequantize_reference(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """Weight planes -> fp32 [O, I], computed as gguf's numpy reference does: (d * q) + m, rounded in that
+    order. q8: qs [O, I] int8; q4 (m given): qs [O, I / 2] uint8, low nibbles first within a block."""
+    o, g = d.shape
+    i = g * QK
+    scale = d.float()[..., None]  # [O, G, 1]
+    if m is None:
+        return (qs.view(o, g, QK).float() * scale).reshape(o, i)
+    packed = qs.view(o, g, QK // 2)
+    q = torch.cat((packed & 0x0F, packed >> 4), dim=-1).float()  # [O, G, 32]
+    return (q * scale + m.float()[..., None]).reshape(o, i)
 
+
+def lowbit_linear_reference(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """The same product in plain torch: dequantize_reference, then F.linear in fp32."""
     _check(x, qs, d, m)
-    qw = QuantWeight("q4" if m is not None else "q8", qs, d, m)
-    return F.linear(x, dequantize_reference(qw))
+    return F.linear(x, dequantize_reference(qs, d, m))

@@ -46,9 +46,9 @@ from specee_core import PromptError, SpecEEEngine
 from specee_core.decode.core import Request as EngineRequest
 from specee_core.decode.core import Runner
 from specee_core.decode.engine import MODES
-from specee_core.decode.plan import machine_facts
-from specee_core.decode.sampling import SamplingParams
-from specee_core.decode.stops import cut_at_stop
+from specee_core.machine import machine_facts
+from specee_core.step.sampling import SamplingParams
+from specee_core.step.stops import cut_at_stop
 from pipeline.openai_protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRequest, CompletionRequest, chat_chunk,
                                       chat_response, completion_chunk, completion_response, error_body, new_id,
                                       parse_body, specee_summary, sse, usage, usage_chunk)

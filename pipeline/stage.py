@@ -14,7 +14,7 @@ from specee_core import PromptError, SpecEEEngine
 from specee_core.model.config import resolve_dtype
 from specee_core.model.quant import WEIGHT_FORMATS
 from specee_core.decode.engine import MODES
-from specee_core.decode.plan import machine_facts
+from specee_core.machine import machine_facts
 from specee_core.early_exit.scheduler import Schedule
 from specee_core.spec.spec_decode import SpecOptions
 

@@ -1,6 +1,6 @@
 """Token ids -> text deltas for streaming responses: incremental detokenization that never splits
 a multi-byte character, and a hold-back so a stop string is never sent before it is recognised."""
-from specee_core.decode.stops import StopMatcher
+from specee_core.step.stops import StopMatcher
 
 
 class IncrementalDecoder:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import torch
 
-from specee_core.decode.stepper import StepOutput
+from specee_core.step.stepper import StepOutput
 
 
 class Forcing:

@@ -95,7 +95,7 @@ def test_specee_with_exits_off_equals_dense(engine):
 def test_specee_skips_layers_and_agrees_with_dense(engine):
     """Teacher-forced: every step is fed dense's token, so one early difference cannot cascade;
     measured 0.69 of layers and 0.86 agreement on these prompts (threshold 0.9, batch 4)."""
-    from specee_core.decode.sampling import SamplingParams
+    from specee_core.step.sampling import SamplingParams
     from specee_eval.forced import Forcing
 
     dense = engine.generate(PROMPTS, max_new_tokens=48, ignore_eos=True, mode="dense")
@@ -115,7 +115,7 @@ def test_specee_skips_layers_and_agrees_with_dense(engine):
 def test_recompute_keeps_the_kv_cache_exact(engine, batch):
     """kv_mode='recompute': fed dense's tokens (teacher forcing), every token that ran all layers
     equals dense's, because exited positions get their missing layers before anyone reads them."""
-    from specee_core.decode.sampling import SamplingParams
+    from specee_core.step.sampling import SamplingParams
     from specee_eval.forced import Forcing
 
     eng = SpecEEEngine(engine.model, engine.tokenizer, engine.options,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specee_core.decode.core import CancelledRequest, EngineCore, Request, Runner
-from specee_core.decode.sampling import SamplingParams
+from specee_core.step.sampling import SamplingParams
 
 PROMPTS = ["def add(a, b):\n", "import os\n", "class Point:\n    def __init__(self", "for i in range(10):\n",
            "x = [1, 2, 3]\n", "with open(path) as f:\n", "return sorted(", "try:\n    import json\n"]

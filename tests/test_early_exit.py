@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specee_core import SpecEEEngine
-from specee_core.decode.sampling import SamplingParams
+from specee_core.step.sampling import SamplingParams
 from specee_core.early_exit.scheduler import Schedule, retune, select_offline_layers
 
 PROMPTS = ["def f(x):\n    return x", "import os\n", "class A:\n    pass\n\nclass B(A):", "for i in range(10):"]

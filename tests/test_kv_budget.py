@@ -8,7 +8,7 @@ import pytest
 
 from specee_core import PromptError
 from specee_core.decode.core import EngineCore, Request
-from specee_core.decode.sampling import SamplingParams
+from specee_core.step.sampling import SamplingParams
 
 PROMPTS = ["def add(a, b):\n", "import os\n", "class Point:\n    def __init__(self", "for i in range(10):\n"]
 SYSTEM = ("# utilities for parsing configuration files, reading and writing JSON, and checking paths\n"

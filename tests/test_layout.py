@@ -1,4 +1,6 @@
-"""The package layout: no import cycle between specee_core's modules, and the public API at the top.
+"""The package layout: specee_core's packages layered one way (and no import cycle between its modules),
+kernels/ free of specee_core, no call into another module's private methods, the rows' state built in
+one place, and the public API at the top.
 
 The graph counts every import statement in a file (top level, inside functions, under
 `if TYPE_CHECKING:`), relative imports resolved. `from specee_core.a.b import name` is an edge to the
@@ -98,8 +100,8 @@ def test_graph_counts_imports_in_functions_and_under_type_checking():
     graph = import_graph(REPO)
     # engine imports the early-exit step and speculative decoding inside functions only
     assert {"specee_core.early_exit.step", "specee_core.spec.spec_decode"} <= graph["specee_core.decode.engine"]
-    # the step contract imports the batch state under TYPE_CHECKING only
-    assert "specee_core.decode.state" in graph["specee_core.decode.stepper"]
+    # the step contract imports the model's types under TYPE_CHECKING only
+    assert "specee_core.model.kv_cache" in graph["specee_core.step.stepper"]
     assert "specee_core.decode.engine" in graph["specee_core"]
 
 
@@ -124,6 +126,85 @@ def test_cycle_finder_sees_every_kind_of_import(tmp_path):
     (pkg / "sub" / "other.py").write_text("")
     graph = import_graph(tmp_path, "pkg")
     assert graph["pkg.sub.step"] == {"pkg.sub.other"} and find_cycle(graph) is None
+
+
+# specee_core's layers, bottom first: a module imports from its own package and the layers below only.
+# "" is specee_core/__init__.py (the public API on top).
+LAYERS = ("machine", "model", "step", "early_exit", "spec", "decode", "")
+SOURCES = ("specee_core", "pipeline", "jobs", "kernels", "specee_eval")
+
+
+def layer_of(module: str) -> str:
+    return (module.split(".")[1:2] or [""])[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Edges from a package to one above it (or to a package not in LAYERS)."""
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    return sorted(f"{m} -> {t}" for m, deps in graph.items() for t in deps
+                  if rank.get(layer_of(t), len(LAYERS)) > rank.get(layer_of(m), -1))
+
+
+def test_packages_import_downward_only():
+    graph = import_graph(REPO)
+    assert {layer_of(m) for m in graph} <= set(LAYERS), "a package missing from LAYERS"
+    assert upward_imports(graph) == []
+
+
+def test_the_layer_check_sees_an_upward_import():
+    graph = {"specee_core.model.model": {"specee_core.machine"}, "specee_core.early_exit.step": {"specee_core.step.state"},
+             "specee_core.spec.plan": {"specee_core.decode.core"}}
+    assert upward_imports(graph) == ["specee_core.spec.plan -> specee_core.decode.core"]
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Absolute module names a file imports (anywhere in it)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out.add(node.module or "")
+    return out
+
+
+def test_kernels_import_nothing_of_specee_core():
+    offenders = sorted(f"{p.name}: {m}" for p in (REPO / "kernels").rglob("*.py") for m in imported_modules(p)
+                       if m.split(".")[0] == PACKAGE)
+    assert offenders == []
+
+
+def private_calls_across_modules(root: Path = REPO) -> list[str]:
+    """Calls `x._name(...)` (x not self / cls) of a private method that classes of other modules define and
+    the calling module does not."""
+    files = [p for src in SOURCES for p in sorted((root / src).rglob("*.py"))]
+    trees = {p: ast.parse(p.read_text(), str(p)) for p in files}
+    owners: dict[str, set[Path]] = {}
+    for p, tree in trees.items():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for fn in cls.body:
+                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name.startswith("_") \
+                        and not fn.name.startswith("__"):
+                    owners.setdefault(fn.name, set()).add(p)
+    found = []
+    for p, tree in trees.items():
+        for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
+            name, obj = call.func.attr, call.func.value
+            if name in owners and p not in owners[name] and not (isinstance(obj, ast.Name) and obj.id in ("self", "cls")):
+                found.append(f"{p.relative_to(root)}:{call.lineno} {ast.unparse(call.func)}")
+    return found
+
+
+def test_no_module_calls_another_modules_private_methods():
+    assert private_calls_across_modules() == []
+
+
+def test_the_rows_state_is_built_in_one_place():
+    """Batch (the rows of a lane) is constructed by Batch.empty only."""
+    calls = [f"{p.relative_to(REPO)}:{n.lineno}" for src in SOURCES + ("tests",) for p in sorted((REPO / src).rglob("*.py"))
+             for n in ast.walk(ast.parse(p.read_text(), str(p)))
+             if isinstance(n, ast.Call) and ast.unparse(n.func).split(".")[-1] == "Batch"]
+    assert calls == []
 
 
 def test_public_api():

@@ -1,4 +1,4 @@
-"""The measured plan (specee_core.decode.plan): the step choice on synthetic cost tables, acceptance that
+"""The measured plan (specee_core.spec.plan): the step choice on synthetic cost tables, acceptance that
 collapses, dtype auto both ways, the cost cache, and mode="auto" equal to dense (greedy, fp32)."""
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from specee_core import SpecEEEngine
-from specee_core.decode.plan import (T_GRID, Acceptance, CostTable, Planner, RowView, StepTimes, best_step,
-                                     choose_dtype, could_pay, expected_tokens, monotone)
+from specee_core.machine import choose_dtype
+from specee_core.spec.plan import (T_GRID, Acceptance, CostTable, Planner, RowView, StepTimes, best_step,
+                                   could_pay, expected_tokens, monotone)
 from tests.conftest import BUNDLED, make_hf_model
 
 CODE = ["import os\nimport sys\n\n\ndef main(argv=None):\n", "class Point:\n    def __init__(self, x, y):\n",
@@ -127,7 +128,7 @@ def test_expected_tokens_and_the_table_helpers():
 
 @pytest.mark.parametrize("native", [True, False])
 def test_dtype_auto_is_bf16_only_where_the_cpu_computes_it(monkeypatch, tmp_path, native):
-    monkeypatch.setattr("specee_core.decode.plan.cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr("specee_core.machine.cpu_has_native_bf16", lambda: native)
     dtype, why = choose_dtype("cpu")
     assert dtype == (torch.bfloat16 if native else torch.float32)
     assert why.startswith(str(dtype).removeprefix("torch.")) and (("no native" in why) != native)
@@ -159,7 +160,7 @@ def test_costs_are_measured_once_and_cached_per_machine(monkeypatch, tmp_path):
     def no_measuring(*a, **kw):
         raise AssertionError("measured again although the cache holds the table")
 
-    monkeypatch.setattr("specee_core.decode.plan.measure_costs", no_measuring)
+    monkeypatch.setattr("specee_core.spec.plan.measure_costs", no_measuring)
     again = SpecEEEngine.from_pretrained(BUNDLED, dtype="float32").prepare_plan([4])
     assert again.costs.to_json() == plan.costs.to_json()
     described = again.to_json([1, 4])

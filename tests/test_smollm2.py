@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specee_core import SpecEEEngine
-from specee_core.decode.plan import native_bf16
+from specee_core.machine import native_bf16
 from tests.conftest import REPO
 from tests.test_positions import assert_steps_match, record_step_logits
 
@@ -133,7 +133,7 @@ def test_fp32_default_generate_equals_dense_at_batch_1_and_8(fp32_engine, prompt
     """The default mode (auto) is lossless on the real model: whatever this machine's measured plan
     chooses, and with a plan forced to draft deep on every step (a flat cost table), the tokens are
     dense's, for a ragged batch of 8 and one prompt at a time."""
-    from specee_core.decode.plan import T_GRID, CostTable, StepTimes
+    from specee_core.spec.plan import T_GRID, CostTable, StepTimes
 
     dense = fp32_engine.generate(prompts, max_new_tokens=40, mode="dense")
     plan = fp32_engine.spec_plan()

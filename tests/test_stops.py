@@ -1,10 +1,10 @@
-"""Stop strings (specee_core.decode.stops): the search, the incremental matcher against a search of the
+"""Stop strings (specee_core.step.stops): the search, the incremental matcher against a search of the
 whole text, and the engine's cut on the bundled model."""
 import random
 
 import pytest
 
-from specee_core.decode.stops import PARTIAL, StopMatcher, cut_at_stop, find_stop
+from specee_core.step.stops import PARTIAL, StopMatcher, cut_at_stop, find_stop
 from tests.conftest import BUNDLED
 
 

@@ -14,7 +14,7 @@ Requests (prompts with one mode and sampling parameters) are queued; each `step(
 
 A *lane* is the rows that can share decode steps (same mode, spec options and sampling parameters;
 max_tokens and stop strings are per row): one KV cache (contiguous per row, so attention and the
-fused decode kernel read it in place), one Batch (specee_core.decode.state) and one stepper. Its cache
+fused decode kernel read it in place), one Batch (specee_core.step.state) and one stepper. Its cache
 takes blocks from the budget (specee_core.decode.memory) as its rows grow. When a step would need
 blocks the budget does not have (after evicting prefix blocks), the most
 recently admitted row is preempted: its blocks are freed, its tokens kept, and it resumes by
@@ -40,9 +40,9 @@ import torch
 
 from specee_core.decode.dense import DenseStepper
 from specee_core.decode.memory import KVBudget, PrefixBlock, PrefixCache
-from specee_core.decode.sampling import SamplingParams, sample
-from specee_core.decode.state import FREE, PREFILL, Batch, GenerationResult, PromptError, SavedRow
-from specee_core.decode.stepper import StepperFactory
+from specee_core.step.sampling import SamplingParams, sample
+from specee_core.step.state import FREE, PREFILL, Batch, GenerationResult, PromptError, SavedRow
+from specee_core.step.stepper import StepperFactory
 
 log = logging.getLogger(__name__)
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from specee_core.decode.sampling import sample
-from specee_core.decode.state import Batch
-from specee_core.decode.stepper import StepEngine, StepOutput
+from specee_core.step.sampling import sample
+from specee_core.step.state import Batch
+from specee_core.step.stepper import StepEngine, StepOutput
 
 
 class DenseStepper:

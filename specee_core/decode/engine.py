@@ -15,14 +15,14 @@ import torch
 from specee_core.model.config import ModelConfig, resolve_dtype
 from specee_core.model.loader import find_model_dir, load_model, load_tokenizer
 from specee_core.model.model import LlamaModel
-from specee_core.decode.plan import (CostTable, Planner, SpecPlan, StepTimes, choose_dtype, cost_key, could_pay,
-                                     load_costs)
+from specee_core.machine import choose_dtype
+from specee_core.spec.plan import CostTable, Planner, SpecPlan, StepTimes, cost_key, could_pay, load_costs
 from specee_core.decode.core import EngineCore, Request
 from specee_core.decode.dense import DenseStepper
 from specee_core.decode.memory import default_kv_bytes
-from specee_core.decode.sampling import SamplingParams
-from specee_core.decode.state import GenerationResult, PromptError, TextRules, exit_stats
-from specee_core.decode.stepper import StepperFactory
+from specee_core.step.sampling import SamplingParams
+from specee_core.step.state import GenerationResult, PromptError, TextRules, exit_stats
+from specee_core.step.stepper import StepperFactory
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class SpecEEEngine:
                         **options) -> SpecEEEngine:
         """Load the model and tokenizer from a local HF-layout directory, plus the draft head,
         predictors and schedule stored beside it when present. dtype "auto": bf16 where the hardware
-        computes it natively (CUDA, CPUs with avx512_bf16/AMX), else fp32 (specee_core.decode.plan.choose_dtype);
+        computes it natively (CUDA, CPUs with avx512_bf16/AMX), else fp32 (specee_core.machine.choose_dtype);
         float32 equals transformers token for token. weights (specee_core.model.quant.WEIGHT_FORMATS): "auto"
         (with dtype "auto": the checkpoint's own low-bit format where it has one and its kernel is
         faster here at max_batch_size rows; else the matrices in dtype), "fp32" / "bf16" (sets the
@@ -386,7 +386,7 @@ class SpecEEEngine:
             max_disagreement: float | None = None) -> list[GenerationResult]:
         """Lower-level generate over token ids, through the engine core. Without new_stepper: the mode's
         own decode step (mode, spec, max_disagreement as in generate). With it: new_stepper(engine, batch,
-        cache, prefill_hidden, lens) builds a custom Stepper (specee_core.decode.stepper; measurement
+        cache, prefill_hidden, lens) builds a custom Stepper (specee_core.step.stepper; measurement
         probes) that needs cache_headroom KV slots past a row's last token; mode then only names the
         results' stats["mode"] (default "specee")."""
         custom = None if new_stepper is None else (new_stepper, cache_headroom)

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specee_core.early_exit.predictors import DraftRecord, candidate_probs, exit_choice, predictor_features
-from specee_core.decode.sampling import SamplingParams
+from specee_core.step.sampling import SamplingParams
 from specee_core.early_exit.speculators import LOOKUP_NGRAM, NgramIndex, Speculator
-from specee_core.decode.stepper import StepOutput
+from specee_core.step.stepper import StepOutput
 
 
 @dataclass

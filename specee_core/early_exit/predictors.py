@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kernels.predictor import (LayerPredictor, candidate_probs, exit_logit,  # noqa: F401 -- the math, one definition
+                               exit_probability, predictor_features)
 
 log = logging.getLogger(__name__)
 
@@ -40,37 +41,6 @@ HIDDEN = 512
 FEATURE_SETS = {"zpd": 3, "zpdq": 4, "zpdqh": 5}  # feature set -> feature width in units of K
 RECORD_SPAN = 4  # DraftRecord: the proposals a row's record looks back over
 EXIT_TOKENS = ("local", "draft")  # what an exit emits (module docstring)
-
-
-@dataclass
-class LayerPredictor:
-    """One layer's exit MLP: Linear(F, H) -> ReLU -> Linear(H, 1) (H = 512; F = 3K or 4K, FEATURE_SETS)."""
-    w1: torch.Tensor  # [H, F]
-    b1: torch.Tensor  # [H]
-    w2: torch.Tensor  # [1, H]
-    b2: torch.Tensor  # [1]
-
-
-# The predictor's math (SpecEE T1), defined once: the engine's CPU scorer, the kernel's torch
-# reference (kernels.predictor, which the fused Triton kernel is tested against) and the
-# training data all call these.
-
-
-def candidate_probs(z: torch.Tensor) -> torch.Tensor:
-    """p [N, K] fp32 = softmax over the K candidate logits z [N, K]."""
-    return z.float().softmax(-1)
-
-
-def predictor_features(z: torch.Tensor, prev_prob: torch.Tensor, draft_prob: torch.Tensor | None = None,
-                       record: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidate logits z [N, K] and the probabilities prev_prob [N, K] at the row's previous
-    evaluated layer (zeros at the first) -> (features [N, 3K] = [z, p, p - prev_prob], p [N, K]), fp32;
-    with the draft's probabilities of its candidates draft_prob [N, K]: features [N, 4K] = [..., draft_prob];
-    and its record [N, K] (DraftRecord.features): [N, 5K] = [..., draft_prob, record]."""
-    z = z.float()
-    p = candidate_probs(z)
-    extra = tuple(t.float() for t in (draft_prob, record) if t is not None)
-    return torch.cat((z, p, p - prev_prob.float()) + extra, dim=-1), p
 
 
 class DraftRecord:
@@ -132,16 +102,6 @@ def exit_choice(z: torch.Tensor, cand: torch.Tensor, exit_token: str) -> torch.T
         raise ValueError(f"exit_token must be one of {EXIT_TOKENS}, got {exit_token!r}")
     idx = z.argmax(-1)
     return cand.gather(1, idx) if z.dim() == 3 else cand.gather(1, idx[:, None]).squeeze(1)
-
-
-def exit_logit(x: torch.Tensor, pred: LayerPredictor) -> torch.Tensor:
-    """The exit MLP on features x [N, 3K] -> logits [N] (training takes these, BCE with logits)."""
-    return F.linear(torch.relu(F.linear(x, pred.w1, pred.b1)), pred.w2, pred.b2).squeeze(-1)
-
-
-def exit_probability(x: torch.Tensor, pred: LayerPredictor) -> torch.Tensor:
-    """p_exit [N] = sigmoid(exit_logit(x, pred)) for features x [N, 3K]."""
-    return torch.sigmoid(exit_logit(x, pred))
 
 
 class ExitMLP(nn.Module):

@@ -203,9 +203,10 @@ class DraftSpeculator(Speculator):
                                                            lm_head=model.w.lm_head), dev, dtype)
         self.cache: KVCache | None = None
 
-    def _step(self, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, rows, n_valid=None,
-              tree: torch.Tensor | None = None):
-        """tokens [N, T], feats [N, T, D] -> draft output features [N, T, D]; tree: see LlamaModel.layer."""
+    def forward(self, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, rows, n_valid=None,
+                tree: torch.Tensor | None = None):
+        """tokens [N, T], feats [N, T, D] at positions [N, T] of cache rows `rows` (None = all) -> draft output
+        features [N, T, D], their K/V appended to the draft cache; tree: see LlamaModel.layer."""
         m = self.draft
         h = self.fc(torch.cat((m.embed(tokens), feats), dim=-1))
         return m.layer(0, h, m.rope_for(positions), self.cache, rows, n_valid, tree)
@@ -213,15 +214,24 @@ class DraftSpeculator(Speculator):
     def caches(self) -> list:
         return [] if self.cache is None else [self.cache]
 
+    def new_cache(self, batch: int, max_len: int) -> None:
+        """An empty draft cache of `batch` rows (start makes one for a batch's prompts)."""
+        self.cache = self.draft.new_cache(batch, max_len)
+
+    def truncate(self, rows: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Drop draft-cache entries of rows [N] (host) past lengths [N] (drafted nodes, whose features were
+        guesses): the draft head alone cuts its cache."""
+        self.cache.truncate(rows, lengths)
+
     def start(self, prompt_ids, features, lens, max_len) -> None:
-        self.cache = self.draft.new_cache(features.shape[0], max_len)
+        self.new_cache(features.shape[0], max_len)
         self.deferred: dict[int, tuple[list[int], list[torch.Tensor]]] = {}  # row -> pairs not fed yet
         self._prefill(prompt_ids, features, lens, None)
 
     def admit(self, prompt_ids, features, lens, rows) -> None:
         for b in rows:
             self.deferred.pop(b, None)
-        self.cache.truncate(torch.tensor(rows), torch.zeros(len(rows), dtype=torch.int64))
+        self.truncate(torch.tensor(rows), torch.zeros(len(rows), dtype=torch.int64))
         # rows come in any order: index them unless they are exactly the cache's rows in order
         sub = None if rows == list(range(self.cache.batch)) else torch.tensor(rows, device=features.device)
         self._prefill(prompt_ids, features, lens, sub)
@@ -235,7 +245,7 @@ class DraftSpeculator(Speculator):
         for b, p in enumerate(prompt_ids):
             toks[b, : len(p) - 1] = torch.tensor(p[1:])
         dev = features.device
-        self._step(toks.to(dev), features[:, :-1], torch.arange(t - 1, device=dev).expand(n, t - 1), rows,
+        self.forward(toks.to(dev), features[:, :-1], torch.arange(t - 1, device=dev).expand(n, t - 1), rows,
                    n_valid=(lens - 1).clamp(min=0))
 
     def defer(self, rows, tokens, features) -> None:
@@ -261,7 +271,7 @@ class DraftSpeculator(Speculator):
         positions = (synced[:, None] + torch.arange(t)).to(dev)
         sub = None if rows == list(range(self.cache.batch)) else torch.tensor(rows, device=dev)
         n_valid = None if bool((counts == t).all()) else counts
-        out = self._step(toks.to(dev), feats.to(dev), positions, sub, n_valid)  # [N, t, D]
+        out = self.forward(toks.to(dev), feats.to(dev), positions, sub, n_valid)  # [N, t, D]
         return synced, counts, out[torch.arange(n, device=dev), (counts - 1).to(dev)]
 
     def _draft(self, rows, tokens, features) -> torch.Tensor:
@@ -274,7 +284,7 @@ class DraftSpeculator(Speculator):
         idx = torch.tensor(rows, device=tokens.device)
         positions = (self.cache.lengths[0, idx.cpu()]).to(tokens.device)[:, None]
         sub = idx if len(rows) < self.cache.batch else None
-        return self._step(tokens[:, None], features[:, None], positions, sub)[:, 0]
+        return self.forward(tokens[:, None], features[:, None], positions, sub)[:, 0]
 
     def propose(self, rows, history, tokens, features) -> torch.Tensor:
         return self.top(self._draft(rows, tokens, features), self.k)

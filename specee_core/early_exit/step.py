@@ -19,11 +19,11 @@ import torch
 from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration, calibrate_command, check_tolerance
 from specee_core.early_exit.predictors import (DraftRecord, LayerPredictor, PredictorBank, candidate_probs,
                                                exit_choice, exit_probability, predictor_features)
-from specee_core.decode.sampling import sample
+from specee_core.step.sampling import sample
 from specee_core.early_exit.scheduler import OnlineWindow, PayOffGate, Schedule
 from specee_core.early_exit.speculators import (LOOKUP_NGRAM, DraftHead, DraftSpeculator, NgramIndex,
                                                 PromptLookupSpeculator, Speculator, lookup_tokens, lookup_veto)
-from specee_core.decode.stepper import StepOutput
+from specee_core.step.stepper import StepOutput
 
 log = logging.getLogger(__name__)
 

@@ -173,7 +173,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     config = ModelConfig.from_file(model_dir / "config.json")
     device = torch.device(device)
     if dtype == "auto":
-        from specee_core.decode.plan import choose_dtype
+        from specee_core.machine import choose_dtype
 
         dtype = choose_dtype(device)[0]
     if dtype is None:

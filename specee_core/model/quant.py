@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.lowbit_gemv import dequantize_reference as dequantize_planes
+
 log = logging.getLogger(__name__)
 
 WEIGHT_FORMATS = ("fp32", "bf16", "q8", "q4")
@@ -111,14 +113,8 @@ def _round_half_away(x: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_reference(qw: QuantWeight) -> torch.Tensor:
-    """fp32 [O, I], computed as gguf's numpy reference does: (d * q) + m, rounded in that order."""
-    o, i = qw.shape
-    d = qw.d.float()[..., None]  # [O, G, 1]
-    if qw.fmt == "q8":
-        return (qw.qs.view(o, i // QK, QK).float() * d).reshape(o, i)
-    qs = qw.qs.view(o, i // QK, QK // 2)
-    q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()  # [O, G, 32]
-    return (q * d + qw.m.float()[..., None]).reshape(o, i)
+    """fp32 [O, I], computed as gguf's numpy reference does (kernels.lowbit_gemv's, the one definition)."""
+    return dequantize_planes(qw.qs, qw.d, qw.m if qw.fmt == "q4" else None)
 
 
 def linear_reference(x: torch.Tensor, qw: QuantWeight, b: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specee_core.decode.sampling import SamplingParams, probabilities
+from specee_core.step.sampling import SamplingParams, probabilities
 from specee_core.early_exit.speculators import ngram_matches
 
 if TYPE_CHECKING:
-    from specee_core.decode.state import Batch
-    from specee_core.decode.stepper import StepEngine
+    from specee_core.step.state import Batch
+    from specee_core.step.stepper import StepEngine
     from specee_core.early_exit.speculators import DraftSpeculator
 
 
@@ -258,7 +258,7 @@ class DraftHeadProposer:
             return tree.with_chains([self.lookup.continuation(batch.prompt_ids[b] + batch.generated[b], d)
                                      if d > 0 else [] for b, d in zip(rows, depths)])
         finally:
-            self.spec.cache.truncate(torch.tensor(rows), base)  # drop the drafted pairs: their features were guesses
+            self.spec.truncate(torch.tensor(rows), base)  # drop the drafted pairs: their features were guesses
 
     def _feed_pending(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Feed each row's pending true pairs; returns (synced [N], counts [N]: the draft cache length
@@ -295,7 +295,7 @@ class DraftHeadProposer:
             ftok = all_tok.gather(1, frontier)  # [N, W]
             positions = (base[:, None] + level - 1).expand(n, w).to(dev)
             tree = torch.cat((anc, eye), 2)  # [N, W, S + W]
-            out = spec._step(ftok, front_feat, positions, sub, tree=tree)  # [N, W, D] features of the frontier
+            out = spec.forward(ftok, front_feat, positions, sub, tree=tree)  # [N, W, D] features of the frontier
             child_logp, child_tok = spec.top_log_probs(out, w)  # [N, W, W]
             child_score = child_logp + all_score.gather(1, frontier)[:, :, None]
             pool_tok.append(child_tok.reshape(n, w * w))
@@ -356,7 +356,7 @@ class DraftHeadProposer:
             qs.append(q.cpu())
             drafted.append(tok)
             if step + 1 < max(depths):
-                f = spec._step(tok[:, None], f[:, None], (base + step)[:, None].to(dev), sub)[:, 0]
+                f = spec.forward(tok[:, None], f[:, None], (base + step)[:, None].to(dev), sub)[:, 0]
         drafted = torch.stack(drafted, 1).tolist()
         draft = Draft.chains(roots, [d[:k] for d, k in zip(drafted, depths)])
         q = torch.stack(qs, 1)[:, : draft.size - 1]  # [N, T-1, V]

@@ -2,7 +2,7 @@
 continuation of each row, the base model verifies every drafted token in one forward, and the step
 commits the longest verified path plus one token from the base model. Greedy output equals dense
 decoding token for token (fp32); sampled output keeps the base model's distribution. In mode="auto"
-a Planner (specee_core.decode.plan) sizes each step from measured costs, down to a plain dense step.
+a Planner (specee_core.spec.plan) sizes each step from measured costs, down to a plain dense step.
 
     propose  -> Draft     (specee_core.spec.proposers: the EAGLE-style draft head's tree, or prompt lookup)
     verify   -> Verdict   (one base forward over the tree with an ancestor mask; specee_core.spec.acceptance)
@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 import torch
 
 from specee_core.spec.acceptance import Verdict, accept_greedy, accept_sampled
-from specee_core.decode.plan import Planner, StepPlan
+from specee_core.spec.plan import Planner, StepPlan
 from specee_core.early_exit.speculators import NgramIndex
 from specee_core.spec.proposers import Draft, DraftHeadProposer, LookupProposer, Proposer, TreeShape
-from specee_core.decode.sampling import probabilities, sample
-from specee_core.decode.stepper import StepOutput
+from specee_core.step.sampling import probabilities, sample
+from specee_core.step.stepper import StepOutput
 from specee_core.spec.t3 import T3, Verified, verify_with_exits
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class SpecOptions:
     t3: bool = False  # SpecEE T3: exit predictors may end the verify forward early (lossy; greedy only)
     # nodes a fixed-shape step verifies across the batch, roots included: each row drafts at most
     # budget // rows - 1. None: no limit. mode="auto" ignores it: its planner sizes every step from
-    # measured costs (specee_core.decode.plan)
+    # measured costs (specee_core.spec.plan)
     step_budget: int | None = None
 
     def __post_init__(self) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from specee_core import SpecEEEngine
 from specee_core.decode.dense import DenseStepper
-from specee_core.decode.sampling import SamplingParams
+from specee_core.step.sampling import SamplingParams
 from specee_eval.forced import Forcing
 
 from tests.conftest import BUNDLED

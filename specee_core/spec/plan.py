@@ -1,4 +1,5 @@
-"""The measured plan: which dtype and how much speculation pay on the machine at hand.
+"""The measured plan of mode auto: how much speculation pays on the machine at hand (the dtype "auto"
+picks is specee_core.machine's).
 
 Speculative decoding is lossless, but whether it is *faster* depends on the machine: a verify
 forward over T draft tokens costs about one dense step where the GEMMs are weight-bound (bf16 on
@@ -21,12 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import hashlib
 import json
 import logging
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -34,62 +33,12 @@ from pathlib import Path
 
 import torch
 
+from specee_core.machine import machine_name
+
 log = logging.getLogger(__name__)
 
 T_GRID = (1, 2, 3, 4, 5, 7, 9, 13, 17)  # verify rows per sequence that are measured; others interpolated
 PLAN_VERSION = 1  # bump when what is measured changes: older cache files are then measured again
-
-
-# ---- dtype ------------------------------------------------------------------------------------
-
-def native_bf16(device: torch.device) -> bool:
-    """Whether the hardware computes bf16 natively: CUDA with bf16 support, or a CPU whose oneDNN
-    has a bf16 path (avx512_bf16 / AMX). Without it bf16 GEMMs are emulated and slower than fp32."""
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            return torch.cuda.is_bf16_supported(including_emulation=False)  # T4, V100: emulated, not native
-    return cpu_has_native_bf16()
-
-
-def cpu_has_native_bf16() -> bool:
-    """oneDNN's own check: avx512_bf16, AMX or (on Arm) bf16 dot products."""
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def choose_dtype(device: torch.device | str) -> tuple[torch.dtype, str]:
-    """dtype "auto": bf16 where the hardware computes it natively, else fp32; with the reason."""
-    device = torch.device(device)
-    if native_bf16(device):
-        return torch.bfloat16, f"bfloat16: {machine_name(device)} computes bf16 natively"
-    return torch.float32, f"float32: {machine_name(device)} has no native bf16 (bf16 would be emulated, slower)"
-
-
-def machine_name(device: torch.device) -> str:
-    """What the costs depend on: the GPU's name, or the CPU's SIMD capability and model."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU {torch.backends.cpu.get_cpu_capability()} ({cpu_model()})"
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_model() -> str:  # read once: /healthz asks for the machine facts on every probe
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_facts(device: torch.device | str = "cpu") -> dict:
-    """The facts every speed figure is published with."""
-    device = torch.device(device)
-    facts = {"device": str(device), "machine": machine_name(device), "torch": torch.__version__,
-             "threads": torch.get_num_threads(), "native_bf16": native_bf16(device)}
-    if device.type == "cpu":
-        facts["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-    return facts
 
 
 # ---- the cost table ---------------------------------------------------------------------------
@@ -517,9 +466,9 @@ def measure_costs(table: CostTable, model, draft_runner, batch: int, max_tokens:
 
 def _measure_draft(runner, model, batch: int, prefix: int, ids: torch.Tensor, repeats: int) -> float:
     spec, dev = runner.fork(), model.device
-    spec.cache = spec.draft.new_cache(batch, prefix + 1)
+    spec.new_cache(batch, prefix + 1)
     feats = torch.zeros(batch, prefix, model.config.hidden_size, dtype=model.dtype, device=dev)
-    spec._step(ids[:, :prefix].to(dev), feats, torch.arange(prefix).expand(batch, prefix).to(dev), None)
+    spec.forward(ids[:, :prefix].to(dev), feats, torch.arange(prefix).expand(batch, prefix).to(dev), None)
     tok, f = ids[:, prefix : prefix + 1].to(dev), feats[:, :1]
     pos = torch.full((batch, 1), prefix, device=dev)
     rows, base = torch.arange(batch), torch.full((batch,), prefix)
@@ -527,10 +476,10 @@ def _measure_draft(runner, model, batch: int, prefix: int, ids: torch.Tensor, re
     for rnd in range(repeats + 2):
         _sync(dev)
         t0 = time.perf_counter()
-        out = spec._step(tok, f, pos, None)
+        out = spec.forward(tok, f, pos, None)
         spec.top_log_probs(out, 1)[1].cpu()
         _sync(dev)
-        spec.cache.truncate(rows, base)
+        spec.truncate(rows, base)
         if rnd >= 2:
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
@@ -615,5 +564,4 @@ def _describe_step(p: StepPlan) -> dict:
 
 
 __all__ = ["Acceptance", "CostTable", "Planner", "RowView", "SpecPlan", "StepPlan", "best_step",
-           "choose_dtype", "could_pay", "expected_tokens", "machine_facts", "measure_costs", "monotone",
-           "native_bf16"]
+           "could_pay", "expected_tokens", "measure_costs", "monotone"]

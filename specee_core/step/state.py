@@ -10,8 +10,8 @@ from typing import Callable
 
 import torch
 
-from specee_core.decode.sampling import SamplingParams
-from specee_core.decode.stops import StopMatcher
+from specee_core.step.sampling import SamplingParams
+from specee_core.step.stops import StopMatcher
 
 FREE = "free"  # finish of an empty row (not None: not alive)
 PREFILL = "prefill"  # ... of a row whose prompt is still being prefilled

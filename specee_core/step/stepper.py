@@ -1,6 +1,6 @@
 """The contract between the engine's decode loop and a decode step.
 
-The engine core owns every row's state (specee_core.decode.state.Batch: tokens, positions, the token
+The engine core owns every row's state (specee_core.step.state.Batch: tokens, positions, the token
 to feed next, finish); a stepper decides what the next tokens are and returns them in a StepOutput,
 which the core commits. A stepper reads the batch but never writes to it.
 """
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specee_core.decode.state import Batch, StepOutput  # noqa: F401 -- StepOutput: part of this contract
+from specee_core.step.state import Batch, StepOutput  # noqa: F401 -- StepOutput: part of this contract
 
 if TYPE_CHECKING:
     from specee_core.model.kv_cache import KVCache

@@ -1,0 +1,59 @@
+"""Facts of the machine at hand that the rest of the engine reads: native bf16, the dtype "auto" picks,
+and the facts every speed figure is published with. Below every other module."""
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+import torch
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether the hardware computes bf16 natively: CUDA with bf16 support, or a CPU whose oneDNN
+    has a bf16 path (avx512_bf16 / AMX). Without it bf16 GEMMs are emulated and slower than fp32."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            return torch.cuda.is_bf16_supported(including_emulation=False)  # T4, V100: emulated, not native
+    return cpu_has_native_bf16()
+
+
+def cpu_has_native_bf16() -> bool:
+    """oneDNN's own check: avx512_bf16, AMX or (on Arm) bf16 dot products."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def choose_dtype(device: torch.device | str) -> tuple[torch.dtype, str]:
+    """dtype "auto": bf16 where the hardware computes it natively, else fp32; with the reason."""
+    device = torch.device(device)
+    if native_bf16(device):
+        return torch.bfloat16, f"bfloat16: {machine_name(device)} computes bf16 natively"
+    return torch.float32, f"float32: {machine_name(device)} has no native bf16 (bf16 would be emulated, slower)"
+
+
+def machine_name(device: torch.device) -> str:
+    """What the costs depend on: the GPU's name, or the CPU's SIMD capability and model."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {torch.backends.cpu.get_cpu_capability()} ({cpu_model()})"
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str:  # read once: /healthz asks for the machine facts on every probe
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_facts(device: torch.device | str = "cpu") -> dict:
+    """The facts every speed figure is published with."""
+    device = torch.device(device)
+    facts = {"device": str(device), "machine": machine_name(device), "torch": torch.__version__,
+             "threads": torch.get_num_threads(), "native_bf16": native_bf16(device)}
+    if device.type == "cpu":
+        facts["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    return facts
