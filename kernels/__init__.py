@@ -1,29 +1,28 @@
 """Triton kernels, one op per file, each beside a plain-torch reference with the same signature.
 
-Importing this package never needs triton: the references run on torch alone.
+Importing this package never needs triton, and imports it only when a kernel module is asked for
+(`from kernels import fused_predictor`, `import kernels.predictor`): the engine imports
+kernels.reference_math (torch only) at start, and tests that run the kernels under TRITON_INTERPRET=1
+must be the first to import triton.
 """
-from kernels.predictor import (
-    BACKENDS,
-    triton_mode,
-    cand_logits_forward,
-    fused_predictor,
-    fused_predictor_reference,
-    predictor_forward,
-    rmsnorm_cand_logits,
-    rmsnorm_cand_logits_reference,
-)
+import importlib
 
-from kernels.lowbit_gemv import lowbit_linear, lowbit_linear_reference
+_EXPORTS = {
+    "lowbit_linear": "kernels.lowbit_gemv",
+    "lowbit_linear_reference": "kernels.lowbit_gemv",
+    "BACKENDS": "kernels.predictor",
+    "triton_mode": "kernels.predictor",
+    "cand_logits_forward": "kernels.predictor",
+    "fused_predictor": "kernels.predictor",
+    "fused_predictor_reference": "kernels.predictor",
+    "predictor_forward": "kernels.predictor",
+    "rmsnorm_cand_logits": "kernels.predictor",
+    "rmsnorm_cand_logits_reference": "kernels.predictor",
+}
+__all__ = list(_EXPORTS)
 
-__all__ = [
-    "lowbit_linear",
-    "lowbit_linear_reference",
-    "BACKENDS",
-    "triton_mode",
-    "cand_logits_forward",
-    "fused_predictor",
-    "fused_predictor_reference",
-    "predictor_forward",
-    "rmsnorm_cand_logits",
-    "rmsnorm_cand_logits_reference",
-]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.predictor import _check_launchable, _triton_jit, tl, triton
+from kernels.reference_math import QK, dequantize_reference
 
-QK = 32
 BLOCK_B = 16  # activation rows per program (tl.dot needs >= 16)
 BLOCK_O = 32  # output rows per program
 BLOCK_K = 64  # input columns per step: two blocks
@@ -96,19 +96,6 @@ def lowbit_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.T
     _lowbit_gemv_kernel[grid](x, qs, d, d if m is None else m, y, b, i, o, Q4=m is not None,
                               BLOCK_B=BLOCK_B, BLOCK_O=BLOCK_O, BLOCK_K=BLOCK_K)
     return y
-
-
-def dequantize_reference(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-    """Weight planes -> fp32 [O, I], computed as gguf's numpy reference does: (d * q) + m, rounded in that
-    order. q8: qs [O, I] int8; q4 (m given): qs [O, I / 2] uint8, low nibbles first within a block."""
-    o, g = d.shape
-    i = g * QK
-    scale = d.float()[..., None]  # [O, G, 1]
-    if m is None:
-        return (qs.view(o, g, QK).float() * scale).reshape(o, i)
-    packed = qs.view(o, g, QK // 2)
-    q = torch.cat((packed & 0x0F, packed >> 4), dim=-1).float()  # [O, G, 32]
-    return (q * scale + m.float()[..., None]).reshape(o, i)
 
 
 def lowbit_linear_reference(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:

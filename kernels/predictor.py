@@ -12,7 +12,7 @@ candidate tokens, should this token exit here? Per row:
 
 plus the candidate with the largest logit (as a token id). The kernel does all of it in one
 program per row, so the K LM-head rows are read once and nothing of size [B, 3K] or [B, H]
-touches global memory. The torch reference takes features and MLP from the predictor math below,
+touches global memory. The torch reference takes features and MLP from kernels.reference_math,
 their one definition (the engine's CPU scorer and the training data use it too).
 
 `rmsnorm_cand_logits` is the optional companion: RMSNorm folded into the candidate logits.
@@ -27,11 +27,11 @@ it is first imported (TRITON_INTERPRET at that moment); `triton_mode()` reports 
 from __future__ import annotations  # keeps `tl.constexpr` annotations lazy when triton is absent
 
 import contextlib
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
+
+from kernels.reference_math import LayerPredictor, exit_probability, predictor_features
 
 try:
     import triton
@@ -47,47 +47,6 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # to stay in registers with K <= 16.
 _MAX_BLOCK_D = 512
 _MAX_BLOCK_H = 128
-
-
-@dataclass
-class LayerPredictor:
-    """One layer's exit MLP: Linear(F, H) -> ReLU -> Linear(H, 1) (H = 512; F = 3K to 5K by the feature set)."""
-    w1: torch.Tensor  # [H, F]
-    b1: torch.Tensor  # [H]
-    w2: torch.Tensor  # [1, H]
-    b2: torch.Tensor  # [1]
-
-
-# The predictor's math (SpecEE T1), defined once here: the engine's CPU scorer
-# (specee_core.early_exit), this kernel's torch reference (which the fused Triton kernel is tested
-# against) and the training data all call these.
-
-
-def candidate_probs(z: torch.Tensor) -> torch.Tensor:
-    """p [N, K] fp32 = softmax over the K candidate logits z [N, K]."""
-    return z.float().softmax(-1)
-
-
-def predictor_features(z: torch.Tensor, prev_prob: torch.Tensor, draft_prob: torch.Tensor | None = None,
-                       record: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidate logits z [N, K] and the probabilities prev_prob [N, K] at the row's previous
-    evaluated layer (zeros at the first) -> (features [N, 3K] = [z, p, p - prev_prob], p [N, K]), fp32;
-    with the draft's probabilities of its candidates draft_prob [N, K]: features [N, 4K] = [..., draft_prob];
-    and its record [N, K] (DraftRecord.features): [N, 5K] = [..., draft_prob, record]."""
-    z = z.float()
-    p = candidate_probs(z)
-    extra = tuple(t.float() for t in (draft_prob, record) if t is not None)
-    return torch.cat((z, p, p - prev_prob.float()) + extra, dim=-1), p
-
-
-def exit_logit(x: torch.Tensor, pred: LayerPredictor) -> torch.Tensor:
-    """The exit MLP on features x [N, 3K] -> logits [N] (training takes these, BCE with logits)."""
-    return F.linear(torch.relu(F.linear(x, pred.w1, pred.b1)), pred.w2, pred.b2).squeeze(-1)
-
-
-def exit_probability(x: torch.Tensor, pred: LayerPredictor) -> torch.Tensor:
-    """p_exit [N] = sigmoid(exit_logit(x, pred)) for features x [N, 3K]."""
-    return torch.sigmoid(exit_logit(x, pred))
 
 
 def _triton_jit(fn: Callable) -> Callable:

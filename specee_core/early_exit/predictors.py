@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kernels.predictor import (LayerPredictor, candidate_probs, exit_logit,  # noqa: F401 -- the math, one definition
+from kernels.reference_math import (LayerPredictor, candidate_probs, exit_logit,  # noqa: F401 -- the math, one definition
                                exit_probability, predictor_features)
 
 log = logging.getLogger(__name__)

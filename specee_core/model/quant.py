@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.lowbit_gemv import dequantize_reference as dequantize_planes
+from kernels.reference_math import dequantize_reference as dequantize_planes
 
 log = logging.getLogger(__name__)
 
