@@ -26,6 +26,7 @@ them with `Request.cancel()`.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
@@ -95,8 +96,9 @@ class Request:
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
+    @functools.cached_property
     def lane_key(self) -> tuple:
-        """Requests with equal keys can share decode steps."""
+        """Requests with equal keys can share decode steps (computed once: admission compares it often)."""
         p = self.params
         greedy = p.temperature == 0
         seed = ("seeded", self.uid) if (p.seed is not None and not greedy) else None  # one generator per lane
@@ -165,11 +167,10 @@ class Lane:
         """Slots per row the next iteration may write: a decoding row's length, its next token and the
         stepper's headroom (a verify chunk); a prefilling row's whole context and its first token."""
         b = self.batch
-        need = 0
+        alive = b.alive()
+        need = int(b.positions[alive].max()) + 1 + self.headroom if alive else 0
         for s, row in self.rows.items():
-            if b.finish[s] is None:
-                need = max(need, int(b.positions[s]) + 1 + self.headroom)
-            elif b.finish[s] == PREFILL:
+            if b.finish[s] == PREFILL:
                 need = max(need, len(row.tokens) + 1 + self.headroom)
         return need
 
@@ -572,7 +573,7 @@ class EngineCore:
         row.computing = []
 
     def _lane_for(self, req: Request, row_len: int, context: int) -> Lane | None:
-        key = req.lane_key()
+        key = req.lane_key
         for lane in self.lanes:
             if lane.key == key and lane.fits(row_len) and lane.free_slots():
                 return lane
@@ -581,8 +582,8 @@ class EngineCore:
         bs, cap_blocks = self.budget.block_size, self.budget.capacity
         # rows for the prompts of this key waiting now (a generate() call's), at least min_lane_rows (Serve:
         # room for requests that join later); a lane with free rows decodes through a gather of its rows
-        demand = sum(len(r.waiting) for r in self.requests if r.lane_key() == key)
-        demand += sum(1 for row in self.resumes if row.request.lane_key() == key)
+        demand = sum(len(r.waiting) for r in self.requests if r.lane_key == key)
+        demand += sum(1 for row in self.resumes if row.request.lane_key == key)
         want = min(self.max_rows, max(self.min_lane_rows, demand, 1))
         if len(self.lanes) >= self.max_lanes:
             return None  # its turn comes when a lane empties
