@@ -85,3 +85,14 @@ def bundled_fp32():
     from specee_core import SpecEEEngine
 
     return SpecEEEngine.from_pretrained(BUNDLED, dtype="float32", gate="off")
+
+
+# short code prompts for the bundled (code-trained) model
+CODE_PROMPTS = ["def add(a, b):\n", "import os\n", "class Point:\n    def __init__(self", "for i in range(10):\n",
+                "x = [1, 2, 3]\n", "with open(path) as f:\n", "return sorted(", "try:\n    import json\n"]
+
+
+@pytest.fixture(scope="session")
+def code_ids(bundled_fp32):
+    """CODE_PROMPTS' token ids."""
+    return [bundled_fp32.encode_prompt(p) for p in CODE_PROMPTS]

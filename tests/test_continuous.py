@@ -12,19 +12,12 @@ import torch
 
 from specee_core.decode.core import CancelledRequest, EngineCore, Request, Runner
 from specee_core.step.sampling import SamplingParams
-
-PROMPTS = ["def add(a, b):\n", "import os\n", "class Point:\n    def __init__(self", "for i in range(10):\n",
-           "x = [1, 2, 3]\n", "with open(path) as f:\n", "return sorted(", "try:\n    import json\n"]
+from tests.conftest import CODE_PROMPTS
 
 
 @pytest.fixture(scope="module")
 def engine(bundled_fp32):
     return bundled_fp32
-
-
-@pytest.fixture(scope="module")
-def ids(engine):
-    return [engine.encode_prompt(p) for p in PROMPTS]
 
 
 def alone(engine, prompt_ids, params, mode, spec):
@@ -34,14 +27,14 @@ def alone(engine, prompt_ids, params, mode, spec):
 
 @pytest.mark.parametrize("mode, spec", [("dense", None), ("spec", {"proposer": "lookup"}), ("spec", None),
                                         ("spec", {"width": 2, "depth": 3}), ("specee", None)])
-def test_rows_joining_a_running_batch_get_what_they_get_alone(engine, ids, mode, spec):
+def test_rows_joining_a_running_batch_get_what_they_get_alone(engine, code_ids, mode, spec):
     sch = EngineCore(engine, max_rows=3, prefill_chunk=5)
-    first = sch.submit(Request([ids[0], ids[1]], SamplingParams(max_new_tokens=12), mode, spec))
+    first = sch.submit(Request([code_ids[0], code_ids[1]], SamplingParams(max_new_tokens=12), mode, spec))
     sch.step()
     sch.step()  # the first request is decoding when the next ones arrive
-    second = sch.submit(Request([ids[2]], SamplingParams(max_new_tokens=7, stop=["\n"]), mode, spec))
+    second = sch.submit(Request([code_ids[2]], SamplingParams(max_new_tokens=7, stop=["\n"]), mode, spec))
     sch.step()
-    third = sch.submit(Request([ids[3], ids[4], ids[5], ids[6]], SamplingParams(max_new_tokens=20), mode, spec))
+    third = sch.submit(Request(code_ids[3:7], SamplingParams(max_new_tokens=20), mode, spec))
     steps = 0
     while not all(r.done for r in (first, second, third)):
         sch.step()
@@ -56,13 +49,14 @@ def test_rows_joining_a_running_batch_get_what_they_get_alone(engine, ids, mode,
     assert max(r.peak_batch for r in (first, second, third)) == 3 and not sch.lanes  # rows shared steps; lanes gone
 
 
-def test_a_short_request_is_not_starved_by_a_long_one(engine, ids):
+def test_a_short_request_is_not_starved_by_a_long_one(engine, code_ids):
     """200 prompts arrive first, then one: the late request gets the next free row (turns per request),
     so it finishes long before the big one, which still ends with every result right."""
     sch = EngineCore(engine, max_rows=4, prefill_chunk=64)
-    big = sch.submit(Request([ids[i % len(ids)] for i in range(200)], SamplingParams(max_new_tokens=6), "dense"))
+    big = sch.submit(Request([code_ids[i % len(code_ids)] for i in range(200)], SamplingParams(max_new_tokens=6),
+                             "dense"))
     sch.step()
-    small = sch.submit(Request([ids[3]], SamplingParams(max_new_tokens=6), "dense"))
+    small = sch.submit(Request([code_ids[3]], SamplingParams(max_new_tokens=6), "dense"))
     steps_small = None
     steps = 0
     while not big.done:
@@ -71,33 +65,33 @@ def test_a_short_request_is_not_starved_by_a_long_one(engine, ids):
         if small.done and steps_small is None:
             steps_small = steps
     assert steps_small is not None and steps_small <= 12 < steps
-    assert small.results[0].token_ids == alone(engine, ids[3], small.params, "dense", None).token_ids
+    assert small.results[0].token_ids == alone(engine, code_ids[3], small.params, "dense", None).token_ids
     assert all(r is not None for r in big.results)
-    assert big.results[5].token_ids == alone(engine, ids[5], big.params, "dense", None).token_ids
+    assert big.results[5].token_ids == alone(engine, code_ids[5], big.params, "dense", None).token_ids
 
 
-def test_requests_with_different_sampling_run_in_lanes_of_their_own(engine, ids):
+def test_requests_with_different_sampling_run_in_lanes_of_their_own(engine, code_ids):
     sch = EngineCore(engine, max_rows=4)
-    greedy = sch.submit(Request([ids[0]], SamplingParams(max_new_tokens=8), "dense"))
-    seeded = sch.submit(Request([ids[1]], SamplingParams(max_new_tokens=8, temperature=1.0, seed=7), "dense"))
-    spec = sch.submit(Request([ids[2]], SamplingParams(max_new_tokens=8), "spec"))
+    greedy = sch.submit(Request([code_ids[0]], SamplingParams(max_new_tokens=8), "dense"))
+    seeded = sch.submit(Request([code_ids[1]], SamplingParams(max_new_tokens=8, temperature=1.0, seed=7), "dense"))
+    spec = sch.submit(Request([code_ids[2]], SamplingParams(max_new_tokens=8), "spec"))
     sch.step()
     assert len(sch.lanes) == 3
     while not all(r.done for r in (greedy, seeded, spec)):
         sch.step()
-    assert seeded.results[0].token_ids == alone(engine, ids[1], seeded.params, "dense", None).token_ids
-    assert spec.results[0].token_ids == alone(engine, ids[2], spec.params, "dense", None).token_ids
+    assert seeded.results[0].token_ids == alone(engine, code_ids[1], seeded.params, "dense", None).token_ids
+    assert spec.results[0].token_ids == alone(engine, code_ids[2], spec.params, "dense", None).token_ids
 
 
-def test_cancel_frees_rows_and_a_failing_callback_ends_only_its_request(engine, ids):
+def test_cancel_frees_rows_and_a_failing_callback_ends_only_its_request(engine, code_ids):
     sch = EngineCore(engine, max_rows=2)
-    long = sch.submit(Request([ids[0], ids[1]], SamplingParams(max_new_tokens=40, ignore_eos=True), "dense"))
+    long = sch.submit(Request([code_ids[0], code_ids[1]], SamplingParams(max_new_tokens=40, ignore_eos=True), "dense"))
 
     def broken(i, tok):
         raise RuntimeError("client gone")
 
-    bad = sch.submit(Request([ids[2]], SamplingParams(max_new_tokens=5), "dense", on_token=broken))
-    waiting = sch.submit(Request([ids[3]], SamplingParams(max_new_tokens=5), "dense"))
+    bad = sch.submit(Request([code_ids[2]], SamplingParams(max_new_tokens=5), "dense", on_token=broken))
+    waiting = sch.submit(Request([code_ids[3]], SamplingParams(max_new_tokens=5), "dense"))
     for _ in range(3):
         sch.step()
     long.cancel()
@@ -106,17 +100,17 @@ def test_cancel_frees_rows_and_a_failing_callback_ends_only_its_request(engine, 
     assert long.done and isinstance(long.error, CancelledRequest)
     assert bad.done and isinstance(bad.error, RuntimeError)
     assert waiting.done and waiting.error is None  # got a row once the others left
-    assert waiting.results[0].token_ids == alone(engine, ids[3], waiting.params, "dense", None).token_ids
+    assert waiting.results[0].token_ids == alone(engine, code_ids[3], waiting.params, "dense", None).token_ids
     assert not sch.busy and sch.running_rows() == 0
 
 
-def test_chunked_prefill_keeps_others_decoding(engine, ids):
+def test_chunked_prefill_keeps_others_decoding(engine, code_ids):
     """A long prompt prefilled 8 tokens per step: the row already decoding makes a token every step."""
     sch = EngineCore(engine, max_rows=2, prefill_chunk=8)
-    running = sch.submit(Request([ids[0]], SamplingParams(max_new_tokens=30, ignore_eos=True), "dense"))
+    running = sch.submit(Request([code_ids[0]], SamplingParams(max_new_tokens=30, ignore_eos=True), "dense"))
     while not sch.lanes or len(sch.lanes[0].batch.generated[0]) < 2:  # its own prefill done, decoding
         sch.step()
-    long_prompt = engine.encode_prompt("".join(PROMPTS) * 2)
+    long_prompt = engine.encode_prompt("".join(CODE_PROMPTS) * 2)
     late = sch.submit(Request([long_prompt], SamplingParams(max_new_tokens=4), "dense"))
     lane = sch.lanes[0]
     before = len(lane.batch.generated[0])
@@ -127,15 +121,15 @@ def test_chunked_prefill_keeps_others_decoding(engine, ids):
     while not (running.done and late.done):
         sch.step()
     assert late.results[0].token_ids == alone(engine, long_prompt, late.params, "dense", None).token_ids
-    assert running.results[0].token_ids == alone(engine, ids[0], running.params, "dense", None).token_ids
+    assert running.results[0].token_ids == alone(engine, code_ids[0], running.params, "dense", None).token_ids
 
 
-def test_runner_serves_threads(engine, ids):
+def test_runner_serves_threads(engine, code_ids):
     runner = Runner(EngineCore(engine, max_rows=4))
     futures = {}
 
     def client(i):
-        futures[i] = runner.submit(Request([ids[i]], SamplingParams(max_new_tokens=6), "dense"))
+        futures[i] = runner.submit(Request([code_ids[i]], SamplingParams(max_new_tokens=6), "dense"))
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
     for t in threads:
@@ -144,34 +138,34 @@ def test_runner_serves_threads(engine, ids):
     for t in threads:
         t.join()
     for i, fut in futures.items():
-        assert fut.result(timeout=60)[0].token_ids == alone(engine, ids[i], SamplingParams(max_new_tokens=6),
+        assert fut.result(timeout=60)[0].token_ids == alone(engine, code_ids[i], SamplingParams(max_new_tokens=6),
                                                             "dense", None).token_ids
     runner.check()
     with pytest.raises(ValueError, match="mode"):
-        runner.submit(Request([ids[0]], SamplingParams(), "fast"))
+        runner.submit(Request([code_ids[0]], SamplingParams(), "fast"))
     with pytest.raises(ValueError, match="empty"):
         runner.submit(Request([[]], SamplingParams(), "dense"))
     assert torch.is_inference_mode_enabled() is False
 
 
-def test_runner_survives_callers_that_cancel_their_futures(engine, ids):
+def test_runner_survives_callers_that_cancel_their_futures(engine, code_ids):
     """asyncio.wrap_future cancels the concurrent future when the awaiting task is cancelled (a client
     hanging up); the request ending later must not kill the runner's thread."""
     runner = Runner(EngineCore(engine, max_rows=2))
-    req = Request([ids[0]], SamplingParams(max_new_tokens=200, ignore_eos=True), "dense")
+    req = Request([code_ids[0]], SamplingParams(max_new_tokens=200, ignore_eos=True), "dense")
     fut = runner.submit(req)
     assert fut.cancel() or fut.done()
     req.cancel()
     for _ in range(3):
-        after = runner.submit(Request([ids[1]], SamplingParams(max_new_tokens=4), "dense"))
-        assert after.result(timeout=60)[0].token_ids == alone(engine, ids[1], SamplingParams(max_new_tokens=4),
+        after = runner.submit(Request([code_ids[1]], SamplingParams(max_new_tokens=4), "dense"))
+        assert after.result(timeout=60)[0].token_ids == alone(engine, code_ids[1], SamplingParams(max_new_tokens=4),
                                                                "dense", None).token_ids
     runner.check()
 
 
-def test_lanes_grow_with_their_rows_and_give_their_memory_back(engine, ids):
+def test_lanes_grow_with_their_rows_and_give_their_memory_back(engine, code_ids):
     sch = EngineCore(engine, max_rows=2, kv_bytes=256 << 20, prefix_cache=False)
-    req = sch.submit(Request([ids[2]], SamplingParams(max_new_tokens=300, ignore_eos=True), "dense"))
+    req = sch.submit(Request([code_ids[2]], SamplingParams(max_new_tokens=300, ignore_eos=True), "dense"))
     caps = []
     while not req.done:
         sch.step()
@@ -183,12 +177,12 @@ def test_lanes_grow_with_their_rows_and_give_their_memory_back(engine, ids):
 
 
 @pytest.mark.parametrize("mode", ["spec", "specee"])
-def test_lanes_side_by_side_keep_their_own_draft_state(engine, ids, mode):
+def test_lanes_side_by_side_keep_their_own_draft_state(engine, code_ids, mode):
     """Two lanes of one mode at once (their sampling differs): each stepper drafts with its own draft
     cache (Speculator.fork), so both give their solo results."""
     sch = EngineCore(engine, max_rows=2)
-    short = sch.submit(Request([ids[0], ids[1]], SamplingParams(max_new_tokens=10), mode))
-    long = sch.submit(Request([ids[2], ids[3]], SamplingParams(max_new_tokens=60, ignore_eos=True), mode))
+    short = sch.submit(Request([code_ids[0], code_ids[1]], SamplingParams(max_new_tokens=10), mode))
+    long = sch.submit(Request([code_ids[2], code_ids[3]], SamplingParams(max_new_tokens=60, ignore_eos=True), mode))
     sch.step()
     assert len(sch.lanes) == 2
     while not (short.done and long.done):

@@ -9,8 +9,8 @@ import pytest
 from specee_core import PromptError
 from specee_core.decode.core import EngineCore, Request
 from specee_core.step.sampling import SamplingParams
+from tests.conftest import CODE_PROMPTS
 
-PROMPTS = ["def add(a, b):\n", "import os\n", "class Point:\n    def __init__(self", "for i in range(10):\n"]
 SYSTEM = ("# utilities for parsing configuration files, reading and writing JSON, and checking paths\n"
           "import json\nimport os\nfrom pathlib import Path\n\n\ndef load(path):\n    with open(path) as f:\n"
           "        return json.load(f)\n\n\n")
@@ -21,11 +21,6 @@ def engine(bundled_fp32):
     return bundled_fp32
 
 
-@pytest.fixture(scope="module")
-def ids(engine):
-    return [engine.encode_prompt(p) for p in PROMPTS]
-
-
 def solo(engine, prompt, params, mode, spec):
     core = EngineCore(engine, max_rows=1, kv_bytes=256 << 20, prefix_cache=False)
     return core.run(Request([prompt], params, mode, spec))[0]
@@ -33,7 +28,7 @@ def solo(engine, prompt, params, mode, spec):
 
 @pytest.mark.parametrize("mode, spec", [("dense", None), ("spec", None), ("spec", {"proposer": "lookup"}),
                                         ("spec", {"width": 2, "depth": 3})])
-def test_preempted_rows_resume_with_their_tokens(engine, ids, mode, spec):
+def test_preempted_rows_resume_with_their_tokens(engine, code_ids, mode, spec):
     """Two lanes (their stop rules differ), each of which alone fits the budget and together do not:
     the newest rows are preempted as the lanes grow and resumed when memory is free again."""
     bs = 16
@@ -41,9 +36,10 @@ def test_preempted_rows_resume_with_their_tokens(engine, ids, mode, spec):
                       prefix_cache=False)
     core.min_slots = 16
     streamed: dict[tuple[int, int], list[int]] = {}
-    reqs = [core.submit(Request([ids[0], ids[1]], SamplingParams(max_new_tokens=56, ignore_eos=True), mode, spec,
+    long_params = SamplingParams(max_new_tokens=56, ignore_eos=True)
+    reqs = [core.submit(Request([code_ids[0], code_ids[1]], long_params, mode, spec,
                                 on_token=lambda i, t: streamed.setdefault((0, i), []).append(t))),
-            core.submit(Request([ids[2], ids[3]], SamplingParams(max_new_tokens=56), mode, spec,
+            core.submit(Request([code_ids[2], code_ids[3]], SamplingParams(max_new_tokens=56), mode, spec,
                                 on_token=lambda i, t: streamed.setdefault((1, i), []).append(t)))]
     steps = 0
     while not all(r.done for r in reqs):
@@ -61,16 +57,16 @@ def test_preempted_rows_resume_with_their_tokens(engine, ids, mode, spec):
     assert core.budget.used == 0  # every block went back
 
 
-def test_a_row_that_could_never_fit_the_budget_is_refused_at_once(engine, ids):
+def test_a_row_that_could_never_fit_the_budget_is_refused_at_once(engine, code_ids):
     core = EngineCore(engine, max_rows=2, kv_bytes=4 * 16 * engine.slot_bytes(), block_size=16)
     with pytest.raises(PromptError, match="KV budget holds 4"):
-        core.submit(Request([ids[0]], SamplingParams(max_new_tokens=100), "dense"))
-    assert core.run(Request([ids[0]], SamplingParams(max_new_tokens=8), "dense"))[0].token_ids  # this one fits
+        core.submit(Request([code_ids[0]], SamplingParams(max_new_tokens=100), "dense"))
+    assert core.run(Request([code_ids[0]], SamplingParams(max_new_tokens=8), "dense"))[0].token_ids  # this one fits
 
 
 @pytest.mark.parametrize("mode", ["dense", "spec", "specee"])
 def test_prefix_cache_gives_the_same_tokens_as_prefilling(engine, mode):
-    prompts = [engine.encode_prompt(SYSTEM + p) for p in PROMPTS]
+    prompts = [engine.encode_prompt(SYSTEM + p) for p in CODE_PROMPTS]
     params = SamplingParams(max_new_tokens=24)
     got = {}
     for on in (False, True):
@@ -89,7 +85,7 @@ def test_prefix_cache_gives_the_same_tokens_as_prefilling(engine, mode):
 
 
 def test_generate_reports_cached_prompt_tokens(engine):
-    prompts = [SYSTEM + p for p in PROMPTS[:2]]
+    prompts = [SYSTEM + p for p in CODE_PROMPTS[:2]]
     engine.generate(prompts[:1], max_new_tokens=2, mode="dense")
     again = engine.generate(prompts, max_new_tokens=2, mode="dense")
     assert all(r.cached_prompt_tokens > 0 for r in again)
