@@ -26,7 +26,8 @@ class StepEngine(Protocol):
 
 
 class Stepper(Protocol):
-    """Decode steps of one batch. Built once per batch by a StepperFactory after the prefill."""
+    """Decode steps of one lane's rows. Built once per lane by a StepperFactory over rows that are all
+    free; each prompt then joins through admit."""
 
     def step(self, alive: list[int], rows: torch.Tensor | None, generator: torch.Generator | None) -> StepOutput:
         """One step for the batch rows `alive`; rows [N] (device) indexes them in the KV cache, None
@@ -52,5 +53,6 @@ class Stepper(Protocol):
 class StepperFactory(Protocol):
     def __call__(self, engine: StepEngine, batch: Batch, cache: KVCache, prefill_hidden: torch.Tensor,
                  lens: torch.Tensor) -> Stepper:
-        """prefill_hidden [B, T, D]: the prefill's last hidden states (right-padded); lens [B]."""
+        """The stepper of a lane of B rows (batch), cache its KV; prefill_hidden [B, T, D] and lens [B] describe
+        what the rows hold at construction (the engine core builds lanes empty: T = 1, lens 1)."""
         ...
