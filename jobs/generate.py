@@ -94,6 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                    "(default: RAY_ADDRESS, else a cluster started here with "
                                                    "`ray start`, else a new local instance; a local "
                                                    "instance listens on 127.0.0.1 only)")
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="each engine's KV budget (its KV, the draft head's and the prefix cache), GiB; default: a "
+                        "share of the memory free at start, split over the actors")
+    p.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole (no shared blocks)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -121,7 +125,8 @@ def build_config(args: argparse.Namespace):
     stage = StageConfig(model=args.model, mode=mode, device=args.device, dtype=args.dtype, weights=args.weights,
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, stop=tuple(args.stop), seed=args.seed, batch_size=args.batch_size,
-                        torch_threads=args.torch_threads, chat=args.chat, engine_options=early_exit, spec=spec)
+                        torch_threads=args.torch_threads, chat=args.chat, engine_options=early_exit, spec=spec,
+                        kv_cache_gb=args.kv_cache_gb, prefix_cache=not args.no_prefix_cache)
     return BatchConfig(input=args.input, output=args.output, stage=stage,
                        retune_every_tokens=args.retune_every_tokens,
                        num_actors=args.num_actors, cpus_per_actor=args.cpus_per_actor,

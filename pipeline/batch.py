@@ -267,6 +267,7 @@ def processor_config(cfg: BatchConfig, out: OutputDir, schedule: Schedule | None
                            device=st.device, dtype=st.dtype, weights=st.weights, temperature=st.temperature,
                            top_p=st.top_p, top_k=st.top_k, stop=st.stop, seed=st.seed, chat=st.chat,
                            engine_options=dict(st.engine_options), spec=dict(st.spec), torch_threads=st.torch_threads,
+                           kv_cache_gb=st.kv_cache_gb, prefix_cache=st.prefix_cache,
                            retune_every_tokens=cfg.retune_every_tokens, retune_min_exits=cfg.retune_min_exits,
                            schedule=None if schedule is None else str(out.schedule_path(schedule.version)),
                            runtime_env=cfg.runtime_env)

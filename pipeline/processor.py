@@ -79,6 +79,8 @@ class ProcessorConfig:
     engine_options: dict = field(default_factory=dict)  # early-exit options (EarlyExitOptions)
     spec: dict = field(default_factory=dict)  # speculative decoding options (SpecOptions)
     torch_threads: int | None = None
+    kv_cache_gb: float | None = None  # each engine actor's KV budget, GiB; None: a share of free memory / concurrency
+    prefix_cache: bool = True  # reuse full prompt blocks across rows (chat template, system prompt)
     # a batch whose actor died runs again this often (then fails the dataset): the first rerun splits it
     # into single rows, and a row that killed its process twice alone becomes an error row on the third
     max_task_retries: int = 3
@@ -103,7 +105,8 @@ class ProcessorConfig:
                            top_p=self.top_p, top_k=self.top_k, stop=tuple(self.stop), seed=self.seed,
                            batch_size=self.batch_size, torch_threads=self.torch_threads, chat=False,
                            engine_options=dict(self.engine_options), spec=dict(self.spec),
-                           engines_per_node=self.concurrency)
+                           engines_per_node=self.concurrency, kv_cache_gb=self.kv_cache_gb,
+                           prefix_cache=self.prefix_cache)
 
     def resources(self) -> dict:
         from pipeline.batch import share_resources

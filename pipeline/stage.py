@@ -78,6 +78,8 @@ class StageConfig:
     engine_options: dict = field(default_factory=dict)  # early-exit options (EarlyExitOptions), specee only
     spec: dict = field(default_factory=dict)  # speculative decoding options (SpecOptions: proposer, depth): spec, auto
     engines_per_node: int = 1  # engine actors sharing a node: each takes its share of the default KV budget
+    kv_cache_gb: float | None = None  # each engine's KV budget (EngineOptions.kv_cache_gb); None: that share
+    prefix_cache: bool = True  # reuse full prompt blocks (a shared chat template, system prompt) across rows
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -96,6 +98,8 @@ class StageConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise ValueError(f"kv_cache_gb must be > 0 (or None: a share of free memory), got {self.kv_cache_gb}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
 
@@ -122,7 +126,8 @@ class GenerateRows:
         early_exit = cfg.engine_options if cfg.mode == "specee" or cfg.spec.get("t3") else {}
         self.engine = SpecEEEngine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype, weights=cfg.weights,
                                                    max_batch_size=cfg.batch_size,
-                                                   engines_per_node=cfg.engines_per_node, **early_exit)
+                                                   engines_per_node=cfg.engines_per_node, kv_cache_gb=cfg.kv_cache_gb,
+                                                   prefix_cache=cfg.prefix_cache, **early_exit)
         self.engine.stepper_factory(cfg.mode, dict(cfg.spec) or None)  # a mode it cannot run fails here, not per row
         if cfg.mode == "auto":  # measured (or read from the cache) now, not in the first batch
             self.engine.prepare_plan([cfg.batch_size], dict(cfg.spec) or None)

@@ -187,6 +187,22 @@ def test_the_job_is_lossless_by_default_even_with_predictors(tmp_path):
     assert parse_args(["--output", "o"]).input == [str(REPO / "prompts" / "instructions_heldout.jsonl")]
 
 
+def test_the_jobs_kv_budget_and_prefix_cache_reach_each_engine(tmp_path):
+    from jobs.generate import build_config, parse_args
+    from pipeline.batch import processor_config
+    from pipeline.stage import GenerateRows
+    from tests.conftest import BUNDLED
+
+    cfg = build_config(parse_args(["--output", str(tmp_path / "out"), "--model", str(BUNDLED), "--mode", "dense",
+                                   "--kv-cache-gb", "0.05", "--no-prefix-cache", "--num-actors", "3"]))
+    stage = processor_config(cfg, OutputDir(cfg.output), None).stage()
+    assert (stage.kv_cache_gb, stage.prefix_cache, stage.engines_per_node) == (0.05, False, 3)
+    core = GenerateRows(stage, "run-1").engine.core
+    assert core.prefix is None
+    assert core.budget.capacity == int(0.05 * 2**30) // core.budget.block_bytes
+    assert GenerateRows(StageConfig(model=str(BUNDLED), mode="dense"), "run-2").engine.core.prefix is not None
+
+
 @pytest.mark.parametrize("flag, value, choices", [("--mode", "fast", "'auto', 'dense', 'spec', 'specee'"),
                                                   ("--dtype", "fp8", "'auto', 'float32', 'bfloat16', 'float16'")])
 def test_a_bad_mode_or_dtype_names_the_choices(flag, value, choices, capsys):
