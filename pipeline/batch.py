@@ -246,7 +246,9 @@ def run(cfg: BatchConfig) -> dict:
         progress.update(rows.num_rows, stats, pc.max(rows["schedule_version"]).as_py())
 
     try:
-        store_state, engine_info = run_processor(cfg, run_id, inputs, done, schedule, out, sink, writer)
+        # nothing left to do (a finished job run again): no engine is loaded
+        store_state, engine_info = run_processor(cfg, run_id, inputs, done, schedule, out, sink, writer) if total \
+            else (None, [])
     finally:
         writer.flush()  # complete rows are kept even when the run stops with an error
         progress.close()
