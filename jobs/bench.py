@@ -438,7 +438,7 @@ def run(cfg: BenchConfig) -> dict:
         hf = AutoModelForCausalLM.from_pretrained(str(cfg.model), dtype=engine.model.dtype,
                                                   local_files_only=True).eval()
     needs_head = [m for m in modes if m.startswith("spec_") and m != "spec_lookup"]
-    if needs_head and engine.draft_head is None:
+    if needs_head and engine.draft is None:
         raise ValueError(f"{cfg.model} has no draft head: drop {needs_head} from --modes (spec_lookup needs none)")
     if "spec_t3" in modes and engine.early_exit is None:
         raise ValueError(f"{cfg.model} has no predictors: drop 'spec_t3' from --modes")
@@ -461,7 +461,7 @@ def run(cfg: BenchConfig) -> dict:
         result["specee_options"] = {"threshold": o.threshold, "max_disagreement": o.max_disagreement,
                                     "exit_thresholds": engine.early_exit.thresholds, "verify": o.verify,
                                     "kv_mode": o.kv_mode,
-                                    "speculator": type(engine.early_exit.speculator).__name__,
+                                    "speculator": engine.early_exit.source,
                                     "offline_layers": engine.early_exit.schedule.offline_layers}
     for bs in [int(b) for b in cfg.batch_sizes.split(",")]:
         speed = time_decode(runner, modes, prompts, bs, cfg.max_new_tokens, cfg.repeats)

@@ -129,7 +129,7 @@ def build_modes(cfg: EvalConfig, engine: SpecEEEngine) -> list[Mode]:
     for kind in cfg.kinds:
         if kind in PER_THRESHOLD and engine.early_exit is None:
             raise ValueError(f"{cfg.model} has no predictors: drop {kind} from --modes")
-        if kind in ("spec_tree", "spec_t3") and engine.draft_head is None:
+        if kind in ("spec_tree", "spec_t3") and engine.draft is None:
             raise ValueError(f"{cfg.model} has no draft head: drop {kind} from --modes")
         if kind in PER_THRESHOLD:
             verify = "full" if kind == "specee_full" else "local"

@@ -38,8 +38,8 @@ from specee_core.early_exit.step import DRAFT_DIR, PREDICTORS_FILE
 from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration
 from specee_core.early_exit.predictors import (EXIT_TOKENS, FEATURE_SETS, PredictorBank, classification_report,
                                                exit_choice, exit_probability, train_layer)
-from specee_core.early_exit.speculators import (LOOKUP_NGRAM, DraftHead, DraftSpeculator, PromptLookupSpeculator,
-                                                Speculator, lookup_tokens, lookup_veto)
+from specee_core.draft.head import DraftHead, DraftModel
+from specee_core.draft.lookup import LOOKUP_NGRAM, lookup_tokens, lookup_veto
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class PredictorTrainConfig:
     calib_prompts: int = 0  # further prompts for calibration.safetensors (0: none)
     calibrate_only: bool = False  # keep the predictors beside the model; only (re)make calibration.safetensors
     plot: Path | None = None  # the precision/recall curves of the calibration split
-    # calibrate under the lookup veto (speculators.lookup_veto): an exit whose token contradicts prompt lookup's
+    # calibrate under the lookup veto (draft.lookup.lookup_veto): an exit whose token contradicts prompt lookup's
     # match of at least this many tokens is not taken; 0: no veto
     lookup_veto: int = 2
     max_new_tokens: int = 128
@@ -108,37 +108,6 @@ def training_prompts(engine, corpus: Path, prompts: Path | None, n: int, seed: i
     return [render_prompt(engine, r["prompt"]) for r in rows]
 
 
-class ShadowSpeculator(Speculator):
-    """Proposes with `main` and records what `shadow` would have proposed from the same inputs
-    (the shadow's decode hit rate, measured in the same run)."""
-
-    def __init__(self, main: Speculator, shadow: Speculator):
-        self.main, self.shadow, self.k = main, shadow, main.k
-        self.cands: list[torch.Tensor] = []  # per step [N, K]
-
-    def start(self, prompt_ids, features, lens, max_len) -> None:
-        self.main.start(prompt_ids, features, lens, max_len)
-        self.shadow.start(prompt_ids, features, lens, max_len)
-
-    def propose_scored(self, rows, history, tokens, features) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self.cands.append(self.shadow.propose(rows, history, tokens, features).cpu())
-        return self.main.propose_scored(rows, history, tokens, features)
-
-    def propose(self, rows, history, tokens, features) -> torch.Tensor:
-        return self.propose_scored(rows, history, tokens, features)[0]
-
-
-def make_speculator(engine, model_dir: Path, kind: str, k: int):
-    draft = None
-    if (model_dir / DRAFT_DIR / "config.json").is_file():
-        draft = DraftSpeculator(DraftHead.load(model_dir / DRAFT_DIR, engine.config), engine.model, k=k)
-    if kind == "draft":
-        if draft is None:
-            raise FileNotFoundError(f"no draft head at {model_dir / DRAFT_DIR}: run jobs.train_draft first")
-        return draft
-    return PromptLookupSpeculator(k=k, fallback=draft)
-
-
 def decode_data_key(cfg: PredictorTrainConfig) -> dict:
     """What the cached decode data depends on: the settings, and the draft head's weights (a retrained
     draft proposes other candidates with other confidences: its predictors need new data)."""
@@ -164,15 +133,15 @@ def collect(engine, prompts: list[str], cfg: PredictorTrainConfig, part: str = "
         if saved["key"] == key and "lookup" in saved:
             log.info("decode data loaded from %s", path)
             return saved
-    speculator = make_speculator(engine, cfg.model, cfg.speculator, cfg.k)
+    if cfg.speculator == "draft" and engine.draft is None:
+        raise FileNotFoundError(f"no draft head at {cfg.model / DRAFT_DIR}: run jobs.train_draft first")
     shadow = None
-    if isinstance(speculator, DraftSpeculator) and speculator.subset is not None:
-        head = DraftHead.load(cfg.model / DRAFT_DIR, engine.config)
-        shadow = speculator = ShadowSpeculator(speculator, DraftSpeculator(head, engine.model, k=cfg.k, use_subset=False))
-    data = collect_exit_data(engine, prompts, speculator, cfg.max_new_tokens)
+    if cfg.speculator == "draft" and engine.draft.subset is not None:  # the same head over the whole vocabulary
+        shadow = DraftModel(DraftHead.load(cfg.model / DRAFT_DIR, engine.config), engine.model, use_subset=False)
+    data = collect_exit_data(engine, prompts, cfg.speculator, cfg.k, cfg.max_new_tokens, shadow)
     z, cand, final, q, record = data.tensors()
     saved = {"key": key, "z": z, "cand": cand, "final": final, "q": q, "record": record,
-             "cand_whole": None if shadow is None else torch.cat(shadow.cands), "lookup": data.lookups()}
+             "cand_whole": None if shadow is None else torch.cat(data.shadow), "lookup": data.lookups()}
     cfg.ckpt_dir.mkdir(parents=True, exist_ok=True)
     torch.save(saved, path)
     return saved

@@ -1,7 +1,8 @@
-"""generate() decode tokens/s with every default (bf16 weights here), dense and auto at batch 1 and 16, best of 3:
-the side-by-side of docs/bench_core_side_by_side.json ran this in a worktree of each commit, interleaved.
+"""generate() decode tokens/s with every default (bf16 weights here), per mode at batch 1 and 16, best of 3:
+the side-by-sides of docs/bench_core_side_by_side.json and docs/bench_proposer_side_by_side.json ran this in a
+worktree of each commit, interleaved.
 
-    python scripts/generate_speed.py   # from the root of the checkout to measure
+    python scripts/generate_speed.py [mode ...]   # from the root of the checkout to measure; default: dense auto
 """
 import json
 import sys
@@ -20,7 +21,7 @@ qs = ["Write a Python function that reverses a string.", "What is the capital of
 ps = [e.chat_prompt([{"role": "user", "content": q + f" ({i})"}]) for i, q in enumerate(qs * 2)]
 out = {"git_commit": git_commit(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
        "weights": e.model.weight_format, "dtype": str(e.model.dtype)}
-for mode in ("dense", "auto"):
+for mode in sys.argv[1:] or ("dense", "auto"):
     for b in (1, 16):
         e.generate(ps[:b], max_new_tokens=8, mode=mode, ignore_eos=True)
         best = 0.0

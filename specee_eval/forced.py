@@ -65,7 +65,7 @@ class _Forced:
     def admit(self, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
         batch = self.batch
         for b in rows:  # each row stops where its reference text ends
-            self.rows[b] = self.probe._row_of(batch.prompt_ids[b])
+            self.rows[b] = self.probe._row_of(batch.prompt(b))
             batch.max_new[b] = min(batch.max_new[b], len(self.probe.targets[self.rows[b]]))
             self.fresh.add(b)
         self.inner.admit(rows, prefill_hidden, lens)
@@ -75,7 +75,7 @@ class _Forced:
 
     def step(self, alive, rows, generator) -> StepOutput:
         batch, p = self.batch, self.probe
-        truths = [p.targets[self.rows[b]][len(batch.generated[b])] for b in alive]
+        truths = [p.targets[self.rows[b]][batch.n_generated(b)] for b in alive]
         if first := [b for b in alive if b in self.fresh]:  # the prefill's own choice was fed: feed the truth
             idx = torch.tensor(first, device=batch.next_tokens.device)
             batch.next_tokens[idx] = torch.tensor([p.targets[self.rows[b]][0] for b in first],

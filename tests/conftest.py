@@ -60,7 +60,7 @@ def add_early_exit_files(path: Path, *, k: int = 4, seed: int = 0, offline=(1, 2
     from specee_core.model.config import ModelConfig
     from specee_core.early_exit.predictors import ExitMLP, PredictorBank
     from specee_core.early_exit.scheduler import Schedule
-    from specee_core.early_exit.speculators import DraftHead
+    from specee_core.draft.head import DraftHead
 
     cfg = ModelConfig.from_file(path / "config.json")
     torch.manual_seed(seed)

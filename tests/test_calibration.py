@@ -200,7 +200,7 @@ def test_calibrated_engine_applies_the_calibrations_lookup_veto(calibrated_dir, 
     """With a calibration certified under the lookup veto, no exit emits a token other than the one prompt
     lookup reads off the row's history (matches of >= 1 token here); without it some exit does (the test
     sees the veto act)."""
-    from specee_core.early_exit.speculators import NgramIndex, lookup_tokens
+    from specee_core.draft.lookup import NgramIndex, lookup_tokens
 
     vetoed = tmp_path / "vetoed"
     shutil.copytree(calibrated_dir, vetoed)

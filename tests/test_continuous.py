@@ -108,16 +108,16 @@ def test_chunked_prefill_keeps_others_decoding(engine, code_ids):
     """A long prompt prefilled 8 tokens per step: the row already decoding makes a token every step."""
     sch = EngineCore(engine, max_rows=2, prefill_chunk=8)
     running = sch.submit(Request([code_ids[0]], SamplingParams(max_new_tokens=30, ignore_eos=True), "dense"))
-    while not sch.lanes or len(sch.lanes[0].batch.generated[0]) < 2:  # its own prefill done, decoding
+    while not sch.lanes or sch.lanes[0].batch.n_generated(0) < 2:  # its own prefill done, decoding
         sch.step()
     long_prompt = engine.encode_prompt("".join(CODE_PROMPTS) * 2)
     late = sch.submit(Request([long_prompt], SamplingParams(max_new_tokens=4), "dense"))
     lane = sch.lanes[0]
-    before = len(lane.batch.generated[0])
+    before = lane.batch.n_generated(0)
     prefill_steps = -(-len(long_prompt) // 8)
     for _ in range(prefill_steps):
         sch.step()
-    assert len(lane.batch.generated[0]) == before + prefill_steps  # one token per step throughout
+    assert lane.batch.n_generated(0) == before + prefill_steps  # one token per step throughout
     while not (running.done and late.done):
         sch.step()
     assert late.results[0].token_ids == alone(engine, long_prompt, late.params, "dense", None).token_ids
@@ -179,7 +179,7 @@ def test_lanes_grow_with_their_rows_and_give_their_memory_back(engine, code_ids)
 @pytest.mark.parametrize("mode", ["spec", "specee"])
 def test_lanes_side_by_side_keep_their_own_draft_state(engine, code_ids, mode):
     """Two lanes of one mode at once (their sampling differs): each stepper drafts with its own draft
-    cache (Speculator.fork), so both give their solo results."""
+    cache (each lane's Proposer), so both give their solo results."""
     sch = EngineCore(engine, max_rows=2)
     short = sch.submit(Request([code_ids[0], code_ids[1]], SamplingParams(max_new_tokens=10), mode))
     long = sch.submit(Request([code_ids[2], code_ids[3]], SamplingParams(max_new_tokens=60, ignore_eos=True), mode))

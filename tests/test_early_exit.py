@@ -140,7 +140,8 @@ def test_candidate_scorer_equals_kernel_reference(ee_model_dir):
 def test_draft_vocab_subset_limits_candidates(tmp_path, ee_model_dir, monkeypatch):
     import shutil
 
-    from specee_core.early_exit.speculators import DraftHead, DraftSpeculator
+    from specee_core.draft.head import DraftHead
+    from specee_core.draft.proposer import Proposer
 
     shutil.copytree(ee_model_dir, tmp_path, dirs_exist_ok=True)
     head = DraftHead.load(tmp_path / "draft", SpecEEEngine.from_pretrained(tmp_path, dtype="float32").config)
@@ -148,9 +149,9 @@ def test_draft_vocab_subset_limits_candidates(tmp_path, ee_model_dir, monkeypatc
     head.save(tmp_path / "draft", vocab_subset=subset)
     engine = SpecEEEngine.from_pretrained(tmp_path, speculator="draft", threshold=0.0, dtype="float32")
     seen = []
-    assert isinstance(engine.early_exit.speculator, DraftSpeculator)
-    original = DraftSpeculator.propose_scored  # steppers draft with forks of it: record at the class
-    monkeypatch.setattr(DraftSpeculator, "propose_scored",
+    assert engine.early_exit.source == "draft"
+    original = Proposer.candidates  # each lane has its own proposer: record at the class
+    monkeypatch.setattr(Proposer, "candidates",
                         lambda self, *a: seen.append(original(self, *a)[0]) or (seen[-1], None))
     engine.generate(PROMPTS[:2], max_new_tokens=6, mode="specee")
     cands = torch.cat(seen)
@@ -219,12 +220,12 @@ def test_draft_confidence_predictors_read_the_drafts_probabilities(tmp_path, ee_
     an exit fed the draft an exit layer's feature, so that row exits every other step."""
     import shutil
 
-    from specee_core.early_exit.speculators import DraftSpeculator
+    from specee_core.draft.proposer import Proposer
 
     shutil.copytree(ee_model_dir, tmp_path, dirs_exist_ok=True)
     _draft_confidence_bank(4, [1, 2, 3], 0.5).save(tmp_path / "predictors.safetensors")
     L, calls = 4, []
-    original = DraftSpeculator.propose_scored
+    original = Proposer.candidates
 
     def alternating(self, rows, *a):
         ids, q = original(self, rows, *a)
@@ -233,7 +234,7 @@ def test_draft_confidence_predictors_read_the_drafts_probabilities(tmp_path, ee_
         sure = torch.tensor([b == 2 or (step - b) % 3 == 0 for b in rows])
         return ids, torch.where(sure[:, None], torch.tensor([0.9, 0.05, 0.03, 0.02]), torch.tensor([0.3, 0.3, 0.2, 0.2]))
 
-    monkeypatch.setattr(DraftSpeculator, "propose_scored", alternating)
+    monkeypatch.setattr(Proposer, "candidates", alternating)
     engine = SpecEEEngine.from_pretrained(tmp_path, speculator="draft", threshold=0.5, explore_every=1,
                                           kv_mode="recompute", dtype="float32")
     assert engine.early_exit.predictors.reads_draft_prob
@@ -263,19 +264,19 @@ def test_an_exit_emits_the_token_its_predictors_learnt_to_trust(tmp_path, ee_mod
     first case can fail."""
     import shutil
 
-    from specee_core.early_exit.speculators import DraftSpeculator
+    from specee_core.draft.proposer import Proposer
 
     shutil.copytree(ee_model_dir, tmp_path, dirs_exist_ok=True)
     _draft_confidence_bank(4, [1, 2, 3], 0.5, exit_token).save(tmp_path / "predictors.safetensors")
     calls = []
-    original = DraftSpeculator.propose_scored
+    original = Proposer.candidates
 
     def sure(self, rows, *a):
         ids = original(self, rows, *a)[0].flip(-1)
         calls.append(ids.cpu())
         return ids, torch.tensor([[0.9, 0.05, 0.03, 0.02]]).expand(len(rows), -1)
 
-    monkeypatch.setattr(DraftSpeculator, "propose_scored", sure)
+    monkeypatch.setattr(Proposer, "candidates", sure)
     engine = SpecEEEngine.from_pretrained(tmp_path, speculator="draft", threshold=0.5, gate="off", dtype="float32")
     assert engine.early_exit.predictors.exit_token == exit_token
     res = engine.generate(PROMPTS[:3], max_new_tokens=9, mode="specee", ignore_eos=True)
@@ -308,7 +309,8 @@ def test_collected_record_is_the_drafts_hits_on_the_rows_tokens(ee_model_dir):
     from specee_core.early_exit.collect import collect_exit_data
 
     engine = SpecEEEngine.from_pretrained(ee_model_dir, speculator="draft", dtype="float32")
-    data = collect_exit_data(engine, PROMPTS[:3], engine.early_exit.speculator, max_new_tokens=9)
+    data = collect_exit_data(engine, PROMPTS[:3], engine.early_exit.source, engine.early_exit.predictors.k,
+                             max_new_tokens=9)
     assert len(data.record) == len(data.cand) == 8
     for s, rec in enumerate(data.record):
         for r in range(rec.shape[0]):
@@ -332,19 +334,19 @@ def test_record_predictors_exit_right_after_the_drafts_hits(tmp_path, ee_model_d
     exit: no chained exits), with the draft's top candidate as its token."""
     import shutil
 
-    from specee_core.early_exit.speculators import DraftSpeculator
+    from specee_core.draft.proposer import Proposer
 
     shutil.copytree(ee_model_dir, tmp_path, dirs_exist_ok=True)
     _record_bank(4, [1, 2, 3]).save(tmp_path / "predictors.safetensors")
     calls = []
-    original = DraftSpeculator.propose_scored
+    original = Proposer.candidates
 
     def recorded(self, rows, *a):
         ids, q = original(self, rows, *a)
         calls.append(ids.cpu())
         return ids, q
 
-    monkeypatch.setattr(DraftSpeculator, "propose_scored", recorded)
+    monkeypatch.setattr(Proposer, "candidates", recorded)
     engine = SpecEEEngine.from_pretrained(tmp_path, speculator="draft", threshold=0.5, gate="off", dtype="float32")
     assert engine.early_exit.predictors.reads_record
     res = engine.generate(PROMPTS[:3], max_new_tokens=12, mode="specee", ignore_eos=True)
@@ -426,7 +428,7 @@ def test_gated_dense_steps_keep_tokens_and_the_draft_in_step(ee_model_dir, monke
     dense's; the draft head takes the dense steps' pairs in with its next proposal, so every proposal
     after a dense stretch equals the one an ungated run makes at the same position."""
     from specee_core.early_exit.scheduler import PayOffCosts
-    from specee_core.early_exit.speculators import DraftSpeculator
+    from specee_core.draft.proposer import Proposer
 
     engine = SpecEEEngine.from_pretrained(ee_model_dir, speculator="draft", threshold=2.0, gate="measured",
                                           dtype="float32")
@@ -434,14 +436,14 @@ def test_gated_dense_steps_keep_tokens_and_the_draft_in_step(ee_model_dir, monke
     assert gated_ee.gated and not ungated_ee.gated
     gated_ee.pay_off["costs"] = PayOffCosts(overhead=0.5, layer_share=1.0)
     proposals = []  # (draft cache lengths after the proposal, candidates)
-    real = DraftSpeculator.propose_scored
+    real = Proposer.candidates
 
     def recorded(self, rows, *a):
         ids, q = real(self, rows, *a)
         proposals.append((tuple(self.cache.lengths[0, rows].tolist()), ids.tolist()))
         return ids, q
 
-    monkeypatch.setattr(DraftSpeculator, "propose_scored", recorded)
+    monkeypatch.setattr(Proposer, "candidates", recorded)
     n = 60  # 59 decode steps: SpecEE 16, dense 16, SpecEE 16, dense 11
     dense = engine.generate(PROMPTS[:2], max_new_tokens=n, mode="dense", ignore_eos=True)
     engine.early_exit = ungated_ee

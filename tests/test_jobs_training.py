@@ -10,7 +10,7 @@ import torch
 from jobs.make_distill_data import DistillConfig, distill, is_heldout_id, manifest_path, read_jsonl
 from jobs.train_draft import DraftTrainConfig, train
 from specee_core.model.config import ModelConfig
-from specee_core.early_exit.speculators import DraftHead
+from specee_core.draft.head import DraftHead
 
 
 def write_prompts(path, n: int) -> None:
@@ -116,7 +116,7 @@ def test_calibration_job_certifies_under_the_lookup_veto(tmp_path):
     from jobs.train_predictors import PredictorTrainConfig, train
     from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration
     from specee_core.early_exit.predictors import PredictorBank, exit_choice
-    from specee_core.early_exit.speculators import lookup_tokens
+    from specee_core.draft.lookup import lookup_tokens
     from tests.conftest import BUNDLED
 
     model = tmp_path / "model"

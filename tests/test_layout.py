@@ -130,7 +130,7 @@ def test_cycle_finder_sees_every_kind_of_import(tmp_path):
 
 # specee_core's layers, bottom first: a module imports from its own package and the layers below only.
 # "" is specee_core/__init__.py (the public API on top).
-LAYERS = ("machine", "model", "step", "early_exit", "spec", "decode", "")
+LAYERS = ("machine", "model", "step", "draft", "early_exit", "spec", "decode", "")
 SOURCES = ("specee_core", "pipeline", "jobs", "kernels", "specee_eval")
 
 

@@ -88,20 +88,34 @@ def test_lookup_is_scored_during_dense_steps():
     assert planner.lookup[0].alpha < before / 2 and planner.summary()["lookup_hit_rate"] == 0
 
 
+def scan_matches(hist: list[int], max_ngram: int = 3):
+    """Reference for NgramIndex: a scan of the whole history. The index after every earlier occurrence of
+    hist's last n tokens (n = max_ngram..1, longest first; the latest occurrence first)."""
+    for n in range(min(max_ngram, len(hist) - 1), 0, -1):
+        for i in range(len(hist) - n - 1, -1, -1):
+            if hist[i : i + n] == hist[-n:]:
+                yield i + n
+
+
 def test_the_ngram_index_answers_as_the_lookup_scan_does():
-    from specee_core.early_exit.speculators import NgramIndex, lookup_tokens, lookup_veto
-    from specee_core.spec.proposers import LookupProposer
+    from specee_core.draft.lookup import NgramIndex, lookup_tokens, lookup_veto
 
     gen = torch.Generator().manual_seed(0)
-    scan, index = LookupProposer(), NgramIndex()
+    index = NgramIndex()
     for row in range(3):
         hist = torch.randint(0, 6 + 4 * row, (200,), generator=gen).tolist()  # small vocabularies: many repeats
         size = 1
         while size < len(hist):  # grows by blocks of 1-5 tokens, as verify steps commit them
-            assert index.continuation(row, hist[:size], 4) == scan.continuation(hist[:size], 4), (row, size)
+            h = hist[:size]
+            start = next(scan_matches(h), None)
+            assert index.continuation(row, h, 4) == ([] if start is None else h[start : start + 4]), (row, size)
+            distinct = list(dict.fromkeys(h[i] for i in scan_matches(h)))[:4]
+            assert index.candidates(row, h, 4) == distinct, (row, size)
             size += 1 + size % 5
     index.reset(0)
     assert index.continuation(0, [7, 8, 7], 2) == [8, 7] and index.continuation(0, [9], 2) == []
+    index.reset(0)
+    assert index.frequent(0, [9, 5, 5, 9, 5], 2) == [5, 9] and index.frequent(0, [9, 5, 5, 9, 5, 9], 1) == [9]
     # followers: per n, what followed the latest earlier occurrence of the last n tokens (scan per n)
     hist = torch.randint(0, 5, (120,), generator=gen).tolist()
     followers = NgramIndex()

@@ -7,7 +7,7 @@ import torch
 
 from specee_core import SpecEEEngine, load_model
 from specee_core.spec.acceptance import accept_greedy, accept_sampled
-from specee_core.spec.proposers import Draft
+from specee_core.draft.tree import Draft
 from tests.conftest import BUNDLED, make_hf_model
 
 CODE = ["import os\nimport sys\n\n\ndef main(argv=None):\n", "class Point:\n    def __init__(self, x, y):\n",
@@ -310,12 +310,12 @@ def test_t3_gives_draft_confidence_predictors_each_nodes_candidate_probabilities
     dense = tiny.generate(CODE[:2], max_new_tokens=16, ignore_eos=True, mode="dense")
     opts = ee.with_options(threshold=0.5).options
     try:
-        tiny.early_exit = ee_step.EarlyExit(tiny.model, ee.speculator, bank(1.5), ee.schedule, opts)
+        tiny.early_exit = ee_step.EarlyExit(tiny.model, ee.draft, ee.source, bank(1.5), ee.schedule, opts)
         never = tiny.generate(CODE[:2], max_new_tokens=16, ignore_eos=True, mode="spec", spec=shape)
-        tiny.early_exit = ee_step.EarlyExit(tiny.model, ee.speculator, bank(0.0), ee.schedule, opts)
+        tiny.early_exit = ee_step.EarlyExit(tiny.model, ee.draft, ee.source, bank(0.0), ee.schedule, opts)
         always = tiny.generate(CODE[:2], max_new_tokens=16, ignore_eos=True, mode="spec", spec=shape)
         records.clear()
-        tiny.early_exit = ee_step.EarlyExit(tiny.model, ee.speculator, bank(0.0, "zpdqh"), ee.schedule, opts)
+        tiny.early_exit = ee_step.EarlyExit(tiny.model, ee.draft, ee.source, bank(0.0, "zpdqh"), ee.schedule, opts)
         with_record = tiny.generate(CODE[:2], max_new_tokens=16, ignore_eos=True, mode="spec", spec=shape)
     finally:
         tiny.early_exit = ee

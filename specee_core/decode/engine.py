@@ -56,13 +56,12 @@ class EngineOptions:
 
 class SpecEEEngine:
     def __init__(self, model: LlamaModel, tokenizer, options: EngineOptions | None = None, early_exit=None,
-                 draft_head=None):
+                 draft=None):
         self.model = model
         self.tokenizer = tokenizer
         self.options = options or EngineOptions()
         self.early_exit = early_exit  # specee_core.early_exit.step.EarlyExit, when draft/predictors are present
-        self.draft_head = draft_head  # specee_core.early_exit.speculators.DraftHead, when draft/ is present
-        self._draft_runner = None  # its DraftSpeculator for modes spec and auto, built on first use
+        self.draft = draft  # specee_core.draft.head.DraftModel, when draft/ is present: every mode's draft head
         self._plans: dict[tuple[int, bool], SpecPlan] = {}  # mode="auto": per (deepest chain, draft head)
         self._costs: CostTable | None = None  # the plans' measured cost table, loaded on first use
         self._step_times = StepTimes()  # what steps really take against that table, learned while decoding
@@ -93,7 +92,7 @@ class SpecEEEngine:
         and a hidden state (what the prefix cache keeps beside the KV)."""
         c, m = self.config, self.model
         kv = 2 * c.num_key_value_heads * c.head_dim * torch.empty((), dtype=m.kv_dtype).element_size()
-        layers = m.num_layers + (1 if self.draft_head is not None else 0)
+        layers = m.num_layers + (1 if self.draft is not None else 0)
         return layers * kv + c.hidden_size * torch.empty((), dtype=m.dtype).element_size()
 
     @property
@@ -127,7 +126,7 @@ class SpecEEEngine:
         if self.early_exit is None:
             raise ValueError("this engine has no predictors: early-exit options do not apply")
         twin = SpecEEEngine(self.model, self.tokenizer, self.options, self.early_exit.with_options(**early_exit_options),
-                            self.draft_head)
+                            self.draft)
         twin.dtype_reason, twin.weights_reason = self.dtype_reason, self.weights_reason
         return twin
 
@@ -180,12 +179,14 @@ class SpecEEEngine:
             chosen, weights_reason = None, "the dtype asked for"
         model = load_model(path, device=device, dtype=dtype, weights=chosen)
         tokenizer = load_tokenizer(path)
+        from specee_core.draft.head import DraftModel
         from specee_core.early_exit.step import load_draft_head, load_early_exit
 
         model_dir = find_model_dir(path)
-        draft_head = load_draft_head(model_dir, model)
-        early_exit = load_early_exit(model_dir, model, tokenizer, draft_head, **options)
-        engine = cls(model, tokenizer, EngineOptions(**engine_opts), early_exit, draft_head)
+        head = load_draft_head(model_dir, model)
+        draft = None if head is None else DraftModel(head, model)
+        early_exit = load_early_exit(model_dir, model, tokenizer, draft, **options)
+        engine = cls(model, tokenizer, EngineOptions(**engine_opts), early_exit, draft)
         name = str(model.dtype).removeprefix("torch.")
         engine.dtype_reason = reason or (f"{name}: asked for" if dtype is not None else f"{name}: the loader's default")
         engine.weights_reason = f"{model.weight_format}: {weights_reason}" if weights_reason == "the dtype asked for" \
@@ -313,7 +314,7 @@ class SpecEEEngine:
         """Measure (or load) mode="auto"'s costs for these batch sizes now rather than on the first batch."""
         plan = self.spec_plan(spec)
         for b in batch_sizes:
-            plan.ensure(self.model, self._draft_speculator() if plan.has_draft else None, b)
+            plan.ensure(self.model, self.draft if plan.has_draft else None, b)
         return plan
 
     def _spec_options(self, spec: dict, planned: bool):
@@ -323,32 +324,24 @@ class SpecEEEngine:
         if unknown:
             raise ValueError(f"unknown spec options {sorted(unknown)}: expected {sorted(SpecOptions.__dataclass_fields__)}")
         opts = SpecOptions(**spec)
-        if opts.proposer == "draft" and self.draft_head is None:
+        if opts.proposer == "draft" and self.draft is None:
             raise ValueError("spec proposer 'draft' needs a draft head beside the model (draft/)")
         if planned and (opts.t3 or opts.width > 1):
             raise ValueError("mode='auto' plans chains and stays lossless: t3 and width > 1 need mode='spec'")
         return opts
 
     def _uses_draft(self, opts) -> bool:
-        return opts.proposer == "draft" or (opts.proposer == "auto" and self.draft_head is not None)
-
-    def _draft_speculator(self):
-        from specee_core.early_exit.speculators import DraftSpeculator
-
-        if self._draft_runner is None:  # the draft layer's weights, prepared once
-            self._draft_runner = DraftSpeculator(self.draft_head, self.model, k=1)
-        return self._draft_runner
+        return opts.proposer == "draft" or (opts.proposer == "auto" and self.draft is not None)
 
     def _spec_factory(self, spec: dict, planned: bool):
         """The stepper factory of mode="spec" (options: specee_core.spec.spec_decode.SpecOptions fields) or,
         planned, of mode="auto", and the cache slots a verify chunk may need past a row's last token (rows
         are padded to one width)."""
-        from specee_core.spec.spec_decode import DraftHeadProposer, LookupProposer, SpecStepper
+        from specee_core.spec.spec_decode import SpecStepper
 
         opts = self._spec_options(spec, planned)
         use_draft = self._uses_draft(opts)
-        if use_draft:
-            self._draft_speculator()
+        draft = self.draft if use_draft else None
         if not use_draft:
             opts.nodes = opts.depth  # prompt lookup drafts chains
         t3 = None
@@ -361,22 +354,14 @@ class SpecEEEngine:
         plan = self.spec_plan(spec) if planned else None
 
         def factory(engine, batch, cache, prefill_hidden, lens):
-            if planned:
-                n = len(batch.prompt_ids)
-                plan.ensure(self.model, self._draft_runner if use_draft else None, n)
-                if (not use_draft and opts.lookup == "off") or not could_pay(plan.costs, 1, opts.depth, use_draft):
-                    return DenseStepper(engine, batch, cache, prefill_hidden, lens)  # nothing could gain: dense
-                lookup = None if opts.lookup == "off" else LookupProposer()
-                proposer = DraftHeadProposer(self._draft_runner, opts.tree) if use_draft else LookupProposer()
-                return SpecStepper(proposer, engine, batch, cache, prefill_hidden, lens, depth=opts.depth,
-                                   planner=Planner(plan.costs, n, opts.depth, use_draft, plan.times), lookup=lookup)
-            if use_draft:
-                lookup = None if opts.lookup == "off" else LookupProposer()
-                proposer = DraftHeadProposer(self._draft_runner, opts.tree, lookup, lookup_first=opts.lookup == "first")
-            else:
-                proposer = LookupProposer()
-            return SpecStepper(proposer, engine, batch, cache, prefill_hidden, lens, depth=opts.depth, t3=t3,
-                               step_budget=opts.step_budget)
+            if not planned:
+                return SpecStepper(draft, opts, engine, batch, cache, prefill_hidden, lens, t3=t3)
+            n = batch.size
+            plan.ensure(self.model, draft, n)
+            if (not use_draft and opts.lookup == "off") or not could_pay(plan.costs, 1, opts.depth, use_draft):
+                return DenseStepper(engine, batch, cache, prefill_hidden, lens)  # nothing could gain: dense
+            return SpecStepper(draft, opts, engine, batch, cache, prefill_hidden, lens,
+                               planner=Planner(plan.costs, n, opts.depth, use_draft, plan.times))
 
         return factory, opts.nodes + (opts.depth if use_draft and opts.lookup == "merge" else 0) + 1
 

@@ -1,5 +1,5 @@
 """Full-depth decoding that records, at every layer, the candidate logits the exit predictors
-see: the training data of the predictors and the speculators' hit rates."""
+see: the training data of the predictors and the candidates' hit rates."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,7 +8,7 @@ import torch
 
 from specee_core.early_exit.predictors import DraftRecord, candidate_probs, exit_choice, predictor_features
 from specee_core.step.sampling import SamplingParams
-from specee_core.early_exit.speculators import LOOKUP_NGRAM, NgramIndex, Speculator
+from specee_core.draft.proposer import Proposer
 from specee_core.step.stepper import StepOutput
 
 
@@ -17,14 +17,16 @@ class ExitData:
     z: list[torch.Tensor] = field(default_factory=list)  # per step [N, L-1, K] candidate logits after layer l
     cand: list[torch.Tensor] = field(default_factory=list)  # per step [N, K]
     final: list[torch.Tensor] = field(default_factory=list)  # per step [N] the full-depth token
-    q: list[torch.Tensor] = field(default_factory=list)  # per step [N, K] the speculator's own candidate probabilities
+    q: list[torch.Tensor] = field(default_factory=list)  # per step [N, K] the draft head's candidate probabilities
     record: list[torch.Tensor] = field(default_factory=list)  # per step [N, K] the draft's record (k >= 3)
+    # per step [N, K] the candidates a second draft head (a shadow) proposes from the same inputs, when given
+    shadow: list[torch.Tensor] = field(default_factory=list)
     # per step [N, LOOKUP_NGRAM]: per n = 1..3, the token that followed the latest earlier occurrence of the
     # row's last n tokens (prompt lookup), -1 where none (what the calibration's lookup veto compares with)
     lookup: list[torch.Tensor] = field(default_factory=list)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(z [S, L-1, K], cand [S, K], final [S], q [S, K] or None when the speculator scores nothing,
+        """(z [S, L-1, K], cand [S, K], final [S], q [S, K] or None when the candidates are lookup's,
         record [S, K] or None for k < 3)."""
         q = torch.cat(self.q) if self.q and len(self.q) == len(self.z) else None
         record = torch.cat(self.record) if self.record and len(self.record) == len(self.z) else None
@@ -37,26 +39,30 @@ class ExitData:
 
 class CollectStepper:
     """Runs every layer (dense output), and after each layer l < L records z_l = the final-normed
-    hidden state projected on the k candidate rows of the LM head."""
+    hidden state projected on the k candidate rows of the LM head. Candidates as mode="specee" gets them
+    (source, draft, k: EarlyExit's); shadow: a second draft head whose top-k from the same inputs is recorded."""
 
-    def __init__(self, speculator: Speculator, data: ExitData, engine, batch, cache, prefill_hidden, lens):
-        self.spec, self.data, self.batch, self.cache = speculator, data, batch, cache
+    def __init__(self, source: str, draft, k: int, shadow, data: ExitData, engine, batch, cache, prefill_hidden,
+                 lens):
+        self.source, self.k, self.data, self.batch, self.cache = source, k, data, batch, cache
         self.model = m = engine.model
-        self.histories = [list(p) for p in batch.prompt_ids]
-        self.features = m.final_norm(batch.last_hidden)
-        self.record = DraftRecord(len(batch.prompt_ids))  # as the SpecEE stepper keeps it
-        self.ngrams = NgramIndex(LOOKUP_NGRAM)
-        speculator.start(batch.prompt_ids, m.final_norm(prefill_hidden), lens, cache.max_len)
+        self.record = DraftRecord(batch.size)  # as the SpecEE stepper keeps it
+        self.features = m.final_norm(batch.last_hidden)  # [B, D] feature of each row's last fed position
+        self.proposer = Proposer(draft, batch.size, cache.max_len, m.device)
+        self.shadow = None if shadow is None else Proposer(shadow, batch.size, cache.max_len, m.device)
 
     @torch.inference_mode()
     def step(self, alive, rows, generator):
         m, batch = self.model, self.batch
-        for b in alive:
-            self.histories[b].extend(batch.generated[b][len(self.histories[b]) - len(batch.prompt_ids[b]):])
         idx = torch.tensor(alive, device=m.device)
         toks = batch.next_tokens[idx]
-        cand, q = self.spec.propose_scored(alive, self.histories, toks, self.features[idx])  # [N, K] each
-        self.data.lookup.append(torch.tensor([self.ngrams.followers(b, self.histories[b]) for b in alive]))
+        for p in (self.proposer, self.shadow):
+            if p is not None:
+                p.push(alive, [[t] for t in toks.tolist()], list(self.features[idx].split(1)))
+        cand, q = self.proposer.candidates(alive, batch, self.k, self.source)  # [N, K] each
+        if self.shadow is not None:
+            self.data.shadow.append(self.shadow.candidates(alive, batch, self.k, "draft")[0].cpu())
+        self.data.lookup.append(self.proposer.followers(alive, batch))
         if cand.shape[1] >= 3:
             self.data.record.append(self.record.step(alive, toks.tolist(), cand))
         w_cand = m.head_rows(cand)  # [N, K, D]
@@ -78,28 +84,29 @@ class CollectStepper:
         return StepOutput([[t] for t in tok.tolist()], [[m.num_layers]] * len(alive))
 
     def admit(self, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
-        batch, m = self.batch, self.model
-        for b in rows:
-            self.histories[b] = list(batch.prompt_ids[b])
-            self.ngrams.reset(b)
         self.record.clear(rows)
-        idx = torch.tensor(rows, device=m.device)
-        self.features[idx] = m.final_norm(batch.last_hidden[idx])
-        self.spec.admit([batch.context(b) for b in rows], m.final_norm(prefill_hidden), lens, rows)
+        idx = torch.tensor(rows, device=self.model.device)
+        self.features[idx] = self.model.final_norm(self.batch.last_hidden[idx])
+        for p in (self.proposer, self.shadow):
+            if p is not None:
+                p.admit(self.batch, rows, prefill_hidden, lens)
 
     def caches(self) -> list:
-        return self.spec.caches()
+        return self.proposer.caches() + ([] if self.shadow is None else self.shadow.caches())
 
     def row_stats(self, b: int) -> dict:
         return {}
 
 
-def collect_exit_data(engine, prompts: list[str], speculator: Speculator, max_new_tokens: int = 128) -> ExitData:
-    """Greedy full-depth decoding of prompts with the speculator's candidates recorded."""
+def collect_exit_data(engine, prompts: list[str], source: str, k: int, max_new_tokens: int = 128,
+                      shadow=None) -> ExitData:
+    """Greedy full-depth decoding of prompts with k candidates per step recorded, from `source` ("draft":
+    the engine's draft head, "lookup": prompt lookup completed from it); shadow: a second DraftModel whose
+    candidates are recorded beside (ExitData.shadow)."""
     data = ExitData()
     ids = [engine.encode_prompt(p) for p in prompts]
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    engine.run(ids, params, lambda *a: CollectStepper(speculator, data, *a))
+    engine.run(ids, params, lambda *a: CollectStepper(source, engine.draft, k, shadow, data, *a))
     return data
 
 
@@ -110,7 +117,7 @@ def exit_labels(z: torch.Tensor, cand: torch.Tensor, final: torch.Tensor, exit_t
 
 
 def hit_rates(cand: torch.Tensor, final: torch.Tensor) -> dict:
-    """Speculator quality: the final token is the first candidate / among the k."""
+    """Candidate quality: the final token is the first candidate / among the k."""
     return {"top1": (cand[:, 0] == final).float().mean().item(),
             "topk": (cand == final[:, None]).any(1).float().mean().item(), "k": cand.shape[1], "steps": len(final)}
 
@@ -129,7 +136,7 @@ def oracle_exit_layers(labels: torch.Tensor, num_layers: int) -> torch.Tensor:
 def predictor_dataset(z: torch.Tensor, labels: torch.Tensor, layer: int, max_gap: int = 1,
                       seed: int = 0, draft_prob: torch.Tensor | None = None,
                       record: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features [S, 3K] (with draft_prob [S, K], the speculator's candidate probabilities: [S, 4K]; and the
+    """Features [S, 3K] (with draft_prob [S, K], the draft head's candidate probabilities: [S, 4K]; and the
     draft's record [S, K]: [S, 5K]) and
     labels [S] for the predictor after layer `layer` (1-based). The shift uses the probabilities of
     the layer below, as the engine computes them before a predictor's layer (max_gap > 1: of a layer

@@ -1,5 +1,5 @@
 """Speculative early exit: the decode step that stops a row at a middle layer once its
-predictor fires and the token is verified against the speculator's candidates.
+predictor fires and the token is verified against the proposer's candidates.
 
 Files beside the model (all optional; predictors are what turns the mode on):
     predictors.safetensors   per-layer exit MLPs (+ k and the layer list in its metadata)
@@ -21,8 +21,9 @@ from specee_core.early_exit.predictors import (DraftRecord, LayerPredictor, Pred
                                                exit_choice, exit_probability, predictor_features)
 from specee_core.step.sampling import sample
 from specee_core.early_exit.scheduler import OnlineWindow, PayOffGate, Schedule
-from specee_core.early_exit.speculators import (LOOKUP_NGRAM, DraftHead, DraftSpeculator, NgramIndex,
-                                                PromptLookupSpeculator, Speculator, lookup_tokens, lookup_veto)
+from specee_core.draft.head import DraftHead, DraftModel
+from specee_core.draft.lookup import lookup_tokens, lookup_veto
+from specee_core.draft.proposer import Proposer
 from specee_core.step.stepper import StepOutput
 
 log = logging.getLogger(__name__)
@@ -87,18 +88,19 @@ class EarlyExitOptions:
 
 
 class EarlyExit:
-    """What mode="specee" needs: speculator, predictors, schedule, options."""
+    """What mode="specee" needs: the candidates' source (source "draft": the draft head's, "lookup": prompt
+    lookup's completed from the draft head's when there is one), predictors, schedule, options."""
 
-    def __init__(self, model, speculator: Speculator, predictors: PredictorBank, schedule: Schedule,
+    def __init__(self, model, draft: DraftModel | None, source: str, predictors: PredictorBank, schedule: Schedule,
                  options: EarlyExitOptions, calibration: Calibration | None = None, model_dir: Path | None = None):
-        if speculator.k != predictors.k:
-            raise ValueError(f"speculator proposes {speculator.k} candidates, predictors expect {predictors.k}")
-        if predictors.reads_draft_prob and not speculator.scores:
+        if source == "draft" and draft is None:
+            raise ValueError("candidates from the draft head need a draft head")
+        if predictors.reads_draft_prob and source != "draft":
             raise ValueError(f"these predictors read the draft head's confidence in its candidates (feature set "
-                             f"{predictors.features!r}); {type(speculator).__name__} has none: use speculator='draft' "
+                             f"{predictors.features!r}); prompt lookup has none: use speculator='draft' "
                              f"(or 'auto'), or predictors trained with --speculator lookup")
         self.model = model
-        self.speculator = speculator
+        self.draft, self.source = draft, source
         self.predictors = predictors.to(model.device)
         self.schedule = schedule
         self.options = options
@@ -112,9 +114,9 @@ class EarlyExit:
         self.pay_off: dict = {}  # "costs": the PayOffCosts its gates timed (once; shared by every batch)
 
     def with_options(self, **changes) -> EarlyExit:
-        """The same speculator, predictors and schedule with some options changed."""
+        """The same candidates, predictors and schedule with some options changed."""
         opts = replace(self.options, **changes)
-        return EarlyExit(self.model, self.speculator, self.predictors, self.schedule, opts, self.calibration,
+        return EarlyExit(self.model, self.draft, self.source, self.predictors, self.schedule, opts, self.calibration,
                          self.model_dir)
 
     def _thresholds(self) -> dict[int, float]:
@@ -172,10 +174,10 @@ def load_draft_head(model_dir: Path, model) -> DraftHead | None:
     return DraftHead.load(path, model.config) if (path / "config.json").is_file() else None
 
 
-def load_early_exit(model_dir: Path, model, tokenizer, draft_head: DraftHead | None = None,
+def load_early_exit(model_dir: Path, model, tokenizer, draft: DraftModel | None = None,
                     **options) -> EarlyExit | None:
-    """EarlyExit from the files beside the model, or None when there are no predictors. draft_head:
-    the already loaded draft head (None: none)."""
+    """EarlyExit from the files beside the model, or None when there are no predictors. draft: the
+    already loaded draft head (None: none)."""
     unknown = set(options) - {f.name for f in fields(EarlyExitOptions)}
     if unknown:
         raise TypeError(f"unknown engine options: {sorted(unknown)}")
@@ -189,17 +191,11 @@ def load_early_exit(model_dir: Path, model, tokenizer, draft_head: DraftHead | N
         raise ValueError(f"schedule is for {schedule.num_layers} layers, the model has {model.num_layers}")
     schedule = replace(schedule, window=schedule.window if opts.window is None else opts.window,
                        offsets=schedule.offsets if opts.offsets is None else opts.offsets)
-    draft = None if draft_head is None else DraftSpeculator(draft_head, model, k=predictors.k)
-    if opts.speculator == "draft":
-        if draft is None:
-            raise FileNotFoundError(f"speculator='draft' but no draft head at {model_dir / DRAFT_DIR}")
-        speculator: Speculator = draft
-    elif opts.speculator == "lookup" or draft is None:
-        speculator = PromptLookupSpeculator(k=predictors.k, fallback=draft)
-    else:
-        speculator = draft
+    if opts.speculator == "draft" and draft is None:
+        raise FileNotFoundError(f"speculator='draft' but no draft head at {model_dir / DRAFT_DIR}")
+    source = "lookup" if opts.speculator == "lookup" or draft is None else "draft"
     calibration = Calibration.load(model_dir / CALIBRATION_FILE) if (model_dir / CALIBRATION_FILE).is_file() else None
-    return EarlyExit(model, speculator, predictors, schedule, opts, calibration, model_dir)
+    return EarlyExit(model, draft, source, predictors, schedule, opts, calibration, model_dir)
 
 
 class CandidateScorer:
@@ -287,12 +283,12 @@ class RowStats:
 
 @dataclass
 class Proposal:
-    """What a step starts from: the alive rows, the tokens they feed, the speculator's candidates."""
+    """What a step starts from: the alive rows, the tokens they feed, the proposer's candidates."""
     alive: list[int]  # the batch rows of the step's N rows
     idx: torch.Tensor | None  # [N] alive on the device; None when every batch row is alive
     tokens: torch.Tensor  # [N] the tokens fed this step
     cand: torch.Tensor  # [N, K] candidate token ids
-    draft_prob: torch.Tensor | None  # [N, K] the speculator's probabilities of them, when the predictors read them
+    draft_prob: torch.Tensor | None  # [N, K] the draft head's probabilities of them, when the predictors read them
     record: torch.Tensor | None  # [N, K] the draft's recent record (DraftRecord.features), when the predictors read it
     lookup: torch.Tensor | None  # [N] prompt lookup's next token (-1: no match), when the calibration's veto needs it
     explore: bool  # every predictor runs this step (unbiased exit statistics for re-tuning)
@@ -335,7 +331,7 @@ class Stepper:
     """Decode steps of one batch in SpecEE mode. Rows exit independently; with skip "row" the
     remaining layers run only over the rows still running (compacted).
 
-    A step reads as: propose (the speculator's K candidates), walk the layers, decide exits at
+    A step reads as: propose (the proposer's K candidates), walk the layers, decide exits at
     the layers a row's predictor is scheduled for (exited rows leave the walk, their skipped
     layers' KV handled per kv_mode), the normal LM head for the rows that ran every layer, and
     commit (the stepper's own features and online windows; the engine commits the StepOutput).
@@ -348,53 +344,44 @@ class Stepper:
         self.ee, self.engine, self.batch, self.cache = ee, engine, batch, cache
         self.model = m = engine.model
         opts = ee.options
-        n = len(batch.prompt_ids)
-        self.histories = [list(p) for p in batch.prompt_ids]
+        n = batch.size
         self.windows = [OnlineWindow(ee.schedule) for _ in range(n)]
         self.rows = [RowStats.empty(m.num_layers) for _ in range(n)]
-        self.features = m.final_norm(batch.last_hidden)  # [B, D] feature of the last fed position
         self.thresholds = ee.thresholds
         self.pred_layers = ee.exit_layers()
         self.compact = opts.skip == "row" or (opts.skip == "auto" and m.device.type == "cuda")
         self.pending: list[list[Pending]] = [[] for _ in range(n)]  # kv_mode="recompute"
-        # per row: its last token exited early, so the speculator was fed an exit layer's feature for
+        # per row: its last token exited early, so the draft head was fed an exit layer's feature for
         # this step, not the full model's. Predictors that read the draft's confidence ("zpdq") were
         # trained and calibrated on full-model features only, and trust it: such a row does not exit
         # this step (measured on SmolLM2: exits chained on exit features disagreed 10x the tolerance)
+        self.features = m.final_norm(batch.last_hidden)  # [B, D] feature of each row's last fed position
         self.exited_last = [False] * n
         self.no_chain = ee.predictors.reads_draft_prob
         self.record = DraftRecord(n) if ee.predictors.reads_record else None
-        self.ngrams = None if ee.lookup_veto is None else NgramIndex(LOOKUP_NGRAM)
         self._chunk_rope: tuple = ((), None)  # (positions, rope) of the last recompute chunk
         self.t_draft = self.t_pred = self.t_total = 0.0
         self.step_no = 0
         self.dense_steps = 0  # steps the gate ran dense in this batch
         self.gate = PayOffGate(ee.pay_off, m.num_layers, prior_skip=ee.expected_skip()) if ee.gated else None
-        t0 = time.perf_counter()
-        self.speculator = ee.speculator.fork()  # its own draft cache: batches may run side by side
-        self.speculator.start(batch.prompt_ids, m.final_norm(prefill_hidden), lens, cache.max_len)
-        self.t_draft += time.perf_counter() - t0
+        self.proposer = Proposer(ee.draft, n, cache.max_len, m.device)  # its own draft cache and lookup index
 
     def caches(self) -> list:
-        return self.speculator.caches()
+        return self.proposer.caches()
 
     def admit(self, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
         batch, m = self.batch, self.model
         for b in rows:
-            self.histories[b] = list(batch.prompt_ids[b])
             self.windows[b] = OnlineWindow(self.ee.schedule)
             self.rows[b] = RowStats.empty(m.num_layers)
             self.pending[b] = []
             self.exited_last[b] = False
         if self.record is not None:
             self.record.clear(rows)
-        if self.ngrams is not None:
-            for b in rows:
-                self.ngrams.reset(b)
         idx = torch.tensor(rows, device=m.device)
         self.features[idx] = m.final_norm(batch.last_hidden[idx])
         t0 = time.perf_counter()
-        self.speculator.admit([batch.context(b) for b in rows], m.final_norm(prefill_hidden), lens, rows)
+        self.proposer.admit(batch, rows, prefill_hidden, lens)
         self.t_draft += time.perf_counter() - t0
 
     def _predictor_layers(self, alive: list[int], explore: bool) -> list[frozenset[int]]:
@@ -449,10 +436,9 @@ class Stepper:
 
     def _dense_step(self, alive: list[int], rows: torch.Tensor | None, generator) -> tuple[StepOutput, float]:
         """A step of the gate's: every layer for every row (with "recompute", the pending positions too),
-        no draft and no predictors; the speculator takes the step's pairs in with its next proposal.
+        no draft and no predictors; the proposer takes the step's pairs in with its next candidates.
         Returns the step's output and the seconds spent in the layers."""
-        idx, toks, feats = self._fed(alive, rows)
-        self.speculator.defer(alive, toks, feats)
+        idx, toks = self._fed(alive, rows)
         if self.record is not None:  # no proposals: the rows' records start over after the stretch
             self.record.clear(alive)
         prop = Proposal(alive, idx, toks, cand=toks[:, None], draft_prob=None, record=None, lookup=None,
@@ -467,26 +453,25 @@ class Stepper:
         self._commit(prop, out)
         return StepOutput([[t] for t in out.tokens.tolist()], [[l] for l in out.layers], normed=out.hidden), layer_s
 
-    def _fed(self, alive: list[int], rows: torch.Tensor | None
-             ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """Brings the alive rows' histories up to date; returns (their index on the device, None when
-        every batch row is alive; the tokens [N] they feed now; their previous features [N, D])."""
-        batch = self.batch
-        for b in alive:  # the tokens recorded since the last step
-            self.histories[b].extend(batch.generated[b][len(self.histories[b]) - len(batch.prompt_ids[b]):])
+    def _fed(self, alive: list[int], rows: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(the alive rows' index on the device, None when every batch row is alive; the tokens [N] they feed
+        now). Each row's pair (that token, its previous feature) joins the draft head's queue."""
         idx = None if rows is None else torch.tensor(alive, device=self.model.device)  # rows None: all alive
-        toks = batch.next_tokens if idx is None else batch.next_tokens[idx]
-        return idx, toks, self.features if idx is None else self.features[idx]
+        toks = self.batch.next_tokens if idx is None else self.batch.next_tokens[idx]
+        if self.proposer.draft is not None:
+            feats = self.features if idx is None else self.features[idx]
+            self.proposer.push(alive, [[t] for t in toks.tolist()], list(feats.split(1)))
+        return idx, toks
 
     def _propose(self, alive: list[int], rows: torch.Tensor | None) -> Proposal:
-        """The speculator's candidates for the alive rows."""
+        """The proposer's candidates for the alive rows."""
         opts = self.ee.options
-        idx, toks, feats = self._fed(alive, rows)
-        cand, q = self.speculator.propose_scored(alive, self.histories, toks, feats)
+        idx, toks = self._fed(alive, rows)
+        cand, q = self.proposer.candidates(alive, self.batch, self.ee.predictors.k, self.ee.source)
         record = None if self.record is None else self.record.step(alive, toks.tolist(), cand).to(cand.device)
         lookup = None
-        if self.ngrams is not None:
-            followers = torch.tensor([self.ngrams.followers(b, self.histories[b]) for b in alive])
+        if self.ee.lookup_veto is not None:
+            followers = self.proposer.followers(alive, self.batch)
             lookup = lookup_tokens(followers, self.ee.lookup_veto).to(cand.device)
         explore = opts.explore_every > 0 and self.step_no % opts.explore_every == 0
         f = opts.audit_fraction  # steps s with floor((s + 1) f) > floor(s f): a share f, evenly spread
@@ -669,8 +654,7 @@ class Stepper:
             out.hidden[r_dev] = hn
 
     def _commit(self, prop: Proposal, out: Decisions) -> None:
-        """The stepper's own state after a step: each row's feature for the speculator and its
-        online window of exit layers (the engine commits tokens and positions)."""
+        """The stepper's own state after a step: each row's feature for the draft head and its online window of exit layers (the engine commits tokens and positions)."""
         if prop.idx is None:
             self.features.copy_(out.hidden)
         else:

@@ -1,2 +1,2 @@
-"""Speculative decoding: proposers (the draft head's token trees, prompt lookup), acceptance, the
-propose-verify-commit decode step, and T3 (early exit inside verification)."""
+"""Speculative decoding: acceptance, the planner, the propose-verify-commit decode step (drafts from
+specee_core.draft), and T3 (early exit inside verification)."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specee_core.spec.proposers import Draft
+from specee_core.draft.tree import Draft
 
 
 @dataclass

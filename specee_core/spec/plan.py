@@ -424,7 +424,7 @@ def measuring_lock(key: dict, root: str | Path | None = None):
 
 
 @torch.inference_mode()
-def measure_costs(table: CostTable, model, draft_runner, batch: int, max_tokens: int, prefix: int = 192,
+def measure_costs(table: CostTable, model, draft, batch: int, max_tokens: int, prefix: int = 192,
                   repeats: int = 3) -> None:
     """Measure verify forwards of `batch` rows for T_GRID up to max_tokens (rounds interleaved over T so
     drift hits every T alike; the median of each, made non-decreasing in T) and one draft-head level,
@@ -460,15 +460,16 @@ def measure_costs(table: CostTable, model, draft_runner, batch: int, max_tokens:
     table.verify[batch] = monotone([statistics.median(samples[t]) for t in tokens])
     if len(tokens) > len(table.tokens):
         table.tokens = tokens
-    if draft_runner is not None:
-        table.draft[batch] = _measure_draft(draft_runner, model, batch, prefix, ids, repeats)
+    if draft is not None:
+        table.draft[batch] = _measure_draft(draft, model, batch, prefix, ids, repeats)
 
 
-def _measure_draft(runner, model, batch: int, prefix: int, ids: torch.Tensor, repeats: int) -> float:
-    spec, dev = runner.fork(), model.device
-    spec.new_cache(batch, prefix + 1)
+def _measure_draft(draft, model, batch: int, prefix: int, ids: torch.Tensor, repeats: int) -> float:
+    """Milliseconds of one draft-head step (one token per row, after `prefix` cached) and its top token."""
+    dev = model.device
+    cache = draft.new_cache(batch, prefix + 1)
     feats = torch.zeros(batch, prefix, model.config.hidden_size, dtype=model.dtype, device=dev)
-    spec.forward(ids[:, :prefix].to(dev), feats, torch.arange(prefix).expand(batch, prefix).to(dev), None)
+    draft.forward(cache, ids[:, :prefix].to(dev), feats, torch.arange(prefix).expand(batch, prefix).to(dev), None)
     tok, f = ids[:, prefix : prefix + 1].to(dev), feats[:, :1]
     pos = torch.full((batch, 1), prefix, device=dev)
     rows, base = torch.arange(batch), torch.full((batch,), prefix)
@@ -476,10 +477,10 @@ def _measure_draft(runner, model, batch: int, prefix: int, ids: torch.Tensor, re
     for rnd in range(repeats + 2):
         _sync(dev)
         t0 = time.perf_counter()
-        out = spec.forward(tok, f, pos, None)
-        spec.top_log_probs(out, 1)[1].cpu()
+        out = draft.forward(cache, tok, f, pos, None)
+        draft.top_log_probs(out, 1)[1].cpu()
         _sync(dev)
-        spec.truncate(rows, base)
+        cache.truncate(rows, base)
         if rnd >= 2:
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
@@ -509,7 +510,7 @@ class SpecPlan:
     cache_root: str | None = None
     times: StepTimes = field(default_factory=StepTimes)  # learned while decoding, not cached
 
-    def ensure(self, model, draft_runner, batch: int) -> None:
+    def ensure(self, model, draft, batch: int) -> None:
         """Measure the power-of-two batch sizes up to batch's that the table lacks (verify forwards up to
         the deepest chain + 1, a draft level with a draft head), under the machine's lock, and save."""
         def missing() -> list[int]:
@@ -525,7 +526,7 @@ class SpecPlan:
                 return
             t0 = time.perf_counter()
             for b in need:
-                measure_costs(self.costs, model, draft_runner if self.has_draft else None, b, self.max_depth + 1)
+                measure_costs(self.costs, model, draft if self.has_draft else None, b, self.max_depth + 1)
             path = save_costs(self.costs, self.cache_root)
         log.info("measured verify and draft costs for batch sizes %s in %.1f s (%s)", need,
                  time.perf_counter() - t0, path)

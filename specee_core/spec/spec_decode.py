@@ -4,7 +4,7 @@ commits the longest verified path plus one token from the base model. Greedy out
 decoding token for token (fp32); sampled output keeps the base model's distribution. In mode="auto"
 a Planner (specee_core.spec.plan) sizes each step from measured costs, down to a plain dense step.
 
-    propose  -> Draft     (specee_core.spec.proposers: the EAGLE-style draft head's tree, or prompt lookup)
+    propose  -> Draft     (specee_core.draft.proposer: the EAGLE-style draft head's tree, prompt lookup's chains)
     verify   -> Verdict   (one base forward over the tree with an ancestor mask; specee_core.spec.acceptance)
     commit   -> StepOutput (KV of the accepted nodes kept at consecutive slots; the engine records tokens)
 """
@@ -18,16 +18,15 @@ import torch
 
 from specee_core.spec.acceptance import Verdict, accept_greedy, accept_sampled
 from specee_core.spec.plan import Planner, StepPlan
-from specee_core.early_exit.speculators import NgramIndex
-from specee_core.spec.proposers import Draft, DraftHeadProposer, LookupProposer, Proposer, TreeShape
+from specee_core.draft.proposer import Proposer
+from specee_core.draft.tree import Draft, TreeShape
 from specee_core.step.sampling import probabilities, sample
 from specee_core.step.stepper import StepOutput
 from specee_core.spec.t3 import T3, Verified, verify_with_exits
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Draft", "DraftHeadProposer", "LookupProposer", "SpecOptions", "SpecStepper", "Verdict",
-           "accept_greedy", "accept_sampled"]
+__all__ = ["Draft", "SpecOptions", "SpecStepper", "Verdict", "accept_greedy", "accept_sampled"]
 
 
 @dataclass
@@ -81,22 +80,18 @@ class SpecStepper:
     """Decode steps of one batch in mode="spec" (a fixed shape) or "auto" (planned). Greedy acceptance at
     temperature 0, rejection sampling otherwise."""
 
-    def __init__(self, proposer: Proposer, engine, batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor,
-                 depth: int, t3: T3 | None = None, step_budget: int | None = None, planner: Planner | None = None,
-                 lookup: LookupProposer | None = None):
-        """planner: size each step from measured costs and acceptance (mode="auto"; then `lookup`, when
-        given, offers its chains row by row beside the proposer's, and `depth` is the deepest chain);
-        without one every step drafts the proposer's fixed shape."""
-        self.proposer, self.batch, self.cache = proposer, batch, cache
-        self.model = engine.model
-        self.depth, self.t3, self.step_budget = depth, t3, step_budget
-        self.planner, self.lookup = planner, lookup
-        self.ngrams = None if lookup is None else NgramIndex(lookup.max_ngram)  # the planned path's lookups
-        n = len(batch.prompt_ids)
+    def __init__(self, draft, opts: SpecOptions, engine, batch, cache, prefill_hidden: torch.Tensor,
+                 lens: torch.Tensor, t3: T3 | None = None, planner: Planner | None = None):
+        """draft: the engine's DraftModel (None: prompt lookup drafts alone); opts: the draft's shape (depth
+        is the deepest chain), how prompt lookup joins the draft head (opts.lookup) and the step budget.
+        planner: size each step from measured costs and acceptance (mode="auto": per row lookup's chain or
+        the draft head's); without one every step drafts the fixed shape."""
+        self.batch, self.cache, self.model = batch, cache, engine.model
+        self.proposer = Proposer(draft, batch.size, cache.max_len, self.model.device)
+        self.opts, self.shape, self.depth = opts, opts.tree, opts.depth
+        self.t3, self.step_budget, self.planner = t3, opts.step_budget, planner
+        n = batch.size
         self.stats = SpecStats(per_row_steps=[0] * n, per_row_accepted=[0] * n)
-        t0 = time.perf_counter()
-        proposer.start(engine, batch, cache, prefill_hidden, lens)
-        self.stats.t_draft += time.perf_counter() - t0
 
     def caches(self) -> list:
         return self.proposer.caches()
@@ -104,12 +99,12 @@ class SpecStepper:
     def admit(self, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
         for b in rows:
             self.stats.per_row_steps[b] = self.stats.per_row_accepted[b] = 0
+        t0 = time.perf_counter()
         self.proposer.admit(self.batch, rows, prefill_hidden, lens)
+        self.proposer.push_last(self.batch, rows)
+        self.stats.t_draft += time.perf_counter() - t0
         if self.planner is not None:
             self.planner.admit(rows)
-        if self.ngrams is not None:
-            for b in rows:
-                self.ngrams.reset(b)
 
     def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
         if self.planner is not None:
@@ -139,13 +134,12 @@ class SpecStepper:
         head's, from measured costs and the acceptance seen so far; the step's outcome updates it."""
         t0 = time.perf_counter()
         batch, greedy = self.batch, self.batch.params.greedy
-        use_lookup = self.lookup is not None and (greedy or not isinstance(self.proposer, DraftHeadProposer))
-        conts = [self.ngrams.continuation(b, batch.prompt_ids[b] + batch.generated[b], self.depth) if use_lookup
-                 else [] for b in alive]
-        rooms = [max(0, min(self.depth, batch.max_new[b] - len(batch.generated[b]) - 1)) for b in alive]
+        use_lookup = self.opts.lookup != "off" and (greedy or self.proposer.draft is None)
+        conts = [self.proposer.continuation(b, batch, self.depth) if use_lookup else [] for b in alive]
+        rooms = [max(0, min(self.depth, batch.room(b) - 1)) for b in alive]
         plan = self.planner.choose(alive, [len(c) for c in conts], rooms)
         if plan.depth == 0:
-            draft = Draft.chains([batch.generated[b][-1] for b in alive], [[] for _ in alive])
+            draft = Draft.chains([batch.last(b) for b in alive], [[] for _ in alive])
             out = self._dense_step(alive, rows, draft, generator, time.perf_counter() - t0)
             accepted = [0] * len(alive)
         else:
@@ -163,14 +157,14 @@ class SpecStepper:
         batch = self.batch
         drafted = [r for r, k in enumerate(plan.kinds) if k == "draft"]
         if len(drafted) == len(alive) or (drafted and not batch.params.greedy):  # sampled drafts carry q: one call
-            return self.proposer.propose(alive, batch, list(plan.depths), batch.params, generator)
-        roots = [batch.generated[b][-1] for b in alive]
+            return self.proposer.tree(alive, batch, list(plan.depths), self.shape, batch.params, generator)
+        roots = [batch.last(b) for b in alive]
         chains = [conts[r][: plan.depths[r]] if k == "lookup" else [] for r, k in enumerate(plan.kinds)]
         if not drafted:
             return Draft.chains(roots, chains)
         rest = sorted(set(range(len(alive))) - set(drafted))
-        tree = self.proposer.propose([alive[r] for r in drafted], batch, [plan.depths[r] for r in drafted],
-                                     batch.params, generator)
+        tree = self.proposer.tree([alive[r] for r in drafted], batch, [plan.depths[r] for r in drafted], self.shape,
+                                  batch.params, generator)
         return Draft.by_rows(len(alive), [(rest, Draft.chains([roots[r] for r in rest], [chains[r] for r in rest])),
                                           (drafted, tree)])
 
@@ -185,7 +179,7 @@ class SpecStepper:
         hn = m.final_norm(h)
         toks = sample(m.lm_head(hn[:, 0]), batch.params, generator).tolist()
         tokens = [[t] for t in toks]
-        self.proposer.accepted(alive, list(hn.unbind(0)), tokens)
+        self.proposer.push(alive, tokens, list(hn.unbind(0)))
         for b in alive:
             self.stats.per_row_steps[b] += 1
         self.stats.t_draft += t_draft
@@ -194,14 +188,32 @@ class SpecStepper:
 
     def propose(self, alive: list[int], generator) -> Draft:
         """Each row's draft: no deeper than it may still emit (minus the bonus token), no more nodes than
-        the step budget leaves it; with nothing to draft, the root alone (a dense step)."""
-        batch = self.batch
+        the step budget leaves it; with nothing to draft, the root alone (a dense step). Prompt lookup alone
+        drafts chains; with the draft head, opts.lookup says how lookup's chain joins its tree."""
+        batch, p, mode = self.batch, self.proposer, self.opts.lookup
         allowance = self.depth if self.step_budget is None else self.step_budget // len(alive) - 1
-        depths = [max(0, min(self.depth, allowance, batch.max_new[b] - len(batch.generated[b]) - 1)) for b in alive]
+        depths = [max(0, min(self.depth, allowance, batch.room(b) - 1)) for b in alive]
+        roots = [batch.last(b) for b in alive]
         if max(depths) == 0:
-            return Draft.chains([batch.generated[b][-1] for b in alive], [[] for _ in alive])
-        return self.proposer.propose(alive, batch, depths, batch.params, generator,
-                                     max_nodes=None if self.step_budget is None else allowance)
+            return Draft.chains(roots, [[] for _ in alive])
+        if p.draft is None:
+            return Draft.chains(roots, [p.continuation(b, batch, d) for b, d in zip(alive, depths)])
+        max_nodes = None if self.step_budget is None else allowance
+        if mode == "first" and batch.params.greedy:  # a row whose lookup finds a chain verifies it alone
+            conts = [p.continuation(b, batch, d) for b, d in zip(alive, depths)]
+            found = [r for r, c in enumerate(conts) if c]
+            rest = [r for r, c in enumerate(conts) if not c]
+            if found:
+                chains = Draft.chains([roots[r] for r in found], [conts[r] for r in found])
+                if not rest:
+                    return chains
+                tree = p.tree([alive[r] for r in rest], batch, [depths[r] for r in rest], self.shape, batch.params,
+                              generator, max_nodes)
+                return Draft.by_rows(len(alive), [(found, chains), (rest, tree)])
+        tree = p.tree(alive, batch, depths, self.shape, batch.params, generator, max_nodes)
+        if mode == "merge" and tree.q is None:  # lookup's chain joins the tree
+            tree = tree.with_chains([p.continuation(b, batch, d) for b, d in zip(alive, depths)])
+        return tree
 
     def verify(self, draft: Draft, start: torch.Tensor, rows: torch.Tensor | None, generator) -> Verified:
         """One forward of the base model over every node (node j at position start + depth(j), seeing
@@ -232,8 +244,7 @@ class SpecStepper:
         self.cache.keep(rows, start, nodes, counts)
         if v.layers < m.num_layers:
             self._fill_skipped_layers(rows, start, nodes, counts, v)
-        self.proposer.accepted(alive, [v.hn[r, torch.tensor(k, device=dev)] for r, k in enumerate(keep)],
-                               v.verdict.tokens)
+        self.proposer.push(alive, v.verdict.tokens, [v.hn[r, torch.tensor(k, device=dev)] for r, k in enumerate(keep)])
         last = torch.tensor([k[-1] for k in keep], device=dev)
         hidden = v.h[torch.arange(len(alive), device=dev), last]  # [N, D] the node whose logits chose the bonus
         s = self.stats

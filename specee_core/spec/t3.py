@@ -18,7 +18,7 @@ import torch
 from specee_core.spec.acceptance import Verdict, accept_greedy
 from specee_core.early_exit.step import CandidateScorer, EarlyExit
 from specee_core.early_exit.predictors import PredictorBank
-from specee_core.spec.proposers import Draft
+from specee_core.draft.tree import Draft
 
 
 @dataclass

@@ -79,14 +79,15 @@ class Batch:
     """Decode state of the rows of one KV cache (a lane of the engine core). Row b of every tensor is
     cache row b; a row is FREE, PREFILL (its prompt being prefilled) or alive (finish None) until it
     settles ("stop" / "length"). Built by Batch.empty only."""
-    prompt_ids: list[list[int]]
+    # per row: its whole token history, the prompt then every generated token (the one copy: lookup reads it)
+    tokens: list[list[int]]
+    n_prompt: list[int]  # per row: how many of its tokens are the prompt
     params: SamplingParams  # the lane's sampling; max_new and the stop strings are per row
     max_new: list[int]  # per row, clipped to the context
-    generated: list[list[int]]
     exit_layers: list[list[int]]
     finish: list[str | None]
     texts: list[str | None]  # the text cut at a stop string; None = decode the tokens
-    positions: torch.Tensor  # [B] host: position of the next token to feed = len(prompt) + len(generated) - 1
+    positions: torch.Tensor  # [B] host: position of the next token to feed = len(tokens) - 1
     next_tokens: torch.Tensor  # [B] device: the token to feed next
     last_hidden: torch.Tensor  # [B, D] hidden state of the last fed token (draft heads use it)
     rules: TextRules
@@ -97,7 +98,7 @@ class Batch:
     t_done: list[float] = field(init=False)  # per row: when it settled
 
     def __post_init__(self) -> None:
-        n = len(self.prompt_ids)
+        n = len(self.tokens)
         self.stop_matchers = [StopMatcher(()) for _ in range(n)]
         self.t_first, self.t_done = [0.0] * n, [0.0] * n
 
@@ -105,15 +106,38 @@ class Batch:
     def empty(cls, rows: int, hidden_size: int, dtype: torch.dtype, device: torch.device, params: SamplingParams,
               rules: TextRules, mode: str, on_token: Callable[[int, int], None] | None = None) -> Batch:
         """`rows` FREE rows."""
-        return cls(prompt_ids=[[] for _ in range(rows)], params=params, max_new=[0] * rows,
-                   generated=[[] for _ in range(rows)], exit_layers=[[] for _ in range(rows)], finish=[FREE] * rows,
+        return cls(tokens=[[] for _ in range(rows)], n_prompt=[0] * rows, params=params, max_new=[0] * rows,
+                   exit_layers=[[] for _ in range(rows)], finish=[FREE] * rows,
                    texts=[None] * rows, positions=torch.zeros(rows, dtype=torch.int64),
                    next_tokens=torch.zeros(rows, dtype=torch.int64, device=device),
                    last_hidden=torch.zeros(rows, hidden_size, dtype=dtype, device=device), rules=rules, mode=mode,
                    on_token=on_token)
 
+    @property
+    def size(self) -> int:
+        """Rows (free ones included)."""
+        return len(self.tokens)
+
     def alive(self) -> list[int]:
         return [b for b, f in enumerate(self.finish) if f is None]
+
+    def prompt(self, b: int) -> list[int]:
+        return self.tokens[b][: self.n_prompt[b]]
+
+    def output(self, b: int) -> list[int]:
+        """Row b's generated tokens (a copy)."""
+        return self.tokens[b][self.n_prompt[b] :]
+
+    def n_generated(self, b: int) -> int:
+        return len(self.tokens[b]) - self.n_prompt[b]
+
+    def last(self, b: int) -> int:
+        """Row b's last token: the one it feeds next (a draft's root)."""
+        return self.tokens[b][-1]
+
+    def room(self, b: int) -> int:
+        """Tokens row b may still emit."""
+        return self.max_new[b] - self.n_generated(b)
 
     # ---- a row's life -------------------------------------------------------------------------
     def reserve(self, b: int) -> None:
@@ -129,16 +153,16 @@ class Batch:
         fresh = []
         for r, b in enumerate(rows):
             old = None if saved is None else saved[r]
-            self.prompt_ids[b], self.max_new[b] = prompts[r], max_new[r]
+            self.n_prompt[b], self.max_new[b] = len(prompts[r]), max_new[r]
             if old is None:
-                self.generated[b], self.exit_layers[b], self.texts[b] = [], [], None
+                self.tokens[b], self.exit_layers[b], self.texts[b] = list(prompts[r]), [], None
                 self.stop_matchers[b] = StopMatcher(stops[r])
                 self.t_first[b] = now
                 fresh.append(r)
             else:
-                self.generated[b], self.exit_layers[b], self.texts[b] = old.generated, old.exit_layers, None
+                self.tokens[b], self.exit_layers[b], self.texts[b] = prompts[r] + old.generated, old.exit_layers, None
                 self.stop_matchers[b], self.t_first[b] = old.stop_matcher, old.t_first
-            self.positions[b] = len(prompts[r]) + max(len(self.generated[b]) - 1, 0)
+            self.positions[b] = len(prompts[r]) + max(self.n_generated(b) - 1, 0)
             self.t_done[b] = 0.0
             self.finish[b] = None
         idx = torch.tensor(rows, device=self.next_tokens.device)
@@ -151,11 +175,11 @@ class Batch:
     def context(self, b: int) -> list[int]:
         """The tokens whose KV row b holds before its next fed token: the prompt and every generated
         token but the last (what a row admitted now was prefilled with)."""
-        return self.prompt_ids[b] + self.generated[b][:-1]
+        return self.tokens[b][:-1] if self.n_generated(b) else list(self.tokens[b])
 
     def save(self, b: int) -> SavedRow:
         """Row b's generated state, to resume it after preemption (its KV is dropped)."""
-        return SavedRow(self.generated[b], self.exit_layers[b], self.stop_matchers[b], self.t_first[b])
+        return SavedRow(self.output(b), self.exit_layers[b], self.stop_matchers[b], self.t_first[b])
 
     def release(self, b: int) -> None:
         self.finish[b] = FREE
@@ -185,24 +209,24 @@ class Batch:
                     self._record_one(b, tok, layer, now)
 
     def _record_one(self, b: int, tok: int, layer: int, now: float) -> None:
-        self.generated[b].append(tok)
+        self.tokens[b].append(tok)
         if self.on_token is not None:
             self.on_token(b, tok)
         self.exit_layers[b].append(layer)
         # the token just chosen is fed next, right after the prompt and the tokens before it: the
         # prefill's token goes in at position len(prompt), not one past it
-        self.positions[b] = len(self.prompt_ids[b]) + len(self.generated[b]) - 1
+        self.positions[b] = len(self.tokens[b]) - 1
         if tok in self.rules.eos_ids and not self.params.ignore_eos:
             self.finish[b] = "stop"
         elif self.stop_matchers[b].stops:
             # the whole id list is decoded (a character split across tokens comes out right); only
             # the new tail is searched
-            text = self.rules.decode(self.generated[b])
+            text = self.rules.decode(self.output(b))
             cut = self.stop_matchers[b].update(text)
             if cut >= 0:
                 self.texts[b] = text[:cut]
                 self.finish[b] = "stop"
-        if self.finish[b] is None and len(self.generated[b]) >= self.max_new[b]:
+        if self.finish[b] is None and self.n_generated(b) >= self.max_new[b]:
             self.finish[b] = "length"
         if self.finish[b] is not None:
             self.t_done[b] = now
@@ -210,7 +234,7 @@ class Batch:
     # ---- results ------------------------------------------------------------------------------
     def result(self, b: int, t0: float, stats: dict, cached_prompt_tokens: int = 0) -> GenerationResult:
         """Row b's result; t0: when its work started (its request's submission), stats: its stepper's."""
-        ids = self.generated[b]
+        ids = self.output(b)
         text = self.texts[b] if self.texts[b] is not None else self.rules.decode(ids)
         n_tok = len(ids)
         e2e = self.t_done[b] - t0
@@ -229,5 +253,5 @@ class Batch:
         # what the scheduler's update rule should consume: unbiased exploration exits when taken
         row["retune_histogram"] = row.get("explore_histogram") or row["exit_histogram"]
         return GenerationResult(text=text, token_ids=list(ids), finish_reason=self.finish[b], exit_layers=list(layers),
-                                prompt_tokens=len(self.prompt_ids[b]), metrics=metrics, stats=row,
+                                prompt_tokens=self.n_prompt[b], metrics=metrics, stats=row,
                                 cached_prompt_tokens=cached_prompt_tokens)
