@@ -4,7 +4,13 @@
     serve deploy serve_config.yaml
 
 Routes: POST /v1/completions, POST /v1/chat/completions (when the tokenizer has a chat template),
-GET /v1/models, GET /healthz.
+GET /v1/models, GET /metrics (this replica's engine metrics in Prometheus' text format; Ray's metrics
+port has them over all replicas), GET /health (200 {"status": "ok"} or 503: for probes and load
+balancers), GET /healthz (the same status with what runs and why: dtype, machine, plan, KV memory).
+
+Replicas: a GPU each when `device` is cuda (`num_gpus` to change it), `num_cpus`, and a fixed
+`num_replicas` or autoscaling (`num_replicas=auto`, `min_replicas`, `max_replicas`,
+`target_ongoing_requests`): deployment_options().
 
 Batching: every request, streaming or not, runs through the engine's one core
 (specee_core.decode.core, the same scheduler and decode loop as SpecEEEngine.generate and the batch
@@ -19,7 +25,8 @@ threads, so the event loop stays free to accept requests and answer /healthz.
 Limits, each a 4xx with an OpenAI-style error body (ServeArgs): body size (413), JSON nesting depth,
 prompts per request, characters per prompt before tokenizing, tokens per request, stop strings'
 count and length (400), requests waiting beyond the running batch (429 with Retry-After), and with
-`api_keys` set, a missing or wrong `Authorization: Bearer` (401; /healthz stays open)."""
+`api_keys` set, a missing or wrong `Authorization: Bearer` on /v1 and /metrics (401; /health and
+/healthz stay open)."""
 import asyncio
 import hmac
 import json
@@ -36,8 +43,8 @@ from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray import serve
 from ray.serve import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -52,7 +59,7 @@ from specee_core.step.stops import cut_at_stop
 from pipeline.openai_protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRequest, CompletionRequest, chat_chunk,
                                       chat_response, completion_chunk, completion_response, error_body, new_id,
                                       parse_body, specee_summary, sse, usage, usage_chunk)
-from pipeline.serve_metrics import EngineMetrics
+from pipeline.serve_metrics import PROMETHEUS_TEXT, EngineMetrics
 from pipeline.stream_text import StreamText
 
 # under ray.serve: Serve's replica log handler (file and console, with the request id) takes these too
@@ -86,6 +93,13 @@ class ServeArgs(BaseModel):
     max_tokens_limit: int | None = Field(None, ge=1)  # default: the context length - 1
     stall_timeout_s: float = Field(600.0, gt=0)  # a decode step running longer fails the health check
     num_cpus: float = Field(1.0, gt=0)  # per replica
+    num_gpus: float | None = Field(None, ge=0)  # per replica; default: 1 when device is cuda, else 0
+    # replicas: a fixed count, or "auto" (autoscaled on ongoing requests, bounded by the three below;
+    # giving any of those three autoscales too)
+    num_replicas: int | Literal["auto"] | None = None  # default: 1, or auto with the fields below
+    min_replicas: int | None = Field(None, ge=0)  # default 1 (Serve's)
+    max_replicas: int | None = Field(None, ge=1)  # default 100 (Serve's)
+    target_ongoing_requests: float | None = Field(None, gt=0)  # per replica; default: max_batch_size
     # clients must send `Authorization: Bearer <one of these>` (401 otherwise); empty: no authentication
     api_keys: list[str] = Field(default_factory=lambda: os.environ.get(API_KEYS_ENV, ""))
     max_json_depth: int = Field(MAX_JSON_DEPTH, ge=4)  # nesting of arrays and objects in a body
@@ -100,6 +114,40 @@ class ServeArgs(BaseModel):
     def _keys(cls, v):
         keys = v.split(",") if isinstance(v, str) else v
         return [k.strip() for k in keys if k and k.strip()]
+
+    @field_validator("num_replicas", mode="before")
+    @classmethod
+    def _replicas(cls, v):
+        if v is None or v == "auto":
+            return v
+        if isinstance(v, str) and v.strip().isdigit():  # from the command line
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"num_replicas must be a whole number >= 1 or 'auto', got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _replicas_and_resources(self) -> "ServeArgs":
+        scaling = {k: getattr(self, k) for k in ("min_replicas", "max_replicas", "target_ongoing_requests")
+                   if getattr(self, k) is not None}
+        if scaling and isinstance(self.num_replicas, int):
+            raise ValueError(f"{', '.join(scaling)} autoscale the replicas, but num_replicas={self.num_replicas} "
+                             f"fixes their count: set num_replicas=auto or leave it out")
+        if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas={self.min_replicas} is more than max_replicas={self.max_replicas}")
+        cuda = self.device.split(":")[0] == "cuda"
+        if self.num_gpus is None:
+            self.num_gpus = 1.0 if cuda else 0.0
+        elif self.num_gpus > 0 and not cuda:
+            raise ValueError(f"num_gpus={self.num_gpus:g} reserves GPUs for replicas that run on "
+                             f"device={self.device!r}: set device=cuda, or leave num_gpus out")
+        return self
+
+    @property
+    def autoscaling(self) -> bool:
+        """Whether the replicas are autoscaled (num_replicas auto, or any autoscaling field given)."""
+        return self.num_replicas == "auto" or any(
+            v is not None for v in (self.min_replicas, self.max_replicas, self.target_ongoing_requests))
 
     @field_validator("model")
     @classmethod
@@ -310,7 +358,9 @@ class SpecEEServer:
         self.args = args
         self._api_keys = [k.encode() for k in args.api_keys]
         self._admission = Admission(args.max_batch_size, args.max_queued_requests)
-        self.metrics = EngineMetrics(self.model_name, self.engine.model.num_layers, args.max_batch_size)
+        self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()  # = its actor's name
+        self.metrics = EngineMetrics(self.model_name, self.engine.model.num_layers, args.max_batch_size,
+                                     replica=self.replica_id)
         self.engine.generate(["Hello"], max_new_tokens=1, mode=self.mode)  # warm up; fail here, not on a request
         for mode in {"spec", "auto", self.mode}:  # build what each mode drafts with now, not on a request's thread
             self.engine.stepper_factory(mode)
@@ -319,7 +369,6 @@ class SpecEEServer:
         # and the batching thread, with a lane for greedy requests in the default mode
         self._runner.submit(EngineRequest([self.engine.encode_prompt("Hello")], SamplingParams(max_new_tokens=2),
                                           self.mode)).result(timeout=600)
-        self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()  # = its actor's name
         log.info("serving %s as %r, mode=%s, context=%d, chat=%s, api keys: %d", args.model, self.model_name,
                  self.mode, self.engine.context_len, self.chat_template is not None, len(self._api_keys))
 
@@ -333,18 +382,37 @@ class SpecEEServer:
         self.metrics.load(*self._runner.core.load)
         self.metrics.memory(self._runner.core.memory())
 
-    @api.get("/healthz")
-    async def healthz(self) -> JSONResponse:
+    def _unhealthy(self) -> JSONResponse | None:
+        """The 503 both health routes answer when the engine is not healthy, else None."""
         try:
             self.check_health()
         except RuntimeError as e:
             return JSONResponse({"status": "unhealthy", "reason": str(e)}, status_code=503)
+        return None
+
+    @api.get("/health")
+    async def health(self) -> JSONResponse:
+        """For probes and load balancers: {"status": "ok"} or the 503; no API key needed."""
+        bad = self._unhealthy()
+        return bad if bad is not None else JSONResponse({"status": "ok"})
+
+    @api.get("/healthz")
+    async def healthz(self) -> JSONResponse:
+        if (bad := self._unhealthy()) is not None:
+            return bad
         plan = self.engine.spec_plan()
         return JSONResponse({"status": "ok", "model": self.model_name, "mode": self.mode,
                              "dtype": plan.dtype, "dtype_reason": plan.dtype_reason, **self.engine.weights_info(),
                              "machine": machine_facts(self.engine.device),
                              "plan": plan.to_json([1, self.max_batch_size]),
                              "kv_memory": self._runner.core.memory(), "replica": self.replica_id, "rss_mb": rss_mb()})
+
+    @api.get("/metrics")
+    async def prometheus(self, request: Request) -> Response:
+        """This replica's engine metrics in Prometheus' text format (Ray's metrics port has every replica's)."""
+        self._authorize(request)
+        self._record_load()  # the gauges as they are now, not at the last health check
+        return Response(self.metrics.exposition(), media_type=PROMETHEUS_TEXT)
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict:
@@ -615,8 +683,26 @@ class SpecEEServer:
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+def deployment_options(args: ServeArgs) -> dict:
+    """SpecEEServer.options(...) for these args: each replica's CPUs and GPUs, and the replica count,
+    fixed or autoscaled (Serve's defaults for what is not given, except target_ongoing_requests:
+    max_batch_size, a full batch per replica before another one starts)."""
+    actor = {"num_cpus": args.num_cpus}
+    if args.num_gpus:
+        actor["num_gpus"] = args.num_gpus
+    options: dict = {"ray_actor_options": actor}
+    if args.autoscaling:
+        scaling = {"min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
+                   "target_ongoing_requests": args.target_ongoing_requests or args.max_batch_size}
+        options["num_replicas"] = "auto"
+        options["autoscaling_config"] = {k: v for k, v in scaling.items() if v is not None}
+    elif args.num_replicas is not None:
+        options["num_replicas"] = args.num_replicas
+    return options
+
+
 def app(args: dict) -> Application:
     """App builder for `serve run pipeline.serve:app [key=value ...]` and serve_config.yaml
     (`import_path: pipeline.serve:app`); args are ServeArgs fields."""
     a = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args or {})
-    return SpecEEServer.options(ray_actor_options={"num_cpus": a.num_cpus}).bind(a)
+    return SpecEEServer.options(**deployment_options(a)).bind(a)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from specee_core.early_exit.calibration import CALIBRATION_FILE
-from tests.conftest import BUNDLED, add_early_exit_files, make_hf_model
+from tests.conftest import BUNDLED, REPO, add_early_exit_files, make_hf_model
 from tests.test_calibration import certify_all
 
 pytestmark = pytest.mark.slow
@@ -121,6 +121,82 @@ def test_builder_args(dirs, monkeypatch):
         ServeArgs.model_validate({"model": "models/no-such-model"})
     with pytest.raises(ValueError):
         ServeArgs.model_validate({"model": str(dirs[0]), "max_batch_sise": 4})  # typos are errors
+
+
+def test_deployment_options():
+    """A GPU per replica when device is cuda; replica counts and autoscaling reach Serve's deployment."""
+    from pipeline.serve import ServeArgs, app, deployment_options
+
+    def options(**kw):
+        return deployment_options(ServeArgs.model_validate({"model": str(BUNDLED), **kw}))
+
+    assert options() == {"ray_actor_options": {"num_cpus": 1.0}}  # CPU, one replica: as before
+    assert options(device="cuda", num_cpus="2")["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 1.0}
+    assert options(device="cuda:1", num_gpus="0.5")["ray_actor_options"]["num_gpus"] == 0.5  # the user's
+    assert "num_gpus" not in options(device="cuda", num_gpus=0)["ray_actor_options"]
+    assert options(num_replicas="3")["num_replicas"] == 3
+    auto = options(min_replicas="2", max_replicas="4", max_batch_size=16)  # from the command line: strings
+    assert auto["num_replicas"] == "auto"
+    assert auto["autoscaling_config"] == {"min_replicas": 2, "max_replicas": 4, "target_ongoing_requests": 16}
+    assert options(num_replicas="auto", target_ongoing_requests="3")["autoscaling_config"] == {
+        "target_ongoing_requests": 3.0}
+    # and Serve's deployment takes them (Serve's defaults fill the rest)
+    d = app({"model": str(BUNDLED), "device": "cuda", "num_replicas": "auto", "max_replicas": 4})._bound_deployment
+    assert d.ray_actor_options == {"num_cpus": 1.0, "num_gpus": 1.0}
+    cfg = d._deployment_config.autoscaling_config
+    assert (cfg.min_replicas, cfg.max_replicas, cfg.target_ongoing_requests) == (1, 4, 8)
+    assert app({"model": str(BUNDLED), "num_replicas": 2})._bound_deployment.num_replicas == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"num_replicas": "0"}, "num_replicas must be a whole number >= 1 or 'auto', got 0"),
+    ({"num_replicas": "many"}, "num_replicas must be a whole number >= 1 or 'auto', got 'many'"),
+    ({"num_replicas": 2, "max_replicas": 4}, "max_replicas autoscale the replicas, but num_replicas=2 fixes"),
+    ({"min_replicas": 5, "max_replicas": 2}, "min_replicas=5 is more than max_replicas=2"),
+    ({"min_replicas": -1}, "min_replicas\n  Input should be greater than or equal to 0"),
+    ({"max_replicas": 0}, "max_replicas\n  Input should be greater than or equal to 1"),
+    ({"target_ongoing_requests": "0"}, "target_ongoing_requests\n  Input should be greater than 0"),
+    ({"num_gpus": 1}, "num_gpus=1 reserves GPUs for replicas that run on device='cpu'"),
+    ({"num_gpus": -1, "device": "cuda"}, "num_gpus\n  Input should be greater than or equal to 0"),
+])
+def test_bad_deployment_args_name_the_argument(args, message):
+    from pipeline.serve import ServeArgs
+
+    with pytest.raises(ValueError) as e:
+        ServeArgs.model_validate({"model": str(BUNDLED), **args})
+    assert message in str(e.value), str(e.value)
+
+
+def test_serve_config_is_valid():
+    """serve_config.yaml parses as Serve's schema, its args as ServeArgs, and its deployments section sets
+    no ray_actor_options or num_replicas (they would replace what the args set, a GPU included)."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from pipeline.serve import ServeArgs, deployment_options
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load((REPO / "serve_config.yaml").read_text()))
+    application = config.applications[0]
+    assert deployment_options(ServeArgs.model_validate(application.args)) == {"ray_actor_options": {"num_cpus": 1.0}}
+    for d in application.deployments:
+        assert not {"ray_actor_options", "num_replicas", "autoscaling_config"} & d.model_fields_set, d
+
+
+def test_health_routes_answer_503_when_the_engine_is_not_healthy():
+    from pipeline.serve import SpecEEServer
+
+    server = SpecEEServer.func_or_class
+
+    class Broken:
+        _unhealthy = server._unhealthy
+
+        def check_health(self):
+            raise RuntimeError("the engine core's thread has stopped")
+
+    for route in (server.health, server.healthz):
+        r = asyncio.run(route(Broken()))
+        assert r.status_code == 503
+        assert json.loads(r.body) == {"status": "unhealthy", "reason": "the engine core's thread has stopped"}
 
 
 @pytest.mark.parametrize("requested, has_predictors, mode", [
@@ -650,6 +726,70 @@ def test_engine_metrics_are_exported_beside_serves(server, chat_client):
     tokens = [line for line in text.splitlines()
               if line.startswith("ray_specee_generation_tokens_total") and 'model_name="tiny-chat"' in line]
     assert tokens and float(tokens[0].rsplit(" ", 1)[1]) >= 3, [l for l in text.splitlines() if "specee_gen" in l]
+
+
+def scrape(server: str, path: str = "/metrics", **kw) -> dict[str, float]:
+    """GET a /metrics route and parse it as Prometheus does: {sample name: value summed over its labels}
+    (histogram buckets left out), after checking the content type and the labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{server}{path}", timeout=10, **kw)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4"), r.headers["content-type"]
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            assert sample.labels["model_name"] and sample.labels["replica"], sample
+            if not sample.name.endswith(("_bucket", "_created")):
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def test_metrics_route_is_this_replicas_prometheus_text(server):
+    """GET /metrics on the app: Prometheus text a real parser reads, with the engine's metrics, which move
+    with a request (a repeated long prompt: prefix-cache hits too)."""
+    gauges = ["specee_num_requests_running", "specee_num_requests_waiting", "specee_batch_occupancy_perc",
+              "specee_kv_cache_usage_perc", "specee_generation_tokens_per_s"]
+    before = scrape(server)
+    assert not [g for g in gauges + ["specee_num_preemptions_total"] if g not in before], before
+    prompt = "metrics " * 40  # more than two 16-token blocks: the second request finds them cached
+    outs = [post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0}).json()
+            for _ in range(2)]
+    after = scrape(server)
+    prompt_tokens = sum(o["usage"]["prompt_tokens"] for o in outs)
+    completion_tokens = sum(o["usage"]["completion_tokens"] for o in outs)
+    cached = outs[1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 16, outs[1]["usage"]
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert moved("specee_prompt_tokens_total") >= prompt_tokens
+    assert moved("specee_generation_tokens_total") >= completion_tokens >= 2
+    assert moved("specee_prefix_cache_hit_tokens_total") >= cached
+    assert moved("specee_request_success_total") >= 2
+    for histogram in ("specee_time_to_first_token_seconds", "specee_e2e_request_latency_seconds"):
+        assert moved(f"{histogram}_count") >= 2 and moved(f"{histogram}_sum") > 0, histogram
+    several = sum(o["usage"]["completion_tokens"] > 1 for o in outs)
+    assert several and moved("specee_inter_token_latency_seconds_count") >= several
+    assert 0 < after["specee_kv_cache_usage_perc"] <= 100  # the prefix cache holds the prompt's blocks
+    assert all(g in after for g in gauges)
+    # the replica answers for itself, under its own label
+    replica = httpx.get(f"{server}/healthz", timeout=10).json()["replica"]
+    assert f'replica="{replica}"' in httpx.get(f"{server}/metrics", timeout=10).text
+
+
+def test_health_is_open_and_metrics_need_a_key(server):
+    """With api_keys set, /metrics answers 401 as /v1 does; /health answers a bare status without one."""
+    r = httpx.get(f"{server}/strict/health", timeout=10)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert httpx.get(f"{server}/health", timeout=10).json() == {"status": "ok"}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.get(f"{server}/strict/metrics", headers=headers, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        assert r.headers["www-authenticate"] == "Bearer"
+    assert "specee_prompt_tokens_total" in scrape(server, "/strict/metrics",
+                                                  headers={"Authorization": f"Bearer {KEYS[0]}"})
 
 
 # ---- fault tolerance (last: it replaces the replica) ---------------------------------------------
