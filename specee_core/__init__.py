@@ -1,8 +1,9 @@
 """SpecEE: a Llama-family inference engine with speculative early exiting."""
 from specee_core.model.config import ModelConfig
 from specee_core.decode.engine import EngineOptions, SpecEEEngine
+from specee_core.step.sampling import SamplingParams
 from specee_core.step.state import GenerationResult, PromptError
 from specee_core.model.loader import load_model, load_tokenizer
 
-__all__ = ["EngineOptions", "GenerationResult", "ModelConfig", "PromptError", "SpecEEEngine", "load_model",
+__all__ = ["EngineOptions", "GenerationResult", "ModelConfig", "PromptError", "SamplingParams", "SpecEEEngine", "load_model",
            "load_tokenizer"]

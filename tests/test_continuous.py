@@ -190,3 +190,18 @@ def test_lanes_side_by_side_keep_their_own_draft_state(engine, code_ids, mode):
     for req in (short, long):
         for p, got in zip(req.prompt_ids, req.results):
             assert got.token_ids == alone(engine, p, req.params, mode, None).token_ids
+
+
+def test_generate_takes_sampling_params_per_prompt(engine):
+    """generate(sampling_params=[...]): prompts with equal parameters share a lane, the lanes decode side by
+    side, and each prompt gets what a call with its own parameters gives (seeded sampling included); the
+    results come back in the prompts' order."""
+    greedy, short = SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=4, stop=["\n"])
+    sampled = SamplingParams(max_new_tokens=10, temperature=0.8, seed=7)
+    params = [greedy, sampled, short, greedy]
+    got = engine.generate(CODE_PROMPTS[:4], mode="dense", sampling_params=params)
+    for prompt, p, r in zip(CODE_PROMPTS[:4], params, got):
+        assert r.token_ids == engine.generate([prompt], mode="dense", sampling_params=p)[0].token_ids
+    assert len(got[2].token_ids) <= 4
+    with pytest.raises(ValueError, match="one per prompt"):
+        engine.generate(CODE_PROMPTS[:2], sampling_params=[greedy])

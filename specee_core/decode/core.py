@@ -641,12 +641,19 @@ class EngineCore:
 
     def run(self, request: Request) -> list[GenerationResult]:
         """Submit one request and step until it is done (generate; any thread, one step at a time)."""
-        self.submit(request)
-        while not request.done:
+        return self.run_all([request])[0]
+
+    def run_all(self, requests: list[Request]) -> list[list[GenerationResult]]:
+        """Submit requests (their lanes decode side by side) and step until every one is done; the first
+        error of one is raised once all are done."""
+        for r in requests:
+            self.submit(r)
+        while not all(r.done for r in requests):
             self.step()
-        if request.error is not None:
-            raise request.error
-        return request.results
+        for r in requests:
+            if r.error is not None:
+                raise r.error
+        return [r.results for r in requests]
 
 
 class CancelledRequest(Exception):

@@ -236,9 +236,14 @@ class SpecEEEngine:
                  top_p: float = 1.0, top_k: int = 0, stop: list[str] | str | None = None,
                  seed: int | None = None, mode: str = "auto", ignore_eos: bool = False,
                  on_token: Callable[[int, int], None] | None = None, spec: dict | None = None,
-                 max_disagreement: float | None = None) -> list[GenerationResult]:
+                 max_disagreement: float | None = None,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
         """Generate a completion for each prompt: they are queued on the engine core, which decodes up
         to options.max_batch_size of them at once (a row that finishes makes room for the next prompt).
+
+        sampling_params (as vLLM's LLM.generate takes them): one SamplingParams for every prompt or one per
+        prompt, in place of the keyword arguments max_new_tokens .. ignore_eos. Prompts with equal
+        parameters decode in one lane; lanes of different parameters decode side by side.
 
         mode: "auto" (default; lossless: per step a dense step or speculative decoding, whichever the
         measured plan expects to be faster), "dense", "spec" (speculative decoding with a fixed shape:
@@ -254,16 +259,32 @@ class SpecEEEngine:
         if isinstance(prompts, str):
             raise PromptError("prompts must be a list of strings, got a single string")
         self.stepper_factory(mode, spec, max_disagreement)  # a mode or options it cannot run fail before any prompt
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k, stop=stop or [], seed=seed,
-                                ignore_eos=ignore_eos)
+        if sampling_params is None:
+            sampling_params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                             top_k=top_k, stop=stop or [], seed=seed, ignore_eos=ignore_eos)
+        per_prompt = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(per_prompt) != len(prompts) or not all(isinstance(p, SamplingParams) for p in per_prompt):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of one per prompt "
+                             f"({len(prompts)}), got {sampling_params!r:.200}")
         ids = []
         for i, p in enumerate(prompts):
             try:
                 ids.append(self.encode_prompt(p))
             except PromptError as e:
                 raise PromptError(f"prompt {i}: {e}") from None
-        return self.run(ids, params, on_token=on_token, mode=mode, spec=spec, max_disagreement=max_disagreement)
+        groups: dict[str, list[int]] = {}  # equal parameters (their repr) -> prompt indices
+        for i, p in enumerate(per_prompt):
+            groups.setdefault(repr(p), []).append(i)
+        requests = []
+        for members in groups.values():
+            hook = None if on_token is None else (lambda j, tok, m=members: on_token(m[j], tok))
+            requests.append(Request([ids[i] for i in members], per_prompt[members[0]], mode, spec=spec,
+                                    max_disagreement=max_disagreement, on_token=hook))
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        for members, got in zip(groups.values(), self.core.run_all(requests)):
+            for i, r in zip(members, got):
+                results[i] = r
+        return results
 
     def weights_info(self) -> dict:
         """The weight format in use, why, and its resident bytes (recorded beside the dtype everywhere)."""
