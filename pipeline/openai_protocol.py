@@ -15,6 +15,7 @@ log = logging.getLogger(__name__)
 INT64 = 2**63
 MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_JSON_DEPTH = 16  # the deepest request (chat content parts) nests 4
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit; specee_core.step.sampling's too)
 
 
 class APIError(Exception):
@@ -52,15 +53,13 @@ class StreamOptions(BaseModel):
 
 # OpenAI parameters this server does not implement: the values that mean "off", and the message
 UNSUPPORTED = {
-    "n": ((None, 1), "only n=1 is supported"),
     "best_of": ((None, 1), "only best_of=1 is supported"),
-    "presence_penalty": ((None, 0), "penalties are not supported (only 0)"),
-    "frequency_penalty": ((None, 0), "penalties are not supported (only 0)"),
-    "logit_bias": ((None, {}), "logit_bias is not supported"),
     "echo": ((None, False), "echo is not supported"),
-    "logprobs": ((None,), "logprobs are not supported"),
     "suffix": ((None, ""), "suffix is not supported"),
+    "tools": ((None, []), "tools (function calling) are not supported: send the request without them"),
+    "functions": ((None, []), "functions (function calling) are not supported"),
 }
+MAX_N = 16  # choices per request (the request limits count every one)
 
 
 def reject_unsupported(name: str, value):
@@ -85,10 +84,15 @@ class _SamplingRequest(BaseModel):
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's) -> -100..100
+    # extensions, as in vLLM
+    repetition_penalty: float | None = Field(None, gt=0, le=10, allow_inf_nan=False)
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
     user: str | None = None
     mode: Literal["auto", "dense", "specee", "spec"] | None = None  # extension: override the server's decode mode
     # extension, mode specee: exit thresholds calibrated so that at most this share of exited tokens
@@ -109,18 +113,44 @@ class _SamplingRequest(BaseModel):
             _check_text(s, "stop")
         return v
 
-    @field_validator("n", "presence_penalty", "frequency_penalty", "logit_bias")
+    @field_validator("logit_bias")
     @classmethod
-    def _unsupported(cls, v, info: ValidationInfo):
-        return reject_unsupported(info.field_name, v)
+    def _logit_bias(cls, v):
+        if v is None:
+            return v
+        for tok, bias in v.items():
+            if not tok.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {tok!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {tok}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v):
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("stop_token_ids must be token ids (>= 0)")
+        return v
+
+    @property
+    def top_logprobs_k(self) -> int | None:
+        """The logprobs the request asks for: alternatives per token (0: the chosen token's alone), or None."""
+        return None
 
     def sampling(self, max_tokens: int) -> dict:
-        """Keyword arguments of SpecEEEngine.generate (without prompts and mode)."""
+        """Keyword arguments of specee_core.SamplingParams (OpenAI's defaults where the request is silent) and
+        max_disagreement."""
         stop = self.stop if self.stop is None or isinstance(self.stop, list) else [self.stop]
         return {"max_new_tokens": max_tokens,
                 "temperature": 1.0 if self.temperature is None else float(self.temperature),
                 "top_p": 1.0 if self.top_p is None else float(self.top_p),
                 "top_k": max(self.top_k or 0, 0), "stop": tuple(stop or ()), "seed": self.seed,
+                "frequency_penalty": float(self.frequency_penalty or 0.0),
+                "presence_penalty": float(self.presence_penalty or 0.0),
+                "repetition_penalty": float(self.repetition_penalty or 1.0),
+                "logit_bias": {int(t): float(b) for t, b in (self.logit_bias or {}).items()},
+                "min_tokens": self.min_tokens or 0, "stop_token_ids": tuple(self.stop_token_ids or ()),
+                "ignore_eos": bool(self.ignore_eos), "logprobs": self.top_logprobs_k,
                 "max_disagreement": self.max_disagreement}
 
     @property
@@ -132,8 +162,12 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str]
     echo: bool | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the most likely alternatives per token
     suffix: str | None = None
+
+    @property
+    def top_logprobs_k(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -157,7 +191,7 @@ class CompletionRequest(_SamplingRequest):
             _check_text(p, f"prompt[{i}]")
         return v
 
-    @field_validator("echo", "best_of", "logprobs", "suffix")
+    @field_validator("echo", "best_of", "suffix")
     @classmethod
     def _unsupported_completion(cls, v, info: ValidationInfo):
         return reject_unsupported(info.field_name, v)
@@ -186,23 +220,43 @@ class ChatMessage(BaseModel):
         return _check_text(text, "message content")
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list | None = None
+    functions: list | None = None
+    response_format: ResponseFormat | None = None
 
-    @field_validator("logprobs")
+    @field_validator("tools", "functions")
     @classmethod
-    def _logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported")
+    def _unsupported_chat(cls, v, info: ValidationInfo):
+        return reject_unsupported(info.field_name, v)
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v):
+        if v is not None and v.type != "text":
+            raise ValueError(f"response_format {v.type!r} is not supported yet: only 'text'")
         return v
 
     @model_validator(mode="after")
     def _max_tokens(self):
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @property
+    def top_logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict]:
         """Messages as chat templates expect them: role and plain-text content."""
@@ -317,31 +371,58 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def completion_response(rid: str, model: str, choices: list[dict], usage: dict, specee: dict) -> dict:
-    """choices: [{"text", "finish_reason"}] in prompt order."""
+    """choices: [{"text", "finish_reason", "logprobs" (optional)}] in order (prompt by prompt, n each)."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "text": c["text"], "logprobs": None, "finish_reason": c["finish_reason"]}
+            "choices": [{"index": i, "text": c["text"], "logprobs": c.get("logprobs"),
+                         "finish_reason": c["finish_reason"]} for i, c in enumerate(choices)],
+            "usage": usage, "specee": specee}
+
+
+def chat_response(rid: str, model: str, choices: list[dict], usage: dict, specee: dict) -> dict:
+    """choices: [{"text", "finish_reason", "logprobs" (optional)}], one per n."""
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": c["text"]},
+                         "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"]}
                         for i, c in enumerate(choices)],
             "usage": usage, "specee": specee}
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str, usage: dict, specee: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish_reason}],
-            "usage": usage, "specee": specee}
-
-
 def completion_chunk(rid: str, model: str, created: int, index: int, text: str,
-                     finish_reason: str | None = None, **extra: Any) -> dict:
+                     finish_reason: str | None = None, logprobs: dict | None = None, **extra: Any) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}], **extra}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+            **extra}
 
 
 def chat_chunk(rid: str, model: str, created: int, index: int, delta: dict,
-               finish_reason: str | None = None, **extra: Any) -> dict:
+               finish_reason: str | None = None, logprobs: dict | None = None, **extra: Any) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
             **extra}
+
+
+def chat_logprobs(entries: list[dict], token_text) -> dict:
+    """GenerationResult.logprobs entries -> a chat choice's `logprobs` ({"content": [...]}, OpenAI's shape);
+    token_text(id) -> the token's text."""
+    def item(tok: int, lp: float) -> dict:
+        text = token_text(tok)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(e["token"], e["logprob"]),
+                         "top_logprobs": [item(t, lp) for t, lp in e["top_logprobs"]]} for e in entries]}
+
+
+def completion_logprobs(entries: list[dict], token_text, offset: int = 0) -> dict:
+    """GenerationResult.logprobs entries -> a completion choice's `logprobs` (the legacy shape: tokens,
+    token_logprobs, top_logprobs as {token text: logprob}, text_offset from `offset`)."""
+    tokens = [token_text(e["token"]) for e in entries]
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{token_text(t): lp for t, lp in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, usage: dict) -> dict:

@@ -57,8 +57,9 @@ from specee_core.machine import machine_facts
 from specee_core.step.sampling import SamplingParams
 from specee_core.step.stops import cut_at_stop
 from pipeline.openai_protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRequest, CompletionRequest, chat_chunk,
-                                      chat_response, completion_chunk, completion_response, error_body, new_id,
-                                      parse_body, specee_summary, sse, usage, usage_chunk)
+                                      chat_logprobs, chat_response, completion_chunk, completion_logprobs,
+                                      completion_response, error_body, new_id, parse_body, specee_summary, sse, usage,
+                                      usage_chunk)
 from pipeline.serve_metrics import PROMETHEUS_TEXT, EngineMetrics
 from pipeline.stream_text import StreamText
 
@@ -165,20 +166,23 @@ class ServeArgs(BaseModel):
         return json.loads(v) if isinstance(v, str) else v  # from the command line: a JSON object
 
 
+def sampling_params(params: dict) -> SamplingParams:
+    """The engine's SamplingParams of a request's sampling() dict (ValueError for a value it refuses)."""
+    p = {k: v for k, v in params.items() if k != "max_disagreement"}
+    return SamplingParams(**{**p, "stop": list(p["stop"]), "stop_token_ids": list(p["stop_token_ids"])})
+
+
 @dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, params is a dict
 class Work:
-    """One request's engine work: its prompts and SpecEEEngine.generate keyword arguments."""
+    """One request's engine work: a prompt per choice (each prompt n times in a row) and its sampling."""
     prompts: tuple[str, ...]
-    params: dict  # max_new_tokens, temperature, top_p, top_k, stop (tuple), seed, max_disagreement
+    params: dict  # OpenAIRequest.sampling(): SamplingParams fields and max_disagreement
     mode: str
     ids: tuple = ()  # the prompts' token ids (what the engine runs)
 
     def engine_request(self, on_token=None) -> EngineRequest:
-        p = self.params
-        sampling = SamplingParams(max_new_tokens=p["max_new_tokens"], temperature=p["temperature"], top_p=p["top_p"],
-                                  top_k=p["top_k"], stop=list(p["stop"]), seed=p["seed"])
-        return EngineRequest([list(i) for i in self.ids], sampling, self.mode, on_token=on_token,
-                             max_disagreement=p.get("max_disagreement"))
+        return EngineRequest([list(i) for i in self.ids], sampling_params(self.params), self.mode,
+                             on_token=on_token, max_disagreement=self.params.get("max_disagreement"))
 
 
 def pick_mode(requested: str | None, *, has_predictors: bool) -> str:
@@ -443,8 +447,10 @@ class SpecEEServer:
         if isinstance(out, StreamingResponse):
             return out
         rid, mode, n_prompt, results, batch_size = out
-        body = completion_response(rid, self.model_name,
-                                   [{"text": r.text, "finish_reason": r.finish_reason} for r in results],
+        choices = [{"text": r.text, "finish_reason": r.finish_reason,
+                    "logprobs": None if r.logprobs is None else completion_logprobs(r.logprobs, self._token_text)}
+                   for r in results]
+        body = completion_response(rid, self.model_name, choices,
                                    usage(n_prompt, sum(len(r.token_ids) for r in results),
                                          sum(r.cached_prompt_tokens for r in results)),
                                    specee_summary(results, self.engine.model.num_layers, mode, batch_size))
@@ -461,10 +467,17 @@ class SpecEEServer:
         if isinstance(out, StreamingResponse):
             return out
         rid, mode, n_prompt, results, batch_size = out
-        r = results[0]
-        body = chat_response(rid, self.model_name, r.text, r.finish_reason, usage(n_prompt, len(r.token_ids), r.cached_prompt_tokens),
+        choices = [{"text": r.text, "finish_reason": r.finish_reason,
+                    "logprobs": None if r.logprobs is None else chat_logprobs(r.logprobs, self._token_text)}
+                   for r in results]
+        body = chat_response(rid, self.model_name, choices,
+                             usage(n_prompt, sum(len(r.token_ids) for r in results),
+                                   sum(r.cached_prompt_tokens for r in results)),
                              specee_summary(results, self.engine.model.num_layers, mode, batch_size))
         return JSONResponse(body)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
 
     async def _complete(self, req, prompts: list[str] | None, *, chat: bool, default_max_tokens: int | None):
         """Admission, the checks that need the engine, and generation: a StreamingResponse for a stream
@@ -473,8 +486,15 @@ class SpecEEServer:
         try:
             if chat:
                 prompts = [await self._render_chat(req)]
-            mode, params, n_prompt, ids = await self._prepare(req, prompts, default_max_tokens=default_max_tokens)
-            work = Work(tuple(prompts), params, mode, ids)
+            n = req.n or 1
+            if len(prompts) * n > self.args.max_prompts_per_request:
+                raise APIError(f"{len(prompts)} prompt(s) x n={n} choices; this server takes at most "
+                               f"{self.args.max_prompts_per_request} per request", param="n", code="too_many_prompts")
+            mode, params, n_prompt, ids = await self._prepare(req, prompts, default_max_tokens=default_max_tokens,
+                                                              n=n)
+            # each prompt n times in a row: choices prompt by prompt, as OpenAI orders them; the copies share
+            # the prompt's KV through the prefix cache
+            work = Work(tuple(p for p in prompts for _ in range(n)), params, mode, tuple(i for i in ids for _ in range(n)))
             rid = new_id("chatcmpl" if chat else "cmpl")
             if req.stream:  # the ticket goes with the stream
                 response, ticket = self._stream(rid, work, chat=chat, include_usage=req.include_usage,
@@ -520,8 +540,9 @@ class SpecEEServer:
             raise APIError(f"the model {name!r} does not exist; this server has {self.model_name!r}", status=404,
                            param="model", code="model_not_found")
 
-    async def _prepare(self, req, prompts: list[str], default_max_tokens: int | None) -> tuple[str, dict, int, tuple]:
-        """Checks that need the engine -> (mode, generate kwargs, prompt tokens in all, token ids)."""
+    async def _prepare(self, req, prompts: list[str], default_max_tokens: int | None,
+                       n: int = 1) -> tuple[str, dict, int, tuple]:
+        """Checks that need the engine -> (mode, sampling() dict, prompt tokens in all, token ids per prompt)."""
         self._check_model(req.model)
         try:
             mode = self._pick_mode(req.mode or self.mode)
@@ -548,12 +569,24 @@ class SpecEEServer:
                            f"{max(lengths) + max_tokens} were requested ({max(lengths)} in the prompt, "
                            f"{max_tokens} for the completion): shorten the prompt or lower max_tokens",
                            param="max_tokens", code="context_length_exceeded")
-        total = sum(lengths) + max_tokens * len(prompts)
+        total = (sum(lengths) + max_tokens * len(prompts)) * n
         if total > self.args.max_request_tokens:
-            raise APIError(f"the request asks for {total} tokens ({sum(lengths)} in its prompts, {max_tokens} x "
-                           f"{len(prompts)} to generate); this server allows {self.args.max_request_tokens} per "
-                           f"request", param="max_tokens", code="request_too_large")
-        return mode, req.sampling(max_tokens), sum(lengths), tuple(tuple(i) for i in ids)
+            raise APIError(f"the request asks for {total} tokens (({sum(lengths)} in its prompts + {max_tokens} x "
+                           f"{len(prompts)} to generate) x n={n}); this server allows {self.args.max_request_tokens} "
+                           f"per request", param="max_tokens", code="request_too_large")
+        params = req.sampling(max_tokens)
+        try:
+            sampling = sampling_params(params)
+        except ValueError as e:
+            raise APIError(str(e), code="invalid_value") from None
+        vocab = self.engine.config.vocab_size
+        if any(t >= vocab for t in (*sampling.logit_bias, *sampling.stop_token_ids)):
+            raise APIError(f"logit_bias and stop_token_ids take token ids below {vocab}", code="invalid_value",
+                           param="logit_bias" if any(t >= vocab for t in sampling.logit_bias) else "stop_token_ids")
+        if sampling.processes and mode == "specee":
+            raise APIError("logit_bias, penalties and min_tokens apply in modes auto, dense and spec, not specee",
+                           param="mode", code="invalid_value")
+        return mode, params, sum(lengths), tuple(tuple(i) for i in ids)
 
     def _check_tolerance(self, mode: str, eps: float) -> None:
         """A 400 unless the request's mode is specee and the model has a calibration for eps."""
@@ -616,21 +649,30 @@ class SpecEEServer:
         obj = "chat.completion.chunk" if chat else "text_completion"
         prompts, params, mode = work.prompts, work.params, work.mode
 
+        pending: list[list[dict]] = [[] for _ in prompts]  # per choice: logprob entries not sent yet
+        offsets = [0] * len(prompts)  # per choice: characters sent (completions' text_offset)
+
         def chunk(i: int, text: str | None, finish: str | None = None, **extra) -> str:
+            lps = None
+            if pending[i]:  # the logprobs of the tokens this chunk's text comes from
+                lps = (chat_logprobs(pending[i], self._token_text) if chat
+                       else completion_logprobs(pending[i], self._token_text, offsets[i]))
+                pending[i] = []
+            offsets[i] += len(text or "")
             if chat:
                 delta = {} if text is None else {"content": text}
-                return sse(chat_chunk(rid, model, created, i, delta, finish, **extra))
-            return sse(completion_chunk(rid, model, created, i, text or "", finish, **extra))
+                return sse(chat_chunk(rid, model, created, i, delta, finish, lps, **extra))
+            return sse(completion_chunk(rid, model, created, i, text or "", finish, lps, **extra))
 
         async def events():
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
             cancelled = threading.Event()
 
-            def on_token(i: int, token_id: int) -> None:  # engine thread
+            def on_token(i: int, token_id: int, entry=None) -> None:  # engine thread
                 if cancelled.is_set():
                     raise _StreamCancelled
-                loop.call_soon_threadsafe(queue.put_nowait, (i, token_id))
+                loop.call_soon_threadsafe(queue.put_nowait, (i, token_id, entry))
 
             def done(f: asyncio.Future) -> None:
                 if not f.cancelled():
@@ -646,7 +688,10 @@ class SpecEEServer:
                 if chat:
                     yield sse(chat_chunk(rid, model, created, 0, {"role": "assistant", "content": ""}))
                 while (item := await queue.get()) is not None:
-                    i, token_id = item
+                    i, token_id, entry = item
+                    if entry is not None:
+                        lp, ids, vals = entry
+                        pending[i].append({"token": token_id, "logprob": lp, "top_logprobs": list(zip(ids, vals))})
                     if delta := texts[i].push(token_id):
                         yield chunk(i, delta)
                 try:

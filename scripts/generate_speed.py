@@ -5,6 +5,7 @@ worktree of each commit, interleaved.
     python scripts/generate_speed.py [mode ...]   # from the root of the checkout to measure; default: dense auto
 """
 import json
+import os
 import sys
 import time
 
@@ -15,7 +16,9 @@ from jobs.bench import git_commit  # noqa: E402
 from specee_core import SpecEEEngine  # noqa: E402
 
 torch.set_num_threads(2)
-e = SpecEEEngine.from_pretrained("models/smollm2-135m-instruct", max_batch_size=16)
+# SPECEE_BENCH_WEIGHTS pins the weight format (side by sides: "auto" measures, and may pick another format per run)
+e = SpecEEEngine.from_pretrained("models/smollm2-135m-instruct", max_batch_size=16,
+                                 weights=os.environ.get("SPECEE_BENCH_WEIGHTS", "auto"))
 qs = ["Write a Python function that reverses a string.", "What is the capital of France?", "Explain recursion briefly.",
       "List three fruits.", "How do airplanes fly?", "Describe a cat.", "What is 17 times 3?", "Name a famous painter."]
 ps = [e.chat_prompt([{"role": "user", "content": q + f" ({i})"}]) for i, q in enumerate(qs * 2)]

@@ -34,14 +34,14 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 
 from specee_core.decode.dense import DenseStepper
 from specee_core.decode.memory import KVBudget, PrefixBlock, PrefixCache
-from specee_core.step.sampling import SamplingParams, sample
+from specee_core.step.sampling import SamplingParams, logprob_entries, sample
 from specee_core.step.state import FREE, PREFILL, Batch, GenerationResult, PromptError, SavedRow
 from specee_core.step.stepper import StepperFactory
 
@@ -56,7 +56,8 @@ _ADMISSIONS = itertools.count()
 class Request:
     """Prompts (token ids) decoded with one mode and sampling parameters; per prompt one result.
     on_token(prompt index, token id) is called on the engine thread for every chosen token; if it
-    raises, the request is cancelled with that error. stepper: (factory, KV headroom) of a custom
+    raises, the request is cancelled with that error; with params.logprobs set it gets a third argument,
+    the token's logprob entry (sampling.logprob_entries). stepper: (factory, KV headroom) of a custom
     decode step (measurement probes), instead of the mode's."""
     prompt_ids: list[list[int]]
     params: SamplingParams
@@ -100,12 +101,10 @@ class Request:
     def lane_key(self) -> tuple:
         """Requests with equal keys can share decode steps (computed once: admission compares it often)."""
         p = self.params
-        greedy = p.temperature == 0
-        seed = ("seeded", self.uid) if (p.seed is not None and not greedy) else None  # one generator per lane
+        seed = ("seeded", self.uid) if (p.seed is not None and not p.greedy) else None  # one generator per lane
         custom = None if self.stepper is None else ("stepper", id(self.stepper[0]))
         spec = tuple(sorted((self.spec or {}).items()))
-        sampling = (0.0, 1.0, 0) if greedy else (p.temperature, p.top_p, p.top_k)
-        return (self.mode, spec, self.max_disagreement, *sampling, p.ignore_eos, custom, seed)
+        return (self.mode, spec, self.max_disagreement, *p.lane_key(), custom, seed)
 
 
 @dataclass(eq=False)
@@ -134,8 +133,7 @@ class Lane:
         m = engine.model
         p = request.params
         # the lane's params: sampling and ignore_eos shared, max_new_tokens and stops per row
-        self.params = SamplingParams(max_new_tokens=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                     seed=p.seed, ignore_eos=p.ignore_eos)
+        self.params = replace(p, max_new_tokens=1, stop=[])
         self.generator = request.generator(engine.device)
         self.mode = request.mode
         factory, self.headroom = core.stepper_of(request)
@@ -207,7 +205,10 @@ class Lane:
         req = row.request
         if req.on_token is not None and not req.cancelled:
             try:
-                req.on_token(row.index, tok)
+                if req.params.logprobs is None:
+                    req.on_token(row.index, tok)
+                else:  # the token's logprob entry too (Batch records it first)
+                    req.on_token(row.index, tok, self.batch.logprobs[s][-1])
             except Exception as e:  # noqa: BLE001 -- the caller's callback: it ends its own request only
                 req.error = req.error or e
                 req.cancel()
@@ -255,13 +256,16 @@ class Lane:
             hidden[r, : len(row.tokens)] = torch.cat(row.hidden)
             row.hidden = []
         last = hidden[torch.arange(len(whole)), lens - 1]  # [N, D]
-        first = sample(m.logits(last), self.params, self.generator)
+        logits, p = m.logits(last), self.params
+        chosen_from = self.batch.processed(logits, slots, texts=[(row.prompt, []) for _, row in whole])
+        first = sample(chosen_from, p, self.generator)
         saved = [row.saved for _, row in whole]
         for r, (_, row) in enumerate(whole):  # a resumed row goes on with the token it had chosen
             if row.saved is not None:
                 first[r] = row.saved.generated[-1]
+        first_logprobs = None if p.logprobs is None else logprob_entries(logits, first.tolist(), p.logprobs)
         self.batch.start(slots, [row.prompt for _, row in whole], [row.max_new for _, row in whole],
-                         [row.request.params.stop for _, row in whole], first, last, saved)
+                         [row.request.params.stop for _, row in whole], first, last, saved, first_logprobs)
         for _, row in whole:
             row.saved = None
         self.stepper.admit(slots, hidden, lens)
@@ -337,6 +341,17 @@ class EngineCore:
         """Queue a request (validated here: ValueError / PromptError for what cannot run, such as a
         prompt whose prompt + max_tokens could never fit the whole KV budget)."""
         _, headroom = self.stepper_of(request)  # a mode or options the engine cannot run raise here
+        p = request.params
+        if p.processes and (request.mode == "specee" or (request.spec or {}).get("t3")):
+            raise ValueError("logit_bias, penalties, min_tokens and structured output apply in modes auto, dense "
+                             "and spec: SpecEE's exits (and spec's t3) choose among the draft's candidates without them")
+        if p.structured:
+            self.engine.rules.grammar(p.structured)  # a spec that does not compile fails here, not in a lane
+        vocab = self.engine.config.vocab_size
+        bad = [t for t in (*p.logit_bias, *p.stop_token_ids) if t >= vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} in logit_bias or stop_token_ids are outside the vocabulary "
+                             f"(0..{vocab - 1})")
         ctx = self.engine.context_len
         for i, p in enumerate(request.prompt_ids):
             if not p:

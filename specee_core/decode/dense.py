@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from specee_core.step.sampling import sample
+from specee_core.step.sampling import logprob_entries, sample
 from specee_core.step.state import Batch
 from specee_core.step.stepper import StepEngine, StepOutput
 
@@ -21,8 +21,11 @@ class DenseStepper:
         else:
             fed, positions = batch.next_tokens[rows], batch.positions[torch.tensor(alive)]
         h = m.forward(fed.unsqueeze(1), positions.unsqueeze(1).to(m.device), self.cache, rows)[:, 0]  # [N, D]
-        toks = sample(m.logits(h), batch.params, generator)
-        return StepOutput([[t] for t in toks.tolist()], [[m.num_layers]] * len(alive), h)
+        logits = m.logits(h)
+        toks = sample(batch.processed(logits, alive), batch.params, generator).tolist()
+        k = batch.params.logprobs
+        lps = None if k is None else [[e] for e in logprob_entries(logits, toks, k)]
+        return StepOutput([[t] for t in toks], [[m.num_layers]] * len(alive), h, logprobs=lps)
 
     def row_stats(self, b: int) -> dict:
         return {}

@@ -72,7 +72,7 @@ class SpecEEEngine:
         eos = set(c.eos_token_id)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
-        self.rules = TextRules(frozenset(eos), self._decode, model.num_layers)
+        self.rules = TextRules(frozenset(eos), self._decode, model.num_layers, self._grammar_tokenizer)
         self._core: EngineCore | None = None
 
     @property
@@ -83,6 +83,13 @@ class SpecEEEngine:
     @eos_ids.setter
     def eos_ids(self, ids) -> None:
         self.rules.eos_ids = frozenset(ids)  # every lane's Batch reads this one object
+
+    @functools.cache  # noqa: B019 -- one per engine, for its life
+    def _grammar_tokenizer(self):
+        """The tokenizer as llguidance reads it (structured output): built once, on first use (~0.6 s)."""
+        from llguidance.hf import from_tokenizer
+
+        return from_tokenizer(self.tokenizer, n_vocab=self.config.vocab_size)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -249,9 +256,10 @@ class SpecEEEngine:
         measured plan expects to be faster), "dense", "spec" (speculative decoding with a fixed shape:
         spec options) or "specee" (early exit: lossy, only when asked for).
 
-        on_token(prompt_index, token_id) is called for every generated token as it is chosen
-        (streaming); tokens after a stop string are still reported, the final text is cut. An
-        exception raised by on_token cancels the call and propagates.
+        on_token(prompt_index, token_id) is called for every generated token as it is chosen (streaming;
+        with a third argument, the token's logprob entry, when the sampling parameters ask for logprobs);
+        tokens after a stop string are still reported, the final text is cut. An exception raised by
+        on_token cancels the call and propagates.
 
         max_disagreement (mode "specee"): exit thresholds calibrated so that at most this share of
         exited tokens differs from the full model's choice (specee_core.early_exit.calibration); None: the
@@ -277,7 +285,7 @@ class SpecEEEngine:
             groups.setdefault(repr(p), []).append(i)
         requests = []
         for members in groups.values():
-            hook = None if on_token is None else (lambda j, tok, m=members: on_token(m[j], tok))
+            hook = None if on_token is None else (lambda j, tok, *entry, m=members: on_token(m[j], tok, *entry))
             requests.append(Request([ids[i] for i in members], per_prompt[members[0]], mode, spec=spec,
                                     max_disagreement=max_disagreement, on_token=hook))
         results: list[GenerationResult | None] = [None] * len(prompts)

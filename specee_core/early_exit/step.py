@@ -19,7 +19,7 @@ import torch
 from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration, calibrate_command, check_tolerance
 from specee_core.early_exit.predictors import (DraftRecord, LayerPredictor, PredictorBank, candidate_probs,
                                                exit_choice, exit_probability, predictor_features)
-from specee_core.step.sampling import sample
+from specee_core.step.sampling import logprob_entries, sample
 from specee_core.early_exit.scheduler import OnlineWindow, PayOffGate, Schedule
 from specee_core.draft.head import DraftHead, DraftModel
 from specee_core.draft.lookup import lookup_tokens, lookup_veto
@@ -432,7 +432,15 @@ class Stepper:
             skipped = (sum(L - l for l in out.layers) / len(out.layers) if self.compact
                        else L - max(out.layers))
             self.gate.record_specee(skipped, None if prop.audit else dt)
-        return StepOutput([[t] for t in out.tokens.tolist()], [[l] for l in out.layers], normed=out.hidden)
+        return self._output(out)
+
+    def _output(self, out: Decisions) -> StepOutput:
+        """The step's tokens and layers; with logprobs asked for, each token's from the LM head over the hidden
+        state it was chosen from (an exit layer's for an exited token: one more LM-head product per row)."""
+        toks = out.tokens.tolist()
+        k = self.batch.params.logprobs
+        lps = None if k is None else [[e] for e in logprob_entries(self.model.lm_head(out.hidden), toks, k)]
+        return StepOutput([[t] for t in toks], [[l] for l in out.layers], normed=out.hidden, logprobs=lps)
 
     def _dense_step(self, alive: list[int], rows: torch.Tensor | None, generator) -> tuple[StepOutput, float]:
         """A step of the gate's: every layer for every row (with "recompute", the pending positions too),
@@ -451,7 +459,7 @@ class Stepper:
         layer_s = time.perf_counter() - t0
         self._full_depth(walk, out, generator)
         self._commit(prop, out)
-        return StepOutput([[t] for t in out.tokens.tolist()], [[l] for l in out.layers], normed=out.hidden), layer_s
+        return self._output(out), layer_s
 
     def _fed(self, alive: list[int], rows: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(the alive rows' index on the device, None when every batch row is alive; the tokens [N] they feed

@@ -20,7 +20,7 @@ from specee_core.spec.acceptance import Verdict, accept_greedy, accept_sampled
 from specee_core.spec.plan import Planner, StepPlan
 from specee_core.draft.proposer import Proposer
 from specee_core.draft.tree import Draft, TreeShape
-from specee_core.step.sampling import probabilities, sample
+from specee_core.step.sampling import logprob_entries, probabilities, sample
 from specee_core.step.stepper import StepOutput
 from specee_core.spec.t3 import T3, Verified, verify_with_exits
 
@@ -120,7 +120,7 @@ class SpecStepper:
                      t_draft: float) -> StepOutput:
         t1 = time.perf_counter()
         start = self.batch.positions[torch.tensor(alive)].clone()  # [N] host: the root's position = cache length
-        v = self.verify(draft, start, rows, generator)
+        v = self.verify(alive, draft, start, rows, generator)
         t2 = time.perf_counter()
         out = self.commit(alive, rows, start, v)
         s = self.stats
@@ -177,14 +177,17 @@ class SpecStepper:
         positions = batch.positions[torch.tensor(alive)].to(m.device)[:, None]
         h = m.forward(draft.tokens.to(m.device), positions, self.cache, rows)  # [N, 1, D]
         hn = m.final_norm(h)
-        toks = sample(m.lm_head(hn[:, 0]), batch.params, generator).tolist()
+        logits = m.lm_head(hn[:, 0])
+        toks = sample(batch.processed(logits, alive), batch.params, generator).tolist()
         tokens = [[t] for t in toks]
         self.proposer.push(alive, tokens, list(hn.unbind(0)))
+        k = batch.params.logprobs
         for b in alive:
             self.stats.per_row_steps[b] += 1
         self.stats.t_draft += t_draft
         self.stats.t_verify += time.perf_counter() - t0
-        return StepOutput(tokens, [[m.num_layers]] * len(alive), h[:, 0])
+        lps = None if k is None else [[e] for e in logprob_entries(logits, toks, k)]
+        return StepOutput(tokens, [[m.num_layers]] * len(alive), h[:, 0], logprobs=lps)
 
     def propose(self, alive: list[int], generator) -> Draft:
         """Each row's draft: no deeper than it may still emit (minus the bonus token), no more nodes than
@@ -215,9 +218,12 @@ class SpecStepper:
             tree = tree.with_chains([p.continuation(b, batch, d) for b, d in zip(alive, depths)])
         return tree
 
-    def verify(self, draft: Draft, start: torch.Tensor, rows: torch.Tensor | None, generator) -> Verified:
+    def verify(self, alive: list[int], draft: Draft, start: torch.Tensor, rows: torch.Tensor | None,
+               generator) -> Verified:
         """One forward of the base model over every node (node j at position start + depth(j), seeing
-        its ancestors) and what each row accepts; with T3 the forward may stop at a scheduled layer."""
+        its ancestors) and what each row accepts, from the logits as the params process them (each node's
+        over its row's output and the drafted tokens on its path); with T3 the forward may stop at a
+        scheduled layer."""
         m, params = self.model, self.batch.params
         depth, anc = draft.depth_and_ancestors()
         positions = (start[:, None] + depth).to(m.device)
@@ -226,6 +232,12 @@ class SpecStepper:
         h = m.forward(draft.tokens.to(m.device), positions, self.cache, rows, tree=anc)  # [N, T, D]
         hn = m.final_norm(h)
         logits = m.lm_head(hn)  # [N, T, V]
+        if params.processes:
+            n, t = draft.tokens.shape
+            toks, on_path = draft.tokens.tolist(), anc.tolist()
+            paths = [[toks[r][i] for i in range(1, t) if on_path[r][j][i]] for r in range(n) for j in range(t)]
+            flat = self.batch.processed(logits.reshape(n * t, -1), [b for b in alive for _ in range(t)], paths)
+            logits = flat.reshape(n, t, -1)
         if params.greedy:
             verdict = accept_greedy(draft, logits.max(-1).indices.cpu())
         else:
@@ -251,7 +263,24 @@ class SpecStepper:
         for b, path in zip(alive, v.verdict.accepted):
             s.per_row_steps[b] += 1
             s.per_row_accepted[b] += len(path)
-        return StepOutput(v.verdict.tokens, [[v.layers] * len(t) for t in v.verdict.tokens], hidden)
+        return StepOutput(v.verdict.tokens, [[v.layers] * len(t) for t in v.verdict.tokens], hidden,
+                          logprobs=self._logprobs(keep, v))
+
+    def _logprobs(self, keep: list[list[int]], v: Verified) -> list[list] | None:
+        """Per row, per committed token: its logprob entry, from the raw logits of the node it was chosen at
+        (the root and the accepted nodes; after a T3 exit, the exit layer's)."""
+        k = self.batch.params.logprobs
+        if k is None:
+            return None
+        m, dev = self.model, self.model.device
+        rows = torch.tensor([r for r, nodes in enumerate(keep) for _ in nodes], device=dev)
+        nodes = torch.tensor([j for nodes in keep for j in nodes], device=dev)
+        entries = logprob_entries(m.lm_head(v.hn[rows, nodes]), [t for toks in v.verdict.tokens for t in toks], k)
+        out, i = [], 0
+        for toks in v.verdict.tokens:
+            out.append(entries[i : i + len(toks)])
+            i += len(toks)
+        return out
 
     def _fill_skipped_layers(self, rows, start: torch.Tensor, nodes: torch.Tensor, counts: torch.Tensor,
                              v: Verified) -> None:

@@ -10,7 +10,8 @@ from typing import Callable
 
 import torch
 
-from specee_core.step.sampling import SamplingParams
+from specee_core.step.grammar import Grammar
+from specee_core.step.sampling import SamplingParams, process_logits
 from specee_core.step.stops import StopMatcher
 
 FREE = "free"  # finish of an empty row (not None: not alive)
@@ -28,6 +29,9 @@ class StepOutput:
     # [N, D] the final-normed hidden state the last token was chosen from, where the stepper's differs from
     # final_norm(hidden) or it keeps no hidden (early exit: the exit layer's); measurement reads it, the engine not
     normed: torch.Tensor | None = None
+    # per row, per token of `tokens`: (its log-probability, the top ids, their log-probabilities), when the
+    # lane's params ask for logprobs (sampling.logprob_entries)
+    logprobs: list[list[tuple[float, list[int], list[float]]]] | None = None
 
 
 class PromptError(ValueError):
@@ -44,6 +48,9 @@ class GenerationResult:
     metrics: dict = field(default_factory=dict)  # ttft_s, tpot_s, e2e_latency_s, tokens_per_s, ...
     stats: dict = field(default_factory=dict)  # early-exit statistics (histogram, average layers, ...)
     cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not prefilled)
+    # per generated token, when asked (SamplingParams.logprobs): {"token": id, "logprob": float,
+    # "top_logprobs": [[id, logprob], ...]} of the model's raw distribution
+    logprobs: list[dict] | None = None
 
 
 def exit_stats(exit_layers: list[int], num_layers: int) -> dict:
@@ -58,11 +65,19 @@ def exit_stats(exit_layers: list[int], num_layers: int) -> dict:
 
 @dataclass
 class TextRules:
-    """What settles a row: the model's end-of-sequence ids and the tokenizer's decode (stop strings). One
-    object per engine, shared by its lanes' Batches."""
+    """What settles a row: the model's end-of-sequence ids, the tokenizer's decode (stop strings) and, for
+    structured output, the tokenizer as llguidance reads it (built on first use). One object per engine,
+    shared by its lanes' Batches."""
     eos_ids: frozenset[int]
     decode: Callable[[list[int]], str]
     num_layers: int
+    grammar_tokenizer: Callable[[], object] | None = None
+
+    def grammar(self, spec: dict) -> Grammar:
+        """The compiled constraint of a structured-output spec (ValueError when it does not compile)."""
+        if self.grammar_tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer")
+        return Grammar(spec, self.grammar_tokenizer())
 
 
 @dataclass
@@ -72,6 +87,8 @@ class SavedRow:
     exit_layers: list[int]
     stop_matcher: StopMatcher
     t_first: float
+    logprobs: list | None
+    matcher: object | None  # structured output: its matcher, advanced over its tokens
 
 
 @dataclass
@@ -94,12 +111,18 @@ class Batch:
     mode: str = "dense"
     on_token: Callable[[int, int], None] | None = None  # (row, token id) for every token recorded
     stop_matchers: list[StopMatcher] = field(init=False)  # per row: the stop-string search of its text
+    logprobs: list[list | None] = field(init=False)  # per row, when the params ask: one entry per generated token
     t_first: list[float] = field(init=False)  # per row: when its first token was chosen
     t_done: list[float] = field(init=False)  # per row: when it settled
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
         self.stop_matchers = [StopMatcher(()) for _ in range(n)]
+        self.logprobs = [None] * n
+        self.matchers: list = [None] * n  # per row, with structured output: its llguidance matcher
+        self.grammar = None if self.params.structured is None else self.rules.grammar(self.params.structured)
+        self.stop_ids = frozenset(self.params.stop_token_ids) | (frozenset() if self.params.ignore_eos
+                                                                 else self.rules.eos_ids)
         self.t_first, self.t_done = [0.0] * n, [0.0] * n
 
     @classmethod
@@ -135,20 +158,36 @@ class Batch:
         """Row b's last token: the one it feeds next (a draft's root)."""
         return self.tokens[b][-1]
 
+    def processed(self, logits: torch.Tensor, rows: list[int], paths: list[list[int]] | None = None,
+                  texts: list[tuple[list[int], list[int]]] | None = None) -> torch.Tensor:
+        """logits [R, V] of batch rows `rows` (one per logits row; repeats allowed) as the lane's params
+        process them (sampling.process_logits); paths[r]: the drafted tokens between row rows[r]'s output and
+        the choice made from logits row r; texts: (prompt, output) per logits row, for rows not started yet
+        (their first token). The same tensor when the params process nothing."""
+        if not self.params.processes:
+            return logits
+        if texts is None:
+            texts = [(self.prompt(b), self.output(b) + (paths[r] if paths else [])) for r, b in enumerate(rows)]
+        return process_logits(logits, self.params, texts, self.stop_ids, [self.matchers[b] for b in rows], paths)
+
     def room(self, b: int) -> int:
         """Tokens row b may still emit."""
         return self.max_new[b] - self.n_generated(b)
 
     # ---- a row's life -------------------------------------------------------------------------
     def reserve(self, b: int) -> None:
-        """Row b takes a prompt whose prefill has not finished yet."""
+        """Row b takes a prompt whose prefill has not finished yet (with structured output, a fresh matcher:
+        its first token is masked too)."""
         self.finish[b] = PREFILL
+        self.matchers[b] = None if self.grammar is None else self.grammar.matcher()
 
     def start(self, rows: list[int], prompts: list[list[int]], max_new: list[int], stops: list[list[str]],
-              first: torch.Tensor, last_hidden: torch.Tensor, saved: list[SavedRow | None] | None = None) -> None:
+              first: torch.Tensor, last_hidden: torch.Tensor, saved: list[SavedRow | None] | None = None,
+              first_logprobs: list | None = None) -> None:
         """Rows whose prompts are prefilled start decoding: first [N] the token chosen from the prompt's
         last hidden state last_hidden [N, D]. saved[r]: a preempted row's state (save()); its context
-        (context()) was prefilled again, first is its last generated token, and nothing is recorded again."""
+        (context()) was prefilled again, first is its last generated token, and nothing is recorded again.
+        first_logprobs[r]: the first token's logprob entry, when the params ask for them."""
         now = time.perf_counter()
         fresh = []
         for r, b in enumerate(rows):
@@ -156,11 +195,14 @@ class Batch:
             self.n_prompt[b], self.max_new[b] = len(prompts[r]), max_new[r]
             if old is None:
                 self.tokens[b], self.exit_layers[b], self.texts[b] = list(prompts[r]), [], None
+                self.logprobs[b] = None if self.params.logprobs is None else []
                 self.stop_matchers[b] = StopMatcher(stops[r])
                 self.t_first[b] = now
                 fresh.append(r)
             else:
                 self.tokens[b], self.exit_layers[b], self.texts[b] = prompts[r] + old.generated, old.exit_layers, None
+                self.logprobs[b] = old.logprobs
+                self.matchers[b] = old.matcher
                 self.stop_matchers[b], self.t_first[b] = old.stop_matcher, old.t_first
             self.positions[b] = len(prompts[r]) + max(self.n_generated(b) - 1, 0)
             self.t_done[b] = 0.0
@@ -170,7 +212,8 @@ class Batch:
         self.last_hidden[idx] = last_hidden
         if fresh:
             toks = first.tolist()
-            self.record([rows[r] for r in fresh], [[toks[r]] for r in fresh], [[self.rules.num_layers]] * len(fresh))
+            self.record([rows[r] for r in fresh], [[toks[r]] for r in fresh], [[self.rules.num_layers]] * len(fresh),
+                        None if first_logprobs is None else [[first_logprobs[r]] for r in fresh])
 
     def context(self, b: int) -> list[int]:
         """The tokens whose KV row b holds before its next fed token: the prompt and every generated
@@ -179,7 +222,8 @@ class Batch:
 
     def save(self, b: int) -> SavedRow:
         """Row b's generated state, to resume it after preemption (its KV is dropped)."""
-        return SavedRow(self.output(b), self.exit_layers[b], self.stop_matchers[b], self.t_first[b])
+        return SavedRow(self.output(b), self.exit_layers[b], self.stop_matchers[b], self.t_first[b], self.logprobs[b],
+                        self.matchers[b])
 
     def release(self, b: int) -> None:
         self.finish[b] = FREE
@@ -197,26 +241,33 @@ class Batch:
             self.next_tokens[rows] = last
             if out.hidden is not None:
                 self.last_hidden[rows] = out.hidden
-        self.record(alive, out.tokens, out.layers)
+        self.record(alive, out.tokens, out.layers, out.logprobs)
 
-    def record(self, alive: list[int], toks: list[list[int]], layers: list[list[int]]) -> None:
-        """Append each alive row's new tokens (one, or a verified block), advance positions, and settle
-        finished rows: no token after a row's stop (EOS, stop string, max_new) is kept."""
+    def record(self, alive: list[int], toks: list[list[int]], layers: list[list[int]],
+               logprobs: list[list] | None = None) -> None:
+        """Append each alive row's new tokens (one, or a verified block; with their logprob entries when
+        the params ask), advance positions, and settle finished rows: no token after a row's stop (EOS, a
+        stop token, a stop string, max_new) is kept."""
         now = time.perf_counter()
-        for b, block, block_layers in zip(alive, toks, layers):
-            for tok, layer in zip(block, block_layers):
+        for i, (b, block, block_layers) in enumerate(zip(alive, toks, layers)):
+            for j, (tok, layer) in enumerate(zip(block, block_layers)):
                 if self.finish[b] is None:
-                    self._record_one(b, tok, layer, now)
+                    self._record_one(b, tok, layer, now, None if logprobs is None else logprobs[i][j])
 
-    def _record_one(self, b: int, tok: int, layer: int, now: float) -> None:
+    def _record_one(self, b: int, tok: int, layer: int, now: float, logprob=None) -> None:
         self.tokens[b].append(tok)
+        if self.logprobs[b] is not None:
+            self.logprobs[b].append(logprob)
         if self.on_token is not None:
             self.on_token(b, tok)
         self.exit_layers[b].append(layer)
         # the token just chosen is fed next, right after the prompt and the tokens before it: the
         # prefill's token goes in at position len(prompt), not one past it
         self.positions[b] = len(self.tokens[b]) - 1
-        if tok in self.rules.eos_ids and not self.params.ignore_eos:
+        matcher = self.matchers[b]
+        if matcher is not None:
+            matcher.consume_token(tok)
+        if tok in self.stop_ids or (matcher is not None and matcher.is_stopped()):  # the constraint is complete
             self.finish[b] = "stop"
         elif self.stop_matchers[b].stops:
             # the whole id list is decoded (a character split across tokens comes out right); only
@@ -254,4 +305,10 @@ class Batch:
         row["retune_histogram"] = row.get("explore_histogram") or row["exit_histogram"]
         return GenerationResult(text=text, token_ids=list(ids), finish_reason=self.finish[b], exit_layers=list(layers),
                                 prompt_tokens=self.n_prompt[b], metrics=metrics, stats=row,
-                                cached_prompt_tokens=cached_prompt_tokens)
+                                cached_prompt_tokens=cached_prompt_tokens, logprobs=self._logprobs(b))
+
+    def _logprobs(self, b: int) -> list[dict] | None:
+        if self.logprobs[b] is None:
+            return None
+        return [{"token": tok, "logprob": lp, "top_logprobs": [[i, v] for i, v in zip(ids, vals)]}
+                for tok, (lp, ids, vals) in zip(self.output(b), self.logprobs[b])]

@@ -353,6 +353,45 @@ CODE = ["import os\nimport sys\n\n\ndef main(argv=None):\n", "class Point:\n    
         "for key, value in sorted(items.items()):\n"]
 
 
+def test_logprobs_n_and_penalties(server, dirs):
+    """Chat logprobs (top 5) are transformers' log_softmax of the same tokens (fp32), in full and streamed; n=3
+    gives three choices; frequency_penalty changes a repetitive completion."""
+    import torch
+    from openai import OpenAI
+    from transformers import AutoModelForCausalLM
+
+    from specee_core import SpecEEEngine
+
+    chat = OpenAI(base_url=f"{server}/chat/v1", api_key="unused", max_retries=0, timeout=60)
+    msgs = [{"role": "user", "content": "What is a cache?"}]
+    kw = dict(model="tiny-chat", messages=msgs, max_tokens=10, temperature=0, extra_body={"mode": "dense"})
+    out = chat.chat.completions.create(**kw, logprobs=True, top_logprobs=5)
+    eng = SpecEEEngine.from_pretrained(dirs[1], dtype="float32")
+    ids = eng.encode_prompt(eng.chat_prompt(msgs))
+    toks = eng.generate([eng.chat_prompt(msgs)], max_new_tokens=10, mode="dense")[0].token_ids
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(dirs[1], torch_dtype=torch.float32)
+        ref = hf(torch.tensor([ids + toks])).logits[0].float().log_softmax(-1)[len(ids) - 1 :]
+    content = out.choices[0].logprobs.content
+    assert len(content) == len(toks) == out.usage.completion_tokens
+    for j, (tok, item) in enumerate(zip(toks, content)):
+        assert abs(item.logprob - ref[j, tok].item()) < 1e-3 and item.token == eng.tokenizer.decode([tok])
+        assert len(item.top_logprobs) == 5 and abs(item.top_logprobs[0].logprob - ref[j].max().item()) < 1e-3
+    streamed = [c for c in chat.chat.completions.create(**kw, logprobs=True, top_logprobs=2, stream=True)
+                if c.choices and c.choices[0].logprobs]
+    got = [i.logprob for c in streamed for i in c.choices[0].logprobs.content]
+    assert got == pytest.approx([i.logprob for i in content], abs=1e-5)
+    three = chat.chat.completions.create(**{**kw, "temperature": 1.0}, n=3, seed=5)
+    assert [c.index for c in three.choices] == [0, 1, 2] and three.usage.completion_tokens >= 3
+    plain = OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+    rep = dict(model="tiny", prompt="1 2 3 4 1 2 3 4", max_tokens=24, temperature=0)
+    free = plain.completions.create(**rep).choices[0].text
+    penalised = plain.completions.create(**rep, frequency_penalty=1.5)
+    assert penalised.choices[0].text != free
+    legacy = plain.completions.create(**rep, logprobs=2).choices[0].logprobs
+    assert len(legacy.tokens) == len(legacy.token_logprobs) == len(legacy.top_logprobs) == 24
+
+
 def test_auto_and_spec_modes_equal_dense(server):
     """The bundled model serves mode="auto" by default; at temperature 0 in fp32 it, and mode="spec",
     answer exactly what dense decoding does, plain, streamed and in a ragged batch."""
@@ -417,7 +456,8 @@ BAD = [
     ({"prompt": "a", "max_tokens": "3"}, 400, "max_tokens"),
     ({"prompt": "a", "max_tokens": MAX_TOKENS_LIMIT + 1}, 400, "max_tokens"),
     ({"prompt": "a", "temperature": "hot"}, 400, "temperature"),
-    ({"prompt": "a", "n": 3}, 400, "n"),
+    ({"prompt": "a", "n": 0}, 400, "n"),
+    ({"prompt": "a", "logit_bias": {"999999": 5}}, 400, "logit_bias"),
     ({"prompt": "a", "stream": "yes"}, 400, "stream"),
     ({"prompt": "a", "mode": "specee"}, 400, "mode"),  # the test model has no predictors
     ({"prompt": "a", "mode": "fast"}, 400, "mode"),

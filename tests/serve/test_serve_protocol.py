@@ -25,7 +25,9 @@ def test_parse_valid_completion():
     req = parse_body(raw, CompletionRequest)
     assert req.prompts == ["a", "b"]
     assert req.sampling(3) == {"max_new_tokens": 3, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop": ("x",),
-                               "seed": 1, "max_disagreement": None}
+                               "seed": 1, "max_disagreement": None, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                               "repetition_penalty": 1.0, "logit_bias": {}, "min_tokens": 0, "stop_token_ids": (),
+                               "ignore_eos": False, "logprobs": None}
     defaults = parse_body(body(prompt="a", temperature=None), CompletionRequest).sampling(16)
     assert defaults["temperature"] == 1.0 and defaults["stop"] == ()  # OpenAI's defaults
 
@@ -50,13 +52,17 @@ def test_parse_valid_completion():
     (body(prompt="a", temperature=-1), "temperature", None),
     (body(prompt="a", temperature="hot"), "temperature", None),
     (body(prompt="a", top_p=0), "top_p", None),
-    (body(prompt="a", n=2), "n", "invalid_value"),
+    (body(prompt="a", n=0), "n", None),
+    (body(prompt="a", n=17), "n", None),
+    (body(prompt="a", frequency_penalty=2.5), "frequency_penalty", None),
+    (body(prompt="a", logit_bias={"x": 1}), "logit_bias", None),
+    (body(prompt="a", logit_bias={"5": 101}), "logit_bias", None),
     (body(prompt="a", stream="yes"), "stream", None),
     (body(prompt="a", stop=[""]), "stop", "invalid_value"),
     (body(prompt="a", stop=5), "stop", None),
     (body(prompt="a", stop=list("abcde")), "stop", "invalid_value"),
     (body(prompt="a", echo=True), "echo", "invalid_value"),
-    (body(prompt="a", logprobs=2), "logprobs", "invalid_value"),
+    (body(prompt="a", logprobs=21), "logprobs", None),
     (body(prompt="a", mode="fast"), "mode", None),
     (body(prompt="a", max_disagreement=1.5), "max_disagreement", None),
     (body(prompt="a", max_disagreement=0), "max_disagreement", None),
@@ -70,6 +76,22 @@ def test_parse_rejects(raw, param, code):
     assert err["param"] == param and err["message"]
     if code:
         assert err["code"] == code
+
+
+def test_chat_asks_for_logprobs_n_and_penalties_and_refuses_what_it_cannot_do():
+    req = parse_body(body(messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=3, n=2,
+                          frequency_penalty=1.5, logit_bias={"7": -100}, response_format={"type": "text"}),
+                     ChatCompletionRequest)
+    p = req.sampling(8)
+    assert p["logprobs"] == 3 and p["frequency_penalty"] == 1.5 and p["logit_bias"] == {7: -100.0} and req.n == 2
+    assert parse_body(body(messages=[{"role": "user", "content": "hi"}], logprobs=True),
+                      ChatCompletionRequest).sampling(8)["logprobs"] == 0
+    assert parse_body(body(prompt="a", logprobs=2), CompletionRequest).sampling(8)["logprobs"] == 2
+    for bad, param in [(dict(top_logprobs=2), None), (dict(tools=[{"type": "function"}]), "tools"),
+                       (dict(response_format={"type": "json_schema"}), "response_format")]:
+        with pytest.raises(APIError) as e:
+            parse_body(body(messages=[{"role": "user", "content": "hi"}], **bad), ChatCompletionRequest)
+        assert e.value.status == 400 and e.value.param == param, e.value.message
 
 
 def test_parse_chat():

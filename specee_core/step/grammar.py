@@ -1,0 +1,90 @@
+"""Structured output: a constraint (a JSON schema, any JSON object, a regular expression, one of some
+strings, a Lark grammar) compiled by llguidance into a per-row matcher whose token mask the sampler applies.
+The matcher advances with every committed token; a speculative step advances it along each drafted path to
+mask that path's nodes and rolls it back, so the constrained distribution is verified exactly."""
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+def check_structured(spec: dict | None) -> dict | None:
+    """A structured-output spec as SamplingParams takes it ({"type": kind, ...}); ValueError naming what is wrong."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or spec.get("type") not in KINDS:
+        raise ValueError(f"structured output must be a dict with type one of {', '.join(KINDS)}, got {spec!r:.200}")
+    kind = spec["type"]
+    need = {"json_schema": ("schema", dict), "regex": ("pattern", str), "choice": ("choices", list),
+            "grammar": ("grammar", str)}.get(kind)
+    if need is not None and not isinstance(spec.get(need[0]), need[1]):
+        raise ValueError(f"structured output {kind!r} needs {need[0]!r} ({need[1].__name__}), got {spec!r:.200}")
+    if kind == "choice" and not (spec["choices"] and all(isinstance(c, str) and c for c in spec["choices"])):
+        raise ValueError(f"structured output 'choice' needs non-empty strings, got {spec['choices']!r:.200}")
+    return spec
+
+
+def grammar_text(spec: dict) -> str:
+    """The llguidance grammar of a spec (check_structured's)."""
+    from llguidance import LLMatcher
+
+    kind = spec["type"]
+    # compact JSON (no free whitespace between tokens): a model cannot pad a reply with newlines until
+    # max_tokens cuts the object off
+    compact = {"whitespace_flexible": False}
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}), defaults=compact)
+    if kind == "json_schema":
+        return LLMatcher.grammar_from_json_schema(json.dumps(spec["schema"]), defaults=compact)
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(spec["pattern"])
+    if kind == "choice":
+        return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in spec["choices"]))
+    return LLMatcher.grammar_from_lark(spec["grammar"])
+
+
+class Grammar:
+    """One compiled constraint over one tokenizer (llguidance's LLTokenizer): matcher() gives each row its own
+    state. ValueError when the spec does not compile (a bad schema or pattern)."""
+
+    def __init__(self, spec: dict, tokenizer):
+        from llguidance import LLMatcher
+
+        self.spec, self.tokenizer = spec, tokenizer
+        self.text = grammar_text(spec)
+        err = LLMatcher(tokenizer, self.text).get_error()
+        if err:
+            raise ValueError(f"structured output does not compile: {err}")
+
+    def matcher(self):
+        from llguidance import LLMatcher
+
+        return LLMatcher(self.tokenizer, self.text)
+
+
+def mask_logits(logits: torch.Tensor, matchers: list, paths: list[list[int]]) -> torch.Tensor:
+    """logits [R, V] float, in place: row r keeps only the tokens matchers[r] allows after consuming paths[r]
+    (then rolled back). A path the matcher refuses leaves its row unmasked: such a node follows a token its
+    parent's mask excluded, so no step can accept it. matchers[r] None: row r is not constrained."""
+    from llguidance.torch import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
+
+    rows = [r for r, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return logits
+    bitmask = allocate_token_bitmask(len(rows), logits.shape[-1])
+    bitmask.fill_(-1)  # all allowed: what a refused path keeps
+    for i, r in enumerate(rows):
+        m = matchers[r]
+        consumed = m.try_consume_tokens(paths[r]) if paths[r] else 0  # stops before a refused token, no error state
+        if consumed == len(paths[r]) and not m.is_stopped():
+            fill_next_token_bitmask(m, bitmask, i)
+        if consumed:
+            m.rollback(consumed)
+    sub = logits[rows]
+    apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
+    logits[rows] = sub
+    return logits

@@ -1,0 +1,152 @@
+"""The one sampler every mode uses: logits processing (logit_bias, penalties, min_tokens) against a plain
+reference; every lossless mode under penalties gives dense's greedy tokens; logprobs are the model's raw
+distribution, equal across lossless modes; stop tokens end a row."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specee_core import SamplingParams, SpecEEEngine
+from specee_core.step.sampling import process_logits
+from tests.conftest import BUNDLED
+
+CODE = ["import os\nimport sys\n\n\ndef main(argv=None):\n", "class Point:\n    def __init__(self, x, y):\n",
+        "for key, value in sorted(items.items()):\n", "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return SpecEEEngine.from_pretrained(BUNDLED, dtype="float32")
+
+
+def test_logits_processing_matches_a_plain_reference():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 12, generator=g) * 3
+    p = SamplingParams(frequency_penalty=0.7, presence_penalty=0.4, repetition_penalty=1.5, logit_bias={2: 4.0, 9: -3.0},
+                       min_tokens=2, stop_token_ids=[5])
+    texts = [([1, 2], [3, 3, 4]), ([7], []), ([0], [11, 0, 11, 11])]
+    got = process_logits(logits, p, texts, frozenset({5, 6}))
+    want = logits.clone()
+    for r, (prompt, output) in enumerate(texts):
+        for v in range(12):
+            x = want[r, v] + p.logit_bias.get(v, 0.0)
+            if v in prompt or v in output:
+                x = x / 1.5 if x > 0 else x * 1.5
+            c = output.count(v)
+            x = x - 0.7 * c - (0.4 if c else 0.0)
+            if len(output) < 2 and v in (5, 6):
+                x = float("-inf")
+            want[r, v] = x
+    torch.testing.assert_close(got, want)
+    plain = SamplingParams()
+    assert process_logits(logits, plain, texts, frozenset({5})) is logits  # nothing asked: untouched
+    with pytest.raises(ValueError, match="frequency_penalty"):
+        SamplingParams(frequency_penalty=3.0)
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=21)
+
+
+PENALISED = dict(max_new_tokens=32, ignore_eos=True, frequency_penalty=0.9, presence_penalty=0.3,
+                 repetition_penalty=1.3, logit_bias={13: 2.0})
+
+
+@pytest.mark.parametrize("mode,spec", [
+    ("spec", {"proposer": "draft", "depth": 4, "lookup": "off", "step_budget": None}),
+    ("spec", {"proposer": "draft", "depth": 3, "width": 2, "nodes": 5, "lookup": "merge", "step_budget": None}),
+    ("spec", {"proposer": "lookup", "depth": 4, "step_budget": None}),
+    ("auto", None)], ids=["chain", "tree", "lookup", "auto"])
+def test_penalties_keep_every_lossless_mode_equal_to_dense(tiny, penalised_dense, mode, spec):
+    params = SamplingParams(**PENALISED)
+    got = tiny.generate(CODE, mode=mode, spec=spec, sampling_params=params)
+    assert [r.token_ids for r in got] == penalised_dense
+    if mode == "spec":  # drafts were verified (and some accepted) under the penalties
+        assert sum(r.stats["mean_accepted"] * r.stats["spec_steps"] for r in got) > 0
+
+
+@pytest.fixture(scope="module")
+def penalised_dense(tiny) -> list[list[int]]:
+    dense = tiny.generate(CODE, mode="dense", sampling_params=SamplingParams(**PENALISED))
+    plain = tiny.generate(CODE, mode="dense", max_new_tokens=32, ignore_eos=True)
+    assert [r.token_ids for r in dense] != [r.token_ids for r in plain]  # the penalties act
+    return [r.token_ids for r in dense]
+
+
+def test_logprobs_are_the_models_raw_distribution_in_every_mode(tiny):
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=3)
+    dense = tiny.generate(CODE[:2], mode="dense", sampling_params=params)
+    m = tiny.model
+    for prompt, r in zip(CODE[:2], dense):
+        ids = tiny.encode_prompt(prompt) + r.token_ids
+        with torch.inference_mode():
+            h = m.forward(torch.tensor([ids]), torch.arange(len(ids))[None], m.new_cache(1, len(ids) + 1))
+            ref = m.logits(h[0]).float().log_softmax(-1)[len(ids) - len(r.token_ids) - 1 : -1]  # before each token
+        assert len(r.logprobs) == len(r.token_ids) == 12
+        for j, (tok, e) in enumerate(zip(r.token_ids, r.logprobs)):
+            assert e["token"] == tok and e["logprob"] == pytest.approx(ref[j, tok].item(), abs=1e-4)
+            top = ref[j].topk(3)
+            assert [t for t, _ in e["top_logprobs"]] == top.indices.tolist()
+    for mode, spec in (("spec", {"proposer": "draft", "step_budget": None}), ("auto", None)):
+        got = tiny.generate(CODE[:2], mode=mode, spec=spec, sampling_params=params)
+        for a, b in zip(got, dense):
+            assert a.token_ids == b.token_ids
+            assert [e["logprob"] for e in a.logprobs] == pytest.approx([e["logprob"] for e in b.logprobs], abs=1e-4)
+            assert [e["top_logprobs"][0][0] for e in a.logprobs] == [e["top_logprobs"][0][0] for e in b.logprobs]
+    exits = tiny.generate(CODE[:2], mode="specee", sampling_params=params)  # the exit layer's distribution
+    assert all(len(r.logprobs) == len(r.token_ids) for r in exits)
+    assert tiny.generate(CODE[:1], mode="dense", max_new_tokens=3)[0].logprobs is None  # not asked: none
+
+
+def test_stop_tokens_end_a_row_and_min_tokens_holds_them_back(tiny):
+    base = tiny.generate(CODE[:1], mode="dense", max_new_tokens=16, ignore_eos=True)[0].token_ids
+    stop = base[3]
+    first = base.index(stop)
+    r = tiny.generate(CODE[:1], mode="spec", sampling_params=SamplingParams(max_new_tokens=16, stop_token_ids=[stop]))[0]
+    assert r.token_ids == base[: first + 1] and r.finish_reason == "stop"
+    held = tiny.generate(CODE[:1], mode="dense", sampling_params=SamplingParams(
+        max_new_tokens=16, stop_token_ids=[stop], min_tokens=first + 2))[0]
+    assert stop not in held.token_ids[: first + 2]
+    with pytest.raises(ValueError, match="SpecEE"):
+        tiny.generate(CODE[:1], mode="specee", sampling_params=SamplingParams(frequency_penalty=1.0))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tiny.generate(CODE[:1], mode="dense", sampling_params=SamplingParams(logit_bias={10**7: 1.0}))
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "size": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "size"], "additionalProperties": False}
+
+
+def test_structured_output_holds_and_keeps_every_lossless_mode_equal_to_dense(tiny):
+    """A JSON schema: every row's text parses and validates; spec (chain, tree) and auto give dense's tokens
+    under the same constraint (the mask follows each drafted path and rolls back); regex and choice hold too."""
+    import json
+
+    import jsonschema
+
+    params = SamplingParams(max_new_tokens=48, structured={"type": "json_schema", "schema": SCHEMA})
+    dense = tiny.generate(CODE, mode="dense", sampling_params=params)
+    for r in dense:
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+        assert r.finish_reason == "stop"
+    for mode, spec in (("spec", {"proposer": "draft", "depth": 4, "lookup": "off", "step_budget": None}),
+                       ("spec", {"proposer": "draft", "depth": 3, "width": 2, "nodes": 5, "step_budget": None}),
+                       ("auto", None)):
+        got = tiny.generate(CODE, mode=mode, spec=spec, sampling_params=params)
+        assert [r.token_ids for r in got] == [r.token_ids for r in dense], (mode, spec)
+    sampled = tiny.generate(CODE, mode="spec", sampling_params=SamplingParams(
+        max_new_tokens=48, temperature=1.0, seed=3, structured={"type": "json_schema", "schema": SCHEMA}))
+    for r in sampled:
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+    anything = tiny.generate(CODE[:1], mode="dense", sampling_params=SamplingParams(
+        max_new_tokens=48, structured={"type": "json_object"}))[0]
+    assert anything.text.startswith("{")  # any object: it may not close within max_tokens
+    digits = tiny.generate(CODE[:2], mode="auto", sampling_params=SamplingParams(
+        max_new_tokens=8, structured={"type": "regex", "pattern": "[0-9]{3}-[a-z]{2}"}))
+    assert all(len(r.text) == 6 and r.text[:3].isdigit() and r.text[3] == "-" for r in digits)
+    pick = tiny.generate(CODE[:2], mode="dense", sampling_params=SamplingParams(
+        max_new_tokens=8, structured={"type": "choice", "choices": ["yes", "no"]}))
+    assert all(r.text in ("yes", "no") for r in pick)
+    with pytest.raises(ValueError, match="structured output"):
+        SamplingParams(structured={"type": "xml"})
+    with pytest.raises(ValueError, match="compile"):
+        tiny.generate(CODE[:1], sampling_params=SamplingParams(structured={"type": "regex", "pattern": "(("}))
