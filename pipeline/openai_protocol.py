@@ -93,6 +93,8 @@ class _SamplingRequest(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    guided_regex: str | None = None  # vLLM's: the completion matches this regular expression
+    guided_choice: list[str] | None = None  # vLLM's: the completion is one of these strings
     user: str | None = None
     mode: Literal["auto", "dense", "specee", "spec"] | None = None  # extension: override the server's decode mode
     # extension, mode specee: exit thresholds calibrated so that at most this share of exited tokens
@@ -137,6 +139,23 @@ class _SamplingRequest(BaseModel):
         """The logprobs the request asks for: alternatives per token (0: the chosen token's alone), or None."""
         return None
 
+    @property
+    def structured(self) -> dict | None:
+        """The structured-output constraint asked for (response_format, guided_regex, guided_choice), or None."""
+        if self.guided_regex is not None:
+            return {"type": "regex", "pattern": self.guided_regex}
+        if self.guided_choice is not None:
+            return {"type": "choice", "choices": self.guided_choice}
+        return None
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        asked = [n for n in ("guided_regex", "guided_choice", "response_format")
+                 if getattr(self, n, None) is not None and not (n == "response_format" and self.response_format.type == "text")]
+        if len(asked) > 1:
+            raise ValueError(f"at most one of guided_regex, guided_choice and response_format, got {', '.join(asked)}")
+        return self
+
     def sampling(self, max_tokens: int) -> dict:
         """Keyword arguments of specee_core.SamplingParams (OpenAI's defaults where the request is silent) and
         max_disagreement."""
@@ -150,7 +169,7 @@ class _SamplingRequest(BaseModel):
                 "repetition_penalty": float(self.repetition_penalty or 1.0),
                 "logit_bias": {int(t): float(b) for t, b in (self.logit_bias or {}).items()},
                 "min_tokens": self.min_tokens or 0, "stop_token_ids": tuple(self.stop_token_ids or ()),
-                "ignore_eos": bool(self.ignore_eos), "logprobs": self.top_logprobs_k,
+                "ignore_eos": bool(self.ignore_eos), "logprobs": self.top_logprobs_k, "structured": self.structured,
                 "max_disagreement": self.max_disagreement}
 
     @property
@@ -220,9 +239,31 @@ class ChatMessage(BaseModel):
         return _check_text(text, "message content")
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format json_schema needs json_schema: {name, schema}")
+        return self
+
+    def structured(self) -> dict | None:
+        """specee_core.SamplingParams.structured of this format (None for text)."""
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        if self.type == "json_schema":
+            return {"type": "json_schema", "schema": self.json_schema.schema_}
+        return None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -239,12 +280,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def _unsupported_chat(cls, v, info: ValidationInfo):
         return reject_unsupported(info.field_name, v)
 
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, v):
-        if v is not None and v.type != "text":
-            raise ValueError(f"response_format {v.type!r} is not supported yet: only 'text'")
-        return v
 
     @model_validator(mode="after")
     def _max_tokens(self):
@@ -257,6 +292,10 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def top_logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def structured(self) -> dict | None:
+        return self.response_format.structured() if self.response_format is not None else super().structured
 
     def template_messages(self) -> list[dict]:
         """Messages as chat templates expect them: role and plain-text content."""

@@ -584,8 +584,13 @@ class SpecEEServer:
             raise APIError(f"logit_bias and stop_token_ids take token ids below {vocab}", code="invalid_value",
                            param="logit_bias" if any(t >= vocab for t in sampling.logit_bias) else "stop_token_ids")
         if sampling.processes and mode == "specee":
-            raise APIError("logit_bias, penalties and min_tokens apply in modes auto, dense and spec, not specee",
-                           param="mode", code="invalid_value")
+            raise APIError("logit_bias, penalties, min_tokens and structured output apply in modes auto, dense and "
+                           "spec, not specee", param="mode", code="invalid_value")
+        if sampling.structured:
+            try:  # compiled here (a request thread), so a bad schema or pattern is this request's 400
+                await self._off_loop(self.engine.rules.grammar, sampling.structured)
+            except ValueError as e:
+                raise APIError(str(e), param="response_format", code="invalid_value") from None
         return mode, params, sum(lengths), tuple(tuple(i) for i in ids)
 
     def _check_tolerance(self, mode: str, eps: float) -> None:

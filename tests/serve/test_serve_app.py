@@ -392,6 +392,30 @@ def test_logprobs_n_and_penalties(server, dirs):
     assert len(legacy.tokens) == len(legacy.token_logprobs) == len(legacy.top_logprobs) == 24
 
 
+def test_json_schema_replies_parse_and_validate(server):
+    """response_format json_schema: 20 of 20 replies (different questions, greedy and sampled, dense and auto)
+    parse and validate; a schema that does not compile is a 400."""
+    import jsonschema
+    from openai import BadRequestError, OpenAI
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                               "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "rank"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    chat = OpenAI(base_url=f"{server}/chat/v1", api_key="unused", max_retries=0, timeout=60)
+    for i in range(20):
+        out = chat.chat.completions.create(
+            model="tiny-chat", messages=[{"role": "user", "content": f"Name city number {i}."}], max_tokens=48,
+            temperature=0 if i % 2 else 1.0, response_format=fmt, extra_body={"mode": "auto" if i % 3 else "dense"})
+        jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    with pytest.raises(BadRequestError) as e:
+        chat.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "x"}], max_tokens=8,
+                                     response_format={"type": "json_schema", "json_schema": {
+                                         "name": "bad", "schema": {"type": "object", "required": 5}}},
+                                     extra_body={"mode": "dense"})
+    assert e.value.status_code == 400
+
+
 def test_auto_and_spec_modes_equal_dense(server):
     """The bundled model serves mode="auto" by default; at temperature 0 in fp32 it, and mode="spec",
     answer exactly what dense decoding does, plain, streamed and in a ragged batch."""

@@ -27,7 +27,7 @@ def test_parse_valid_completion():
     assert req.sampling(3) == {"max_new_tokens": 3, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop": ("x",),
                                "seed": 1, "max_disagreement": None, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                                "repetition_penalty": 1.0, "logit_bias": {}, "min_tokens": 0, "stop_token_ids": (),
-                               "ignore_eos": False, "logprobs": None}
+                               "ignore_eos": False, "logprobs": None, "structured": None}
     defaults = parse_body(body(prompt="a", temperature=None), CompletionRequest).sampling(16)
     assert defaults["temperature"] == 1.0 and defaults["stop"] == ()  # OpenAI's defaults
 
@@ -87,8 +87,16 @@ def test_chat_asks_for_logprobs_n_and_penalties_and_refuses_what_it_cannot_do():
     assert parse_body(body(messages=[{"role": "user", "content": "hi"}], logprobs=True),
                       ChatCompletionRequest).sampling(8)["logprobs"] == 0
     assert parse_body(body(prompt="a", logprobs=2), CompletionRequest).sampling(8)["logprobs"] == 2
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = parse_body(body(messages=[{"role": "user", "content": "hi"}], response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}), ChatCompletionRequest)
+    assert fmt.sampling(8)["structured"] == {"type": "json_schema", "schema": schema}
+    assert parse_body(body(prompt="a", guided_choice=["yes", "no"]), CompletionRequest).sampling(8)["structured"] == {
+        "type": "choice", "choices": ["yes", "no"]}
     for bad, param in [(dict(top_logprobs=2), None), (dict(tools=[{"type": "function"}]), "tools"),
-                       (dict(response_format={"type": "json_schema"}), "response_format")]:
+                       (dict(response_format={"type": "json_schema"}), "response_format"),
+                       (dict(response_format={"type": "xml"}), "response_format.type"),
+                       (dict(response_format={"type": "json_object"}, guided_regex="a+"), None)]:
         with pytest.raises(APIError) as e:
             parse_body(body(messages=[{"role": "user", "content": "hi"}], **bad), ChatCompletionRequest)
         assert e.value.status == 400 and e.value.param == param, e.value.message
