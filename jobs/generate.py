@@ -25,7 +25,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", default=[str(DEFAULT_INPUT)],
                    help="JSONL/CSV/Parquet files or directories with a prompt column (default: held-out "
-                        "instruction prompts)")
+                        "instruction prompts); a row may set its own sampling with vLLM's names (a sampling_params "
+                        "object or columns max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos); the "
+                        "flags below are the defaults of rows that do not")
     p.add_argument("--output", required=True, help="output directory (local or mounted; absolute under ray job submit)")
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--mode", choices=["auto", "dense", "spec", "specee"], default="auto",

@@ -264,11 +264,13 @@ def processor_config(cfg: BatchConfig, out: OutputDir, schedule: Schedule | None
     from pipeline.processor import ProcessorConfig
 
     st = cfg.stage
-    return ProcessorConfig(model=st.model, mode=st.mode, max_new_tokens=st.max_new_tokens, concurrency=cfg.num_actors,
-                           batch_size=st.batch_size, num_cpus=cfg.cpus_per_actor, num_gpus=cfg.gpus_per_actor,
-                           device=st.device, dtype=st.dtype, weights=st.weights, temperature=st.temperature,
-                           top_p=st.top_p, top_k=st.top_k, stop=st.stop, seed=st.seed, chat=st.chat,
-                           engine_options=dict(st.engine_options), spec=dict(st.spec), torch_threads=st.torch_threads,
+    return ProcessorConfig(model_source=st.model, mode=st.mode, max_new_tokens=st.max_new_tokens,
+                           concurrency=cfg.num_actors, batch_size=st.batch_size, num_cpus=cfg.cpus_per_actor,
+                           num_gpus=cfg.gpus_per_actor, device=st.device, dtype=st.dtype, weights=st.weights,
+                           temperature=st.temperature, top_p=st.top_p, top_k=st.top_k, stop=st.stop, seed=st.seed,
+                           apply_chat_template=st.chat,
+                           engine_kwargs={**st.engine_options, **st.core_options}, spec=dict(st.spec),
+                           torch_threads=st.torch_threads,
                            kv_cache_gb=st.kv_cache_gb, prefix_cache=st.prefix_cache,
                            retune_every_tokens=cfg.retune_every_tokens, retune_min_exits=cfg.retune_min_exits,
                            schedule=None if schedule is None else str(out.schedule_path(schedule.version)),

@@ -1,24 +1,37 @@
-"""The engine as a Ray Data processor: Dataset -> Dataset, in Ray Data LLM's shape.
+"""The engine as a Ray Data processor: Dataset -> Dataset, in Ray Data LLM's shape and names.
 
     import ray
     from pipeline import ProcessorConfig, build_processor
 
-    processor = build_processor(ProcessorConfig(model="models/smollm2-135m-instruct", mode="auto",
-                                                max_new_tokens=64, concurrency=2, batch_size=16))
-    out = processor(ray.data.read_json("prompts.jsonl"))   # columns id, prompt
-    out.write_parquet("out/")
+    processor = build_processor(
+        ProcessorConfig(model_source="models/smollm2-135m-instruct", concurrency=2, batch_size=16),
+        preprocess=lambda row: dict(messages=[{"role": "user", "content": row["question"]}],
+                                    sampling_params=dict(temperature=0.3, max_tokens=250)),
+        postprocess=lambda row: dict(answer=row["generated_text"], **row))
+    processor(ray.data.read_json("questions.jsonl")).write_parquet("out/")
 
-Input rows need `id` and `prompt`: a string (through the model's chat template as the user's message
-when the model has one, unless chat=False) or a list of chat messages ({"role", "content"}). Stages:
+A pipeline written for Ray Data LLM runs after changing its import to `from pipeline import
+ProcessorConfig as vLLMEngineProcessorConfig, build_processor as build_llm_processor`
+(tests/pipeline/test_processor.py runs Ray's documented example so).
+
+Input rows need `messages` (chat messages, {"role", "content"}, through the model's chat template) or
+`prompt`: a string (through the chat template as the user's message when the model has one, unless
+apply_chat_template=False) or a list of chat messages. `id` is optional (a new one where missing). A row
+may set its own sampling with vLLM's names, in `sampling_params` or columns of their own (max_tokens,
+temperature, top_p, top_k, seed, stop, ignore_eos; pipeline.sampling); the rest take the config's.
+Stages:
 1. an optional user `preprocess` (row -> row, Dataset.map);
-2. prepare (light CPU actors: the tokenizer loaded once each): the chat template, validation;
-   a row that cannot be a prompt keeps its reason in `input_error`;
+2. prepare (light CPU actors: the tokenizer loaded once each): the chat template, the row's sampling,
+   validation; a row that cannot run keeps its reason in `input_error`;
 3. the engine: an actor pool (`map_batches` with `concurrency`, `batch_size`, `num_cpus` /
    `num_gpus`); each actor loads one engine (pipeline.stage.GenerateRows) and turns a batch into one
-   output row per input row: `completion`, `error` (null unless the row failed: InputError,
+   engine call and one output row per input row: `generated_text`, `num_input_tokens`,
+   `num_generated_tokens` (Ray Data LLM's names), `error` (null unless the row failed: InputError,
    PromptError, or the engine's exception for that row alone) and the per-row statistics the batch job
-   writes (pipeline.stage.OUTPUT_SCHEMA). Detokenizing happens in the engine, as tokens are chosen,
-   because stop strings are matched on the text. The input's other columns are carried through;
+   writes (pipeline.stage.OUTPUT_SCHEMA, whose `completion`, `prompt_tokens` and `completion_tokens`
+   the rows keep as deprecated aliases). `prompt` is the text the engine ran for chat messages, the
+   prompt as given otherwise. Detokenizing happens in the engine, as tokens are chosen, because stop
+   strings are matched on the text. The input's other columns are carried through;
 4. an optional user `postprocess` (row -> row), run in the engine actors on their output rows (the
    engine's columns keep their types even where a batch holds only error rows).
 
@@ -43,110 +56,83 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Callable
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import ray
+from ray.data.extensions import ArrowPythonObjectArray
 
+from pipeline.processor_config import ProcessorConfig
+from pipeline.sampling import COLUMN as SAMPLING_COLUMN, ROW_COLUMNS as SAMPLING_COLUMNS, row_fields, to_sampling
 from pipeline.stage import OUTPUT_SCHEMA, GenerateRows, StageConfig
+from specee_core import SamplingParams
 
 log = logging.getLogger(__name__)
 
-INTERNAL = ("input_error", "text")  # columns the processor adds for its own stages
-
-
-@dataclass(frozen=True)
-class ProcessorConfig:
-    model: str
-    mode: str = "auto"  # auto (lossless, measured) | dense | spec | specee (lossy: early exit)
-    max_new_tokens: int = 64
-    concurrency: int = 1  # engine actors
-    batch_size: int = 16  # rows per engine call, also the engine's max batch
-    num_cpus: float | None = None  # per engine actor; None: the cluster's CPUs shared among the actors
-    num_gpus: float | None = None  # per engine actor; None: 1 when device is cuda, else 0
-    device: str = "cpu"
-    dtype: str = "auto"
-    weights: str = "auto"
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    chat: bool | None = None  # string prompts through the chat template; None: when the model has one
-    engine_options: dict = field(default_factory=dict)  # early-exit options (EarlyExitOptions)
-    spec: dict = field(default_factory=dict)  # speculative decoding options (SpecOptions)
-    torch_threads: int | None = None
-    kv_cache_gb: float | None = None  # each engine actor's KV budget, GiB; None: a share of free memory / concurrency
-    prefix_cache: bool = True  # reuse full prompt blocks across rows (chat template, system prompt)
-    # a batch whose actor died runs again this often (then fails the dataset): the first rerun splits it
-    # into single rows, and a row that killed its process twice alone becomes an error row on the third
-    max_task_retries: int = 3
-    retune_every_tokens: int = 1024  # specee: the schedule store re-tunes after this many tokens
-    retune_min_exits: int = 1  # ... when at least this many of them exited early
-    schedule: str | None = None  # specee: start from this schedule JSON (default: the model's)
-    runtime_env: dict | None = None  # for the engine actors, e.g. {"env_vars": {...}}
-
-    def __post_init__(self) -> None:
-        self.stage()  # every engine setting is checked here, once, not in each actor
-        if self.concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
-        if self.max_task_retries < 0:
-            raise ValueError(f"max_task_retries must be >= 0, got {self.max_task_retries}")
-        if self.schedule is not None and self.mode != "specee":
-            raise ValueError(f"a schedule only applies to mode='specee', mode is {self.mode!r}")
-
-    def stage(self) -> StageConfig:
-        """The engine actors' settings (the prepare stage renders chat prompts, so the engine does not)."""
-        return StageConfig(model=self.model, mode=self.mode, device=self.device, dtype=self.dtype,
-                           weights=self.weights, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                           top_p=self.top_p, top_k=self.top_k, stop=tuple(self.stop), seed=self.seed,
-                           batch_size=self.batch_size, torch_threads=self.torch_threads, chat=False,
-                           engine_options=dict(self.engine_options), spec=dict(self.spec),
-                           engines_per_node=self.concurrency, kv_cache_gb=self.kv_cache_gb,
-                           prefix_cache=self.prefix_cache)
-
-    def resources(self) -> dict:
-        from pipeline.batch import share_resources
-
-        return share_resources(self.device, self.num_cpus, self.num_gpus, self.concurrency)
+INTERNAL = ("input_error", "text", "_sampling")  # columns the processor adds for its own stages
+# Ray Data LLM's names of the engine's columns -> OUTPUT_SCHEMA's (the batch job's files keep those)
+RAY_DATA_LLM_COLUMNS = {"generated_text": "completion", "num_input_tokens": "prompt_tokens",
+                        "num_generated_tokens": "completion_tokens"}
 
 
 class PrepareRows:
-    """Stage 2: the prompt text of each row (chat template), or why there is none. Loads only the
-    tokenizer."""
+    """Stage 2: the prompt text of each row (chat template) and its sampling, or why there is none.
+    Loads only the tokenizer."""
 
-    def __init__(self, model: str, chat: bool | None):
+    def __init__(self, model: str, chat: bool | None, defaults: SamplingParams):
+        """chat: string prompts through the chat template (None: when the model has one); defaults: the
+        sampling of rows that set none."""
         from specee_core.model.loader import load_tokenizer
 
         self.tok = load_tokenizer(model)
         has_template = getattr(self.tok, "chat_template", None) is not None
         self.chat = has_template if chat is None else chat
         if self.chat and not has_template:
-            raise ValueError(f"chat=True but {model} has no chat template")
+            raise ValueError(f"apply_chat_template=True but {model} has no chat template")
+        self.defaults = defaults
 
     def __call__(self, batch: pd.DataFrame) -> pa.Table:
         # pandas batches: Ray Data concatenates them without casting, where Arrow blocks of one column typed
         # null (a block whose prompts are all missing) and string cannot be concatenated
-        for name in ("id", "prompt"):
-            if name not in batch.columns:
-                raise ValueError(f"the processor's input needs columns 'id' and 'prompt'; got {list(batch.columns)}")
-        texts, errors, shown = [], [], []
-        # a reader that already found a row unusable (pipeline.prompts' input_error) keeps its reason
-        given = batch["input_error"].tolist() if "input_error" in batch.columns else [None] * len(batch)
-        for prompt, reason in zip(batch["prompt"].tolist(), given):
-            prompt = to_python(prompt)
-            text, error = (None, reason) if not is_missing(reason) else self._text(prompt)
+        if "prompt" not in batch.columns and "messages" not in batch.columns:
+            raise ValueError(f"the processor's input needs a 'messages' or a 'prompt' column; "
+                             f"got {list(batch.columns)}")
+        n = len(batch)
+        column = {c: batch[c].tolist() if c in batch.columns else [None] * n
+                  for c in ("id", "prompt", "messages", "input_error")}
+        own = [c for c in (SAMPLING_COLUMN, *SAMPLING_COLUMNS) if c in batch.columns]
+        sampling_cells = {c: batch[c].tolist() for c in own}
+        texts, errors, shown, sampling = [], [], [], []
+        for i in range(n):
+            prompt, messages = to_python(column["prompt"][i]), to_python(column["messages"][i])
+            reason = column["input_error"][i]  # a reader that already found the row unusable (pipeline.prompts)
+            if not is_missing(reason):
+                text, error = None, reason
+            elif messages is not None:  # Ray Data LLM's column: its rendering is the row's prompt
+                text, error = self._chat(messages, "messages")
+                prompt = text if text is not None else json.dumps(messages)[:10000]
+            else:
+                text, error = self._text(prompt)
+            params = None
+            if error is None:
+                try:
+                    got = row_fields({c: to_python(sampling_cells[c][i]) for c in own})
+                    params = json.dumps(asdict(to_sampling(got, self.defaults))) if got else None
+                except ValueError as e:
+                    error = str(e)
             texts.append(text)
             errors.append(error)
+            sampling.append(params)
             shown.append(prompt if isinstance(prompt, str) or prompt is None else json.dumps(prompt)[:10000])
-        ids = [None if is_missing(i) else str(i) for i in batch["id"].tolist()]
+        ids = [uuid.uuid4().hex if is_missing(i) else str(i) for i in column["id"]]  # id is optional
         keep = [c for c in batch.columns if c not in ("id", "prompt", *INTERNAL)]
         return pa.table({"id": pa.array(ids, pa.string()), "prompt": pa.array(shown, pa.string()),
                          "text": pa.array(texts, pa.string()), "input_error": pa.array(errors, pa.string()),
-                         **{c: pa.array([to_python(v) for v in batch[c].tolist()]) for c in keep}})
+                         "_sampling": pa.array(sampling, pa.string()),
+                         **{c: arrow_column([to_python(v) for v in batch[c].tolist()]) for c in keep}})
 
     def _text(self, prompt) -> tuple[str | None, str | None]:
         if isinstance(prompt, str):
@@ -154,11 +140,16 @@ class PrepareRows:
                 return prompt, None
             return (self._render([{"role": "user", "content": prompt}]) if self.chat else (prompt, None))
         if isinstance(prompt, (list, tuple)) and prompt:
-            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                       for m in prompt):
-                return None, "chat messages must be {'role': str, 'content': str} objects"
-            return self._render([{"role": m["role"], "content": m["content"]} for m in prompt])
+            return self._chat(prompt, "prompt")
         return None, f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}"
+
+    def _chat(self, messages, name: str) -> tuple[str | None, str | None]:
+        if not isinstance(messages, (list, tuple)) or not messages:
+            return None, f"{name} must be a non-empty list of chat messages, got {messages!r:.60}"
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                   for m in messages):
+            return None, "chat messages must be {'role': str, 'content': str} objects"
+        return self._render([{"role": m["role"], "content": m["content"]} for m in messages])
 
     def _render(self, messages: list[dict]) -> tuple[str | None, str | None]:
         if getattr(self.tok, "chat_template", None) is None:
@@ -267,11 +258,13 @@ class EngineRows:
 
     def __call__(self, batch: pd.DataFrame) -> pa.Table:
         mine = pa.table({c: pa.array([None if is_missing(v) else v for v in batch[c].tolist()], pa.string())
-                         for c in ("id", "prompt", "text", "input_error")})
+                         for c in ("id", "prompt", "text", "input_error", "_sampling")})
         out = self._generate(mine)
+        for name, same in RAY_DATA_LLM_COLUMNS.items():
+            out = out.append_column(name, out[same])
         for name in batch.columns:
-            if name not in OUTPUT_SCHEMA.names and name not in INTERNAL:
-                out = out.append_column(name, pa.array([to_python(v) for v in batch[name].tolist()]))
+            if name not in out.column_names and name not in INTERNAL:
+                out = out.append_column(name, arrow_column([to_python(v) for v in batch[name].tolist()]))
         if self.postprocess is None:
             return out
         # the user's postprocess runs here, on typed rows, and the engine's columns keep their types: a
@@ -279,7 +272,9 @@ class EngineRows:
         rows = [self.postprocess(r) for r in out.to_pylist()]
         names = list(dict.fromkeys(k for r in rows for k in r))
         types = {f.name: f.type for f in OUTPUT_SCHEMA}
-        return pa.table({n: pa.array([r.get(n) for r in rows], types.get(n)) for n in names})
+        types.update({name: types[same] for name, same in RAY_DATA_LLM_COLUMNS.items()})
+        return pa.table({n: pa.array([r.get(n) for r in rows], types[n]) if n in types else
+                         arrow_column([r.get(n) for r in rows]) for n in names})
 
 
 def is_missing(v) -> bool:
@@ -294,6 +289,15 @@ def to_python(v):
     if isinstance(v, dict):
         return {k: to_python(x) for k, x in v.items()}
     return None if is_missing(v) else v
+
+
+def arrow_column(values: list) -> pa.Array:
+    """A carried column as Arrow: its own type, or where its values have none in common (5 and "x") Ray Data's
+    column of pickled Python objects, as Ray Data itself stores such a column."""
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return ArrowPythonObjectArray.from_objects(values)
 
 
 def blocks_of(ds: ray.data.Dataset, rows: int) -> ray.data.Dataset:
@@ -330,17 +334,16 @@ class Processor:
         # engine, whose actors may hold every CPU of the cluster while the stream still flows
         if self.preprocess is not None:
             ds = ds.map(self.preprocess, num_cpus=0)
-        ds = ds.map_batches(PrepareRows, fn_constructor_kwargs={"model": cfg.model, "chat": cfg.chat},
+        stage = cfg.stage()
+        ds = ds.map_batches(PrepareRows, fn_constructor_kwargs={"model": cfg.model_source,
+                                                                "chat": cfg.apply_chat_template,
+                                                                "defaults": stage.sampling()},
                             batch_format="pandas", concurrency=1, num_cpus=0, batch_size=cfg.batch_size)
         ds = blocks_of(ds, cfg.batch_size)
-        ds = ds.map_batches(EngineRows, fn_constructor_kwargs={"stage": cfg.stage(), "run_id": self.run_id,
+        ds = ds.map_batches(EngineRows, fn_constructor_kwargs={"stage": stage, "run_id": self.run_id,
                                                                "store": self._store(), "ledger": self._ledger(),
                                                                "postprocess": self.postprocess},
-                            batch_format="pandas", batch_size=cfg.batch_size,
-                            # one batch at a time per actor: a block queued behind a busy actor (Ray Data's
-                            # default is several in flight) waits a whole batch while another actor idles;
-                            # measured: 2 blocks of 16 rows both went to the first actor ready, the other idle
-                            compute=ray.data.ActorPoolStrategy(size=cfg.concurrency, max_tasks_in_flight_per_actor=1),
+                            batch_format="pandas", batch_size=cfg.batch_size, compute=cfg.compute(),
                             max_task_retries=cfg.max_task_retries, **cfg.resources(),
                             **({"runtime_env": cfg.runtime_env} if cfg.runtime_env else {}))
         return ds
@@ -357,8 +360,8 @@ class Processor:
             from specee_core.early_exit.scheduler import Schedule
             from specee_core.early_exit.step import initial_schedule
 
-            opts = cfg.engine_options
-            start = Schedule.load(cfg.schedule) if cfg.schedule else initial_schedule(Path(cfg.model))
+            opts = cfg.engine_kwargs
+            start = Schedule.load(cfg.schedule) if cfg.schedule else initial_schedule(Path(cfg.model_source))
             self.store_name = f"specee-schedule-{self.run_id}"
             self.store = remote_store(self.store_name, start, cfg.retune_every_tokens, cfg.retune_min_exits,
                                       opts.get("max_disagreement"), opts.get("confidence", 0.95))
@@ -404,7 +407,7 @@ class Processor:
 
 def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
                     postprocess: Callable[[dict], dict] | None = None, run_id: str | None = None) -> Processor:
-    """A callable Dataset -> Dataset running the engine over rows with `id` and `prompt` (Ray Data
-    LLM's build_llm_processor shape); preprocess / postprocess: optional row -> row functions; run_id:
-    what the rows' run_id column says (default: a new id)."""
+    """A callable Dataset -> Dataset running the engine over rows with `messages` or `prompt` (Ray Data
+    LLM's build_processor / build_llm_processor); preprocess / postprocess: optional row -> row functions;
+    run_id: what the rows' run_id column says (default: a new id)."""
     return Processor(config, preprocess, postprocess, run_id)

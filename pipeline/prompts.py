@@ -2,9 +2,12 @@
 
 A file holds a `prompt` column and an optional `id` column. Rows without an id get
 `<file name>:<row number>` (the name relative to the input directory, rows counted from 0), so
-ids are the same on every run and a rerun can skip what is already written. The reader never
-fails on a row: a prompt that is missing or not a string is kept, with the reason in
-`input_error`, and the generation stage turns it into an error row ("InputError: ...").
+ids are the same on every run and a rerun can skip what is already written. A row may also set its
+own sampling (pipeline.sampling: a `sampling_params` object or columns such as `max_tokens`,
+`temperature`); the reader passes what it sets on as JSON text in `sampling_params`, so that rows of
+any types fit one schema, and the processor reads it. The reader never fails on a row: a prompt
+that is missing or not a string is kept, with the reason in `input_error`, and the generation stage
+turns it into an error row ("InputError: ...").
 """
 from __future__ import annotations
 
@@ -20,10 +23,14 @@ import pyarrow as pa
 import ray.data
 from ray.data.datasource import FileBasedDatasource
 
+from pipeline.sampling import COLUMN as SAMPLING_COLUMN, ROW_COLUMNS as SAMPLING_COLUMNS, row_fields
+
 log = logging.getLogger(__name__)
 
-# What the reader yields: one row per input row, bad ones included.
-PROMPT_SCHEMA = pa.schema([("id", pa.string()), ("prompt", pa.string()), ("input_error", pa.string())])
+# What the reader yields: one row per input row, bad ones included. sampling_params: the row's own
+# sampling fields as JSON text (null: none; pipeline.sampling.row_fields).
+PROMPT_SCHEMA = pa.schema([("id", pa.string()), ("prompt", pa.string()), ("input_error", pa.string()),
+                           ("sampling_params", pa.string())])
 FORMATS = {"jsonl": ("jsonl", "json"), "csv": ("csv",), "parquet": ("parquet",)}
 ROWS_PER_BLOCK = 1024
 READ_TASKS = 4  # concurrent read tasks (each reads whole files)
@@ -122,7 +129,8 @@ class PromptDatasource(FileBasedDatasource):
         pf = pq.ParquetFile(f)
         names = pf.schema_arrow.names
         self._check_columns(names, path)
-        columns = [c for c in (self._id_column, self._prompt_column) if c in names]
+        columns = [c for c in (self._id_column, self._prompt_column, SAMPLING_COLUMN, *SAMPLING_COLUMNS)
+                   if c in names]
         for batch in pf.iter_batches(batch_size=ROWS_PER_BLOCK, columns=columns):
             yield batch.to_pylist()
 
@@ -134,7 +142,7 @@ class PromptDatasource(FileBasedDatasource):
 def to_prompt_table(records: list[dict], name: str, start: int, prompt_column: str = "prompt",
                     id_column: str = "id") -> pa.Table:
     """PROMPT_SCHEMA rows from parsed records; records[k] is row start + k of file `name`."""
-    ids, prompts, errors = [], [], []
+    ids, prompts, errors, sampling = [], [], [], []
     for k, rec in enumerate(records):
         rid, prompt = rec.get(id_column), rec.get(prompt_column)
         error = rec.get("__input_error")
@@ -142,10 +150,20 @@ def to_prompt_table(records: list[dict], name: str, start: int, prompt_column: s
             error = f"no {prompt_column!r} value"
         elif error is None and not isinstance(prompt, str):
             error = f"prompt must be a string, got {type(prompt).__name__}"
+        fields = None
+        if error is None:
+            try:
+                fields = row_fields(rec)
+            except ValueError as e:
+                error = str(e)
         ids.append(f"{name}:{start + k}" if rid is None or rid == "" else str(rid))
         prompts.append(prompt if error is None else None)
         errors.append(error)
-    return pa.table({"id": ids, "prompt": prompts, "input_error": errors}, schema=PROMPT_SCHEMA)
+        # values of any type (a bad one included) as text: repr for what JSON cannot hold, and the
+        # processor says what is wrong with it
+        sampling.append(json.dumps(fields, default=repr) if fields else None)
+    return pa.table({"id": ids, "prompt": prompts, "input_error": errors, "sampling_params": sampling},
+                    schema=PROMPT_SCHEMA)
 
 
 def read_prompts(paths: str | list[str], *, input_format: str | None = None, prompt_column: str = "prompt",

@@ -2,6 +2,7 @@
 turns a batch of prompt rows into output rows (one per input row, failures included)."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import ray
 
-from specee_core import PromptError, SpecEEEngine
+from specee_core import EngineOptions, PromptError, SamplingParams, SpecEEEngine
 from specee_core.model.config import resolve_dtype
 from specee_core.model.quant import WEIGHT_FORMATS
 from specee_core.decode.engine import MODES
@@ -55,6 +56,8 @@ OUTPUT_SCHEMA = pa.schema([
 CRASH_ONCE_ENV = "SPECEE_PIPELINE_CRASH_ONCE"
 # Test hook: an actor call whose batch has a prompt equal to this value kills its process, every time.
 CRASH_ON_ENV = "SPECEE_PIPELINE_CRASH_ON"
+# EngineOptions a stage may set beside those it sets itself (batch size, KV budget, prefix cache)
+CORE_OPTIONS = ("context_len", "prefill_chunk", "kv_block_size")
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class StageConfig:
     engines_per_node: int = 1  # engine actors sharing a node: each takes its share of the default KV budget
     kv_cache_gb: float | None = None  # each engine's KV budget (EngineOptions.kv_cache_gb); None: that share
     prefix_cache: bool = True  # reuse full prompt blocks (a shared chat template, system prompt) across rows
+    core_options: dict = field(default_factory=dict)  # more EngineOptions (CORE_OPTIONS), every mode
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -102,10 +106,22 @@ class StageConfig:
             raise ValueError(f"kv_cache_gb must be > 0 (or None: a share of free memory), got {self.kv_cache_gb}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+        unknown = sorted(set(self.core_options) - set(CORE_OPTIONS))
+        if unknown:
+            raise ValueError(f"core_options takes {', '.join(CORE_OPTIONS)}; got {unknown}")
+        EngineOptions(**self.core_options)  # bad values fail here, not in every actor
+        self.sampling()  # the defaults of every row that sets none: top_p, top_k, stop checked too
+
+    def sampling(self) -> SamplingParams:
+        """What a row runs with when it sets no sampling of its own (pipeline.sampling)."""
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, stop=list(self.stop), seed=self.seed)
 
 
 class GenerateRows:
-    """One engine, loaded once, turning PROMPT_SCHEMA batches into OUTPUT_SCHEMA rows.
+    """One engine, loaded once, turning PROMPT_SCHEMA batches into OUTPUT_SCHEMA rows: one engine call
+    per batch, each row with its own SamplingParams (a `_sampling` column of their JSON, written by the
+    processor's prepare stage; null or absent: the config's).
 
     It runs inside each engine actor of pipeline.processor (EngineRows), which the batch job
     (pipeline.batch) uses too. In SpecEE mode it follows the run's schedule store: the latest
@@ -127,11 +143,12 @@ class GenerateRows:
         self.engine = SpecEEEngine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype, weights=cfg.weights,
                                                    max_batch_size=cfg.batch_size,
                                                    engines_per_node=cfg.engines_per_node, kv_cache_gb=cfg.kv_cache_gb,
-                                                   prefix_cache=cfg.prefix_cache, **early_exit)
+                                                   prefix_cache=cfg.prefix_cache, **cfg.core_options, **early_exit)
         self.engine.stepper_factory(cfg.mode, dict(cfg.spec) or None)  # a mode it cannot run fails here, not per row
         if cfg.mode == "auto":  # measured (or read from the cache) now, not in the first batch
             self.engine.prepare_plan([cfg.batch_size], dict(cfg.spec) or None)
         self.plan_steps: dict[str, int] = {}  # mode auto: the planner's choices over every batch
+        self.defaults = cfg.sampling()
         self.num_layers = self.engine.config.num_hidden_layers
         self.chat = self.engine.has_chat_template if cfg.chat is None else cfg.chat
         if self.chat and not self.engine.has_chat_template:
@@ -206,6 +223,7 @@ class GenerateRows:
         # the processor's prepare stage renders the text to run beside the prompt as given
         to_run = batch["text"].to_pylist() if "text" in batch.column_names else prompts
         input_errors = batch["input_error"].to_pylist()
+        sampling = batch["_sampling"].to_pylist() if "_sampling" in batch.column_names else [None] * len(ids)
         maybe_crash_on(prompts)
         rows: list[dict | None] = [None] * len(ids)
         runnable, texts = [], {}
@@ -219,7 +237,9 @@ class GenerateRows:
                 runnable.append(i)
             except PromptError as e:
                 rows[i] = self._error_row(ids[i], prompt, f"PromptError: {e}")
-        for i, result in zip(runnable, self._generate([texts[i] for i in runnable])):
+        params = [self.defaults if sampling[i] is None else SamplingParams(**json.loads(sampling[i]))
+                  for i in runnable]
+        for i, result in zip(runnable, self._generate([texts[i] for i in runnable], params)):
             if isinstance(result, Exception):
                 rows[i] = self._error_row(ids[i], prompts[i], f"{type(result).__name__}: {result}")
             else:
@@ -256,25 +276,24 @@ class GenerateRows:
         except ValueError as e:
             raise PromptError(str(e)) from None
 
-    def _generate(self, prompts: list[str]) -> list:
-        """GenerationResults, or for a prompt that fails when run alone its exception."""
+    def _generate(self, prompts: list[str], params: list[SamplingParams]) -> list:
+        """GenerationResults (one engine call: rows with equal parameters share a lane), or for a prompt that
+        fails when run alone its exception."""
         if not prompts:
             return []
         try:
-            results = self.engine.generate(prompts, **self._sampling())
-            for k, v in results[0].stats.get("plan_steps", {}).items():  # one planner per engine batch
-                self.plan_steps[k] = self.plan_steps.get(k, 0) + v
+            results = self.engine.generate(prompts, mode=self.cfg.mode, spec=dict(self.cfg.spec) or None,
+                                           sampling_params=params)
+            lanes = {repr(p): r for p, r in zip(params, results)}  # one planner per lane
+            for r in lanes.values():
+                for k, v in r.stats.get("plan_steps", {}).items():
+                    self.plan_steps[k] = self.plan_steps.get(k, 0) + v
             return results
         except Exception as e:  # noqa: BLE001 -- an engine failure must cost its rows, not the job
             if len(prompts) == 1:
                 return [e]
             log.exception("batch of %d failed; running its rows one by one", len(prompts))
-        return [r for p in prompts for r in self._generate([p])]
-
-    def _sampling(self) -> dict:
-        c = self.cfg
-        return dict(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-                    stop=list(c.stop) or None, seed=c.seed, mode=c.mode, spec=dict(c.spec) or None)
+        return [r for p, s in zip(prompts, params) for r in self._generate([p], [s])]
 
     def _row(self, row_id: str, prompt: str, r) -> dict:
         return {

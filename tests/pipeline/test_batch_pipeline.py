@@ -54,13 +54,22 @@ def test_ray_listens_on_loopback():
     assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
 
 
+# rows that set their own sampling (vLLM's names: columns of their own or sampling_params), three of them badly
+OWN_SAMPLING = [{"id": "max2", "prompt": GOOD[6], "max_tokens": 2},
+                {"id": "no-eos", "prompt": GOOD[7], "sampling_params": {"max_tokens": 3, "ignore_eos": True}},
+                {"id": "hot", "prompt": GOOD[0], "sampling_params": {"max_tokens": 3, "temperature": 0.8, "seed": 1}},
+                {"id": "bad-max", "prompt": GOOD[1], "max_tokens": "x"},
+                {"id": "bad-temp", "prompt": GOOD[2], "temperature": -1},
+                {"id": "not-yet", "prompt": GOOD[3], "sampling_params": {"logprobs": 2}}]
+
+
 @pytest.fixture(scope="module")
 def jsonl_run(tmp_path_factory, model_dir):
-    """One dense run over good rows and every kind of bad row."""
+    """One dense run over good rows, every kind of bad row, and rows with their own sampling."""
     tmp = tmp_path_factory.mktemp("jsonl")
     bad = [{"id": "not-a-string", "prompt": 123}, {"id": "empty", "prompt": ""}, {"id": "missing"},
            {"id": "too-long", "prompt": "word " * 200}, "{not json"]
-    src = write_jsonl(tmp / "prompts.jsonl", [{"prompt": p} for p in GOOD[:6]] + bad)
+    src = write_jsonl(tmp / "prompts.jsonl", [{"prompt": p} for p in GOOD[:6]] + bad + OWN_SAMPLING)
     cfg = config(model_dir, src, tmp / "out", rows_per_file=3)
     return cfg, run(cfg), tmp / "out"
 
@@ -69,9 +78,10 @@ def test_jsonl_to_parquet_with_error_rows(jsonl_run):
     cfg, summary, out = jsonl_run
     df = read_output(out).set_index("id")
     good = [f"prompts.jsonl:{i}" for i in range(6)]
-    assert sorted(df.index) == sorted(good + ["not-a-string", "empty", "missing", "too-long", "prompts.jsonl:10"])
+    assert sorted(df.index) == sorted(good + ["not-a-string", "empty", "missing", "too-long", "prompts.jsonl:10"] +
+                                      [r["id"] for r in OWN_SAMPLING])
     assert pq.read_schema(next(out.glob("part-*.parquet"))) == OUTPUT_SCHEMA
-    assert len(df) == 11 and sorted(p.name for p in out.iterdir() if not p.name.startswith("part-")) == \
+    assert len(df) == 17 and sorted(p.name for p in out.iterdir() if not p.name.startswith("part-")) == \
         ["_summary.json"]  # dense: no schedules
     ok = df.loc[good]
     assert ok["error"].isna().all() and (ok["completion_tokens"] <= MAX_NEW).all()
@@ -85,11 +95,29 @@ def test_jsonl_to_parquet_with_error_rows(jsonl_run):
     assert errors["empty"] == "PromptError: prompt is empty"
     assert errors["too-long"].startswith("PromptError: prompt has") and "context holds 64" in errors["too-long"]
     assert df.loc[list(errors.index), "completion"].isna().all()
-    assert summary["rows"] == summary["rows_this_run"] == 11 and summary["errors"] == 5
+    assert summary["rows"] == summary["rows_this_run"] == 17 and summary["errors"] == 8
     assert summary["avg_layers"] == 2 and summary["est_speedup_upper_bound"] == 1
-    assert summary["completion_tokens"] == int(ok["completion_tokens"].sum())
+    assert summary["completion_tokens"] == int(df["completion_tokens"].sum())
     assert json.loads((out / "_summary.json").read_text())["run_id"] == summary["run_id"]
     assert not list(out.glob(".*"))
+
+
+def test_rows_with_their_own_sampling_in_the_job(jsonl_run, model_dir):
+    """The job honours each row's own sampling from the input file: a greedy row with max_tokens 2 is the
+    engine's own answer at 2 tokens, ignore_eos runs to its max_tokens, a sampled row stays within its own;
+    a value of the wrong type, out of range, or a parameter the engine lacks costs its row, not the job."""
+    from specee_core import SpecEEEngine
+
+    _, _, out = jsonl_run
+    df = read_output(out).set_index("id")
+    engine = SpecEEEngine.from_pretrained(model_dir, dtype="float32")
+    ref = engine.generate([GOOD[6]], max_new_tokens=2, mode="dense")[0]
+    assert df.loc["max2", "completion"] == ref.text and df.loc["max2", "completion_tokens"] == len(ref.token_ids) <= 2
+    assert df.loc["no-eos", "completion_tokens"] == 3 and df.loc["no-eos", "finish_reason"] == "length"
+    assert pd.isna(df.loc["hot", "error"]) and 1 <= df.loc["hot", "completion_tokens"] <= 3
+    assert df.loc["bad-max", "error"] == "InputError: sampling parameter max_tokens='x': expected a number"
+    assert df.loc["bad-temp", "error"].startswith("InputError: sampling parameters temperature=-1: temperature must")
+    assert df.loc["not-yet", "error"] == "InputError: sampling parameter logprobs=2 is not supported yet"
 
 
 def test_row_metrics_are_the_rows_own(jsonl_run):
@@ -139,7 +167,10 @@ def test_csv_and_parquet_inputs(tmp_path, model_dir):
     assert {r["id"]: r["prompt"] for r in rows} == {"p.csv:0": "def f(x):\n    return x", "0042": "a, b", "7": ""}
     assert len(rows) == 3
 
-    pq.write_table(pa.table({"text": GOOD[:5], "other": list(range(5))}), tmp_path / "p.parquet")
+    # Parquet rows with their own sampling: an int column with nulls, a struct column
+    pq.write_table(pa.table({"text": GOOD[:5], "other": list(range(5)), "max_tokens": [1, None, 2, None, None],
+                             "sampling_params": [{"ignore_eos": True}, None, {"ignore_eos": True}, None, None]}),
+                   tmp_path / "p.parquet")
     # a pool that holds every CPU of the cluster (2 x 1.0) must not starve Ray Data's own tasks
     cfg = config(model_dir, tmp_path / "p.parquet", tmp_path / "out", prompt_column="text", num_actors=2,
                  cpus_per_actor=1.0)
@@ -148,6 +179,8 @@ def test_csv_and_parquet_inputs(tmp_path, model_dir):
     # rows come back as their batches finish (two actors here): compare by id
     assert dict(zip(df["id"], df["prompt"])) == {f"p.parquet:{i}": GOOD[i] for i in range(5)}
     assert summary["errors"] == 0 and df["completion"].notna().all()
+    tokens = dict(zip(df["id"], df["completion_tokens"]))
+    assert (tokens["p.parquet:0"], tokens["p.parquet:2"]) == (1, 2) and tokens["p.parquet:1"] <= MAX_NEW
 
 
 def test_killed_actor_loses_and_duplicates_nothing(tmp_path, model_dir):
@@ -235,8 +268,8 @@ def test_analyze_stats_and_png(jsonl_run, tmp_path):
 
     cfg, summary, out = jsonl_run
     result = analyze.main([str(out), "--png", str(tmp_path / "hist.png")])
-    assert (result["rows"], result["errors"], result["avg_layers"]) == (11, 5, 2.0)
-    assert result["error_kinds"] == {"InputError": 3, "PromptError": 2}
+    assert (result["rows"], result["errors"], result["avg_layers"]) == (17, 8, 2.0)
+    assert result["error_kinds"] == {"InputError": 6, "PromptError": 2}
     [run_stats] = result["per_run"]
     assert run_stats["run_id"] == summary["run_id"] and run_stats["tokens"] == summary["completion_tokens"]
     assert run_stats["tokens_per_s"] == pytest.approx(summary["tokens_per_s"], rel=1e-3)  # one meaning
@@ -244,7 +277,7 @@ def test_analyze_stats_and_png(jsonl_run, tmp_path):
     png = tmp_path / "hist.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
     default = analyze.main([str(out)])  # the default plot sits beside the rows, hidden from Parquet readers
-    assert Path(default["png"]) == out / "_exit_layers.png" and len(read_output(out)) == 11
+    assert Path(default["png"]) == out / "_exit_layers.png" and len(read_output(out)) == 17
 
 
 def test_specee_retunes_within_one_run_without_new_actors(tmp_path):

@@ -282,7 +282,7 @@ def test_stage_uses_its_schedule_and_isolates_failing_rows(monkeypatch):
     assert {r["batch_rows"] for r in rows.values()} == {5} and rows["b"]["batch_s"] == rows["a"]["batch_s"] > 0
     assert rows["d"]["schedule_version"] == 7 and rows["d"]["run_id"] == "run-1"  # error rows keep the context
     assert engine.calls[0][0] == ["x", "poison", "yz"] and engine.calls[0][1]["mode"] == "specee"
-    assert engine.calls[0][1]["max_new_tokens"] == 2
+    assert [p.max_new_tokens for p in engine.calls[0][1]["sampling_params"]] == [2, 2, 2]
     assert stage(batch.slice(0, 1)).to_pylist()[0]["batch_id"].endswith("-2")
 
 

@@ -1,0 +1,109 @@
+"""Per-row sampling parameters: what a row asks for -> specee_core.SamplingParams.
+
+A row sets its own sampling with vLLM's names, as a Ray Data LLM row does: in one `sampling_params`
+column (a dict, an Arrow struct, or the text of a JSON object, e.g. from CSV) or in columns of their
+own (`max_tokens`, `temperature`, ...). What a row leaves unset (no such column, or null) takes the
+processor's defaults. A value the engine refuses, or a parameter it does not implement yet, makes
+the row an error row (InputError); it is never ignored.
+
+Two steps: `row_fields` gathers a row's fields (the reader runs it on file records, the processor's
+prepare stage on Dataset rows) and `to_sampling` maps them to SamplingParams: the one place that
+knows which names the engine takes.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the reader's tasks use row_fields only: they need not import torch
+    from specee_core import SamplingParams
+
+# vLLM's name -> SamplingParams field, for the parameters the engine implements
+SUPPORTED = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+             "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos"}
+# vLLM sampling parameters (and OpenAI's response_format) the engine does not implement yet, with the
+# values that mean "off": a row may state those; any other value makes it an error row
+NOT_YET = {"n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,),
+           "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "logprobs": (), "prompt_logprobs": (),
+           "logit_bias": ({},), "stop_token_ids": ([],), "bad_words": ([],), "allowed_token_ids": (),
+           "include_stop_str_in_output": (False,), "response_format": (), "structured_outputs": (),
+           "guided_decoding": (), "truncate_prompt_tokens": ()}
+COLUMN = "sampling_params"  # the column holding all of them at once
+ROW_COLUMNS = (*SUPPORTED, *NOT_YET)  # columns of their own that a row's sampling is read from
+INTS = ("max_tokens", "top_k", "seed")
+
+
+def row_fields(row: dict) -> dict:
+    """The sampling fields a row (plain Python values) sets: its `sampling_params` (a dict, or a JSON
+    object's text) and its columns named like a sampling parameter, nulls dropped. ValueError when
+    sampling_params is not an object or a parameter is set both ways with different values."""
+    nested = row.get(COLUMN)
+    if isinstance(nested, str):
+        try:
+            nested = json.loads(nested)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{COLUMN} is not a JSON object ({e.msg} at column {e.colno})") from None
+    if nested is None:
+        nested = {}
+    if not isinstance(nested, dict):
+        raise ValueError(f"{COLUMN} must be a dict of vLLM sampling parameters, got {type(nested).__name__}")
+    fields = {k: v for k, v in nested.items() if v is not None}
+    for name in ROW_COLUMNS:
+        value = row.get(name)
+        if value is None:
+            continue
+        if name in fields and fields[name] != value:
+            raise ValueError(f"{name} is set twice: {value!r} in its column, {fields[name]!r} in {COLUMN}")
+        fields[name] = value
+    return fields
+
+
+def to_sampling(fields: dict, defaults: SamplingParams) -> SamplingParams:
+    """defaults with the row's fields (vLLM's names) applied. ValueError naming the parameter for a value the
+    engine refuses or a parameter it does not implement yet (NOT_YET, or a name it does not know).
+
+    The one mapping from a row's names to the engine's: a parameter the engine learns goes from NOT_YET to
+    SUPPORTED (and SamplingParams), here."""
+    unknown = [k for k in fields if k not in SUPPORTED and k not in NOT_YET]
+    if unknown:
+        raise ValueError(f"sampling parameter {unknown[0]!r} is not supported (supported: {', '.join(SUPPORTED)})")
+    for name, value in fields.items():
+        if name in NOT_YET and not any(value == off and type(value) is not bool for off in NOT_YET[name]):
+            raise ValueError(f"sampling parameter {name}={value!r} is not supported yet"
+                             + (f" (only {NOT_YET[name][0]!r})" if NOT_YET[name] else ""))
+    changes = {}
+    for name, value in fields.items():
+        if name not in SUPPORTED:
+            continue
+        if name in INTS and isinstance(value, float) and value.is_integer():
+            value = int(value)  # an int column with nulls reaches pandas as floats
+        if name == "top_k" and value == -1:
+            value = 0  # vLLM's "off"
+        if name == "stop" and isinstance(value, (list, tuple)):
+            value = list(value)
+        wrong = kind_error(name, value)
+        if wrong:
+            raise ValueError(f"sampling parameter {name}={value!r}: expected {wrong}")
+        changes[SUPPORTED[name]] = value
+    try:
+        return replace(defaults, **changes)  # SamplingParams.__post_init__ checks the ranges
+    except (ValueError, TypeError) as e:
+        given = ", ".join(f"{k}={v!r}" for k, v in fields.items() if k in SUPPORTED)
+        raise ValueError(f"sampling parameters {given}: {e}") from None
+
+
+
+def kind_error(name: str, value) -> str | None:
+    """What a SUPPORTED parameter must be, when value is not that kind (SamplingParams checks the ranges)."""
+    if name == "ignore_eos":
+        return None if isinstance(value, bool) else "true or false"
+    if name == "stop":
+        ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+        return None if ok else "a string or a list of strings"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "a number"
+    if name in INTS and not isinstance(value, int):
+        return "an integer"
+    return None if math.isfinite(value) else "a finite number"
