@@ -56,7 +56,6 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import asdict
 from typing import Callable
 
 import numpy as np
@@ -120,7 +119,8 @@ class PrepareRows:
             if error is None:
                 try:
                     got = row_fields({c: to_python(sampling_cells[c][i]) for c in own})
-                    params = json.dumps(asdict(to_sampling(got, self.defaults))) if got else None
+                    to_sampling(got, self.defaults)  # checked here; the engine stage maps them again
+                    params = json.dumps(got) if got else None
                 except ValueError as e:
                     error = str(e)
             texts.append(text)

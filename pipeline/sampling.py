@@ -3,7 +3,7 @@
 A row sets its own sampling with vLLM's names, as a Ray Data LLM row does: in one `sampling_params`
 column (a dict, an Arrow struct, or the text of a JSON object, e.g. from CSV) or in columns of their
 own (`max_tokens`, `temperature`, ...). What a row leaves unset (no such column, or null) takes the
-processor's defaults. A value the engine refuses, or a parameter it does not implement yet, makes
+processor's defaults. A value the engine refuses, or a parameter the processor does not take yet, makes
 the row an error row (InputError); it is never ignored.
 
 Two steps: `row_fields` gathers a row's fields (the reader runs it on file records, the processor's
@@ -20,11 +20,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the reader's tasks use row_fields only: they need not import torch
     from specee_core import SamplingParams
 
-# vLLM's name -> SamplingParams field, for the parameters the engine implements
+# vLLM's name -> SamplingParams field, for the parameters a row may set
 SUPPORTED = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
              "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos"}
-# vLLM sampling parameters (and OpenAI's response_format) the engine does not implement yet, with the
-# values that mean "off": a row may state those; any other value makes it an error row
+# vLLM sampling parameters (and OpenAI's response_format) a row may not set yet, with the values that mean
+# "off": a row may state those; any other value makes it an error row. SamplingParams has the penalties,
+# logit_bias, min_tokens, stop_token_ids, logprobs and structured output now: each moves to SUPPORTED with
+# its conversion (logit_bias keys arrive as text from JSON; logprobs needs an output column; vLLM's
+# structured_outputs / guided_* and OpenAI's response_format become SamplingParams.structured)
 NOT_YET = {"n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,),
            "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "logprobs": (), "prompt_logprobs": (),
            "logit_bias": ({},), "stop_token_ids": ([],), "bad_words": ([],), "allowed_token_ids": (),
@@ -62,7 +65,7 @@ def row_fields(row: dict) -> dict:
 
 def to_sampling(fields: dict, defaults: SamplingParams) -> SamplingParams:
     """defaults with the row's fields (vLLM's names) applied. ValueError naming the parameter for a value the
-    engine refuses or a parameter it does not implement yet (NOT_YET, or a name it does not know).
+    engine refuses or a parameter a row may not set yet (NOT_YET, or a name it does not know).
 
     The one mapping from a row's names to the engine's: a parameter the engine learns goes from NOT_YET to
     SUPPORTED (and SamplingParams), here."""

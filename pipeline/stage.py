@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import ray
 
+from pipeline.sampling import to_sampling
 from specee_core import EngineOptions, PromptError, SamplingParams, SpecEEEngine
 from specee_core.model.config import resolve_dtype
 from specee_core.model.quant import WEIGHT_FORMATS
@@ -120,8 +121,8 @@ class StageConfig:
 
 class GenerateRows:
     """One engine, loaded once, turning PROMPT_SCHEMA batches into OUTPUT_SCHEMA rows: one engine call
-    per batch, each row with its own SamplingParams (a `_sampling` column of their JSON, written by the
-    processor's prepare stage; null or absent: the config's).
+    per batch, each row with its own SamplingParams (a `_sampling` column: the row's sampling fields as
+    JSON, checked by the processor's prepare stage; null or absent: the config's).
 
     It runs inside each engine actor of pipeline.processor (EngineRows), which the batch job
     (pipeline.batch) uses too. In SpecEE mode it follows the run's schedule store: the latest
@@ -237,7 +238,7 @@ class GenerateRows:
                 runnable.append(i)
             except PromptError as e:
                 rows[i] = self._error_row(ids[i], prompt, f"PromptError: {e}")
-        params = [self.defaults if sampling[i] is None else SamplingParams(**json.loads(sampling[i]))
+        params = [self.defaults if sampling[i] is None else to_sampling(json.loads(sampling[i]), self.defaults)
                   for i in runnable]
         for i, result in zip(runnable, self._generate([texts[i] for i in runnable], params)):
             if isinstance(result, Exception):
@@ -284,8 +285,7 @@ class GenerateRows:
         try:
             results = self.engine.generate(prompts, mode=self.cfg.mode, spec=dict(self.cfg.spec) or None,
                                            sampling_params=params)
-            lanes = {repr(p): r for p, r in zip(params, results)}  # one planner per lane
-            for r in lanes.values():
+            for r in {lane_of(p): r for p, r in zip(params, results)}.values():  # one planner per lane
                 for k, v in r.stats.get("plan_steps", {}).items():
                     self.plan_steps[k] = self.plan_steps.get(k, 0) + v
             return results
@@ -309,6 +309,12 @@ class GenerateRows:
     @staticmethod
     def _error_row(row_id: str, prompt: str | None, error: str) -> dict:
         return {"id": row_id, "prompt": prompt, "error": error}
+
+
+def lane_of(p: SamplingParams) -> tuple:
+    """Which of a generate call's lanes rows with these parameters decode in: the engine core shares a lane
+    among equal SamplingParams.lane_key()s, but gives each seeded sampled request (its own generator) one."""
+    return (*p.lane_key(), repr(p) if p.seed is not None and not p.greedy else None)
 
 
 def worker_name() -> str:

@@ -154,11 +154,9 @@ def test_rows_with_their_own_sampling(engine, mode):
     concurrency is Ray Data's autoscaling pool."""
     cfg = ProcessorConfig(model_source=str(SMOLLM2), **{**SETTINGS, "mode": mode},
                           concurrency=(1, 2) if mode == "auto" else 1)
-    # one set of columns (null where a row has no value): Ray Data's to_pandas cannot join blocks where a
-    # list column is missing from some (ray.data.from_items(OWN_SAMPLING).to_pandas() fails alike)
-    columns = list(dict.fromkeys(k for r in OWN_SAMPLING for k in r))
-    ds = ray.data.from_items([{c: r.get(c) for c in columns} for r in OWN_SAMPLING])
-    df = build_processor(cfg)(ds).to_pandas().set_index("id")
+    # rows, not to_pandas(): Ray Data's to_pandas cannot join a block where a list column (messages) is set
+    # and a later one where it is null throughout (ray.data.from_items(OWN_SAMPLING).to_pandas() fails alike)
+    df = pd.DataFrame(build_processor(cfg)(ray.data.from_items(OWN_SAMPLING)).take_all()).set_index("id")
     assert sorted(df.index) == sorted(r["id"] for r in OWN_SAMPLING) and (df["mode"] == mode).all()
     chats = {r["id"]: r.get("messages") or [{"role": "user", "content": r["prompt"]}] for r in OWN_SAMPLING}
     for rid, params in GREEDY.items():

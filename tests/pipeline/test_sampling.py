@@ -79,7 +79,7 @@ def test_prepare_rows_checks_each_rows_sampling_and_messages():
     out = prep(batch).to_pylist()
     a, b, c, d, e = out
     assert a["prompt"] == a["text"] and a["text"] == d["text"] and a["input_error"] is None
-    assert json.loads(a["_sampling"])["max_new_tokens"] == 2 and json.loads(d["_sampling"])["max_new_tokens"] == 3
+    assert json.loads(a["_sampling"]) == {"max_tokens": 2} and json.loads(d["_sampling"]) == {"max_tokens": 3}
     assert b["input_error"] == "sampling parameter max_tokens='x': expected a number" and b["id"]
     assert [r["max_tokens"] for r in out] == [None, "x", None, 3, None]
     assert c["input_error"] == "chat messages must be {'role': str, 'content': str} objects"
@@ -98,7 +98,7 @@ def test_one_engine_call_per_batch_with_each_rows_parameters(monkeypatch):
     engine = FakeEngine()
     monkeypatch.setattr("pipeline.stage.SpecEEEngine.from_pretrained", lambda *a, **kw: engine)
     stage = GenerateRows(StageConfig(model="m", mode="dense", max_new_tokens=6), "run-1")
-    own = json.dumps({**DEFAULTS.__dict__, "max_new_tokens": 3, "temperature": 0.5})
+    own = json.dumps({"max_tokens": 3, "temperature": 0.5})  # what the prepare stage writes
     batch = pa.table({"id": ["a", "b", "c"], "prompt": ["x", "y", "z"], "input_error": [None, "bad", None],
                       "_sampling": [own, None, None]})
     rows = {r["id"]: r for r in stage(batch).to_pylist()}
