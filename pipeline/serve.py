@@ -446,15 +446,7 @@ class SpecEEServer:
         out = await self._complete(req, prompts, chat=False, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
         if isinstance(out, StreamingResponse):
             return out
-        rid, mode, n_prompt, results, batch_size = out
-        choices = [{"text": r.text, "finish_reason": r.finish_reason,
-                    "logprobs": None if r.logprobs is None else completion_logprobs(r.logprobs, self._token_text)}
-                   for r in results]
-        body = completion_response(rid, self.model_name, choices,
-                                   usage(n_prompt, sum(len(r.token_ids) for r in results),
-                                         sum(r.cached_prompt_tokens for r in results)),
-                                   specee_summary(results, self.engine.model.num_layers, mode, batch_size))
-        return JSONResponse(body)
+        return self._response(out, completion_response, completion_logprobs)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -466,15 +458,19 @@ class SpecEEServer:
         out = await self._complete(req, None, chat=True, default_max_tokens=None)
         if isinstance(out, StreamingResponse):
             return out
+        return self._response(out, chat_response, chat_logprobs)
+
+    def _response(self, out: tuple, build, logprobs) -> JSONResponse:
+        """The JSON body of a finished request (build: completion_response / chat_response; logprobs: the
+        matching logprobs shape) from _complete's (id, mode, prompt tokens, results, batch size)."""
         rid, mode, n_prompt, results, batch_size = out
         choices = [{"text": r.text, "finish_reason": r.finish_reason,
-                    "logprobs": None if r.logprobs is None else chat_logprobs(r.logprobs, self._token_text)}
+                    "logprobs": None if r.logprobs is None else logprobs(r.logprobs, self._token_text)}
                    for r in results]
-        body = chat_response(rid, self.model_name, choices,
-                             usage(n_prompt, sum(len(r.token_ids) for r in results),
-                                   sum(r.cached_prompt_tokens for r in results)),
-                             specee_summary(results, self.engine.model.num_layers, mode, batch_size))
-        return JSONResponse(body)
+        return JSONResponse(build(rid, self.model_name, choices,
+                                  usage(n_prompt, sum(len(r.token_ids) for r in results),
+                                        sum(r.cached_prompt_tokens for r in results)),
+                                  specee_summary(results, self.engine.model.num_layers, mode, batch_size)))
 
     def _token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])

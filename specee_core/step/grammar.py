@@ -84,6 +84,9 @@ def mask_logits(logits: torch.Tensor, matchers: list, paths: list[list[int]]) ->
             fill_next_token_bitmask(m, bitmask, i)
         if consumed:
             m.rollback(consumed)
+    if len(rows) == len(matchers):  # every row constrained (one lane, one constraint): in place
+        apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+        return logits
     sub = logits[rows]
     apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
     logits[rows] = sub

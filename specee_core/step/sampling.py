@@ -104,7 +104,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, texts: list[tup
     process nothing."""
     if not params.processes:
         return logits
-    out = logits.float().clone()
+    out = logits.float()
+    if out is logits:  # fp32 already: a copy, the caller's logits stay raw (logprobs read them)
+        out = out.clone()
     dev = out.device
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), device=dev)
