@@ -22,20 +22,21 @@ if TYPE_CHECKING:  # the reader's tasks use row_fields only: they need not impor
 
 # vLLM's name -> SamplingParams field, for the parameters a row may set
 SUPPORTED = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-             "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos"}
-# vLLM sampling parameters (and OpenAI's response_format) a row may not set yet, with the values that mean
-# "off": a row may state those; any other value makes it an error row. SamplingParams has the penalties,
-# logit_bias, min_tokens, stop_token_ids, logprobs and structured output now: each moves to SUPPORTED with
-# its conversion (logit_bias keys arrive as text from JSON; logprobs needs an output column; vLLM's
-# structured_outputs / guided_* and OpenAI's response_format become SamplingParams.structured)
-NOT_YET = {"n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,),
-           "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "logprobs": (), "prompt_logprobs": (),
-           "logit_bias": ({},), "stop_token_ids": ([],), "bad_words": ([],), "allowed_token_ids": (),
-           "include_stop_str_in_output": (False,), "response_format": (), "structured_outputs": (),
-           "guided_decoding": (), "truncate_prompt_tokens": ()}
+             "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos", "presence_penalty": "presence_penalty",
+             "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
+             "min_tokens": "min_tokens", "stop_token_ids": "stop_token_ids", "logit_bias": "logit_bias",
+             "logprobs": "logprobs",
+             # structured output: OpenAI's response_format, vLLM's structured_outputs (guided_decoding, its
+             # older name): SamplingParams.structured (structured_spec)
+             "response_format": "structured", "structured_outputs": "structured", "guided_decoding": "structured"}
+# vLLM sampling parameters a row may not set yet, with the values that mean "off": a row may state those; any
+# other value makes it an error row
+NOT_YET = {"n": (1,), "best_of": (1,), "min_p": (0,), "prompt_logprobs": (), "bad_words": ([],),
+           "allowed_token_ids": (), "include_stop_str_in_output": (False,), "truncate_prompt_tokens": ()}
+STRUCTURED = ("response_format", "structured_outputs", "guided_decoding")
 COLUMN = "sampling_params"  # the column holding all of them at once
 ROW_COLUMNS = (*SUPPORTED, *NOT_YET)  # columns of their own that a row's sampling is read from
-INTS = ("max_tokens", "top_k", "seed")
+INTS = ("max_tokens", "top_k", "seed", "min_tokens", "logprobs")
 
 
 def row_fields(row: dict) -> dict:
@@ -84,11 +85,20 @@ def to_sampling(fields: dict, defaults: SamplingParams) -> SamplingParams:
             value = int(value)  # an int column with nulls reaches pandas as floats
         if name == "top_k" and value == -1:
             value = 0  # vLLM's "off"
-        if name == "stop" and isinstance(value, (list, tuple)):
-            value = list(value)
+        if name in ("stop", "stop_token_ids") and isinstance(value, (list, tuple)):
+            value = [int(v) if name == "stop_token_ids" and isinstance(v, float) and v.is_integer() else v
+                     for v in value]
         wrong = kind_error(name, value)
         if wrong:
             raise ValueError(f"sampling parameter {name}={value!r}: expected {wrong}")
+        if name == "logit_bias":  # keys arrive as text from JSON (OpenAI's), values as numbers
+            value = {int(k): float(v) for k, v in value.items() if v is not None}
+        if name in STRUCTURED:
+            value = structured_spec(name, value)
+            if value is None:  # response_format text: unconstrained
+                continue
+            if "structured" in changes:
+                raise ValueError(f"sampling parameter {name}: a row takes one structured-output constraint")
         changes[SUPPORTED[name]] = value
     try:
         return replace(defaults, **changes)  # SamplingParams.__post_init__ checks the ranges
@@ -98,8 +108,61 @@ def to_sampling(fields: dict, defaults: SamplingParams) -> SamplingParams:
 
 
 
+def structured_spec(name: str, value) -> dict | None:
+    """A row's structured-output request -> SamplingParams.structured (None: none). response_format is
+    OpenAI's ({"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}); structured_outputs
+    and guided_decoding are vLLM's ({"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} |
+    {"json_object": true}). JSON text (a file's column) is read as JSON. ValueError naming what is wrong."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f"{name} is not a JSON object") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be an object, got {type(value).__name__}")
+    value = {k: v for k, v in value.items() if v is not None}  # an Arrow struct's absent fields
+    if name == "response_format":
+        kind = value.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"type": "json_object"}
+        if kind == "json_schema":
+            inner = value.get("json_schema") or {}
+            schema = inner.get("schema") if isinstance(inner, dict) else None
+            schema = json.loads(schema) if isinstance(schema, str) else schema
+            if not isinstance(schema, dict):
+                raise ValueError("response_format json_schema needs json_schema.schema (an object)")
+            return {"type": "json_schema", "schema": schema}
+        raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+    if len(value) != 1:
+        raise ValueError(f"{name} takes one of json, regex, choice, grammar, json_object; got {sorted(value)}")
+    (kind, arg), = value.items()
+    if kind == "json":
+        schema = json.loads(arg) if isinstance(arg, str) else arg
+        return {"type": "json_schema", "schema": schema}
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "regex":
+        return {"type": "regex", "pattern": arg}
+    if kind == "choice":
+        return {"type": "choice", "choices": list(arg)}
+    if kind == "grammar":
+        return {"type": "grammar", "grammar": arg}
+    raise ValueError(f"{name} takes one of json, regex, choice, grammar, json_object; got {kind!r}")
+
+
 def kind_error(name: str, value) -> str | None:
     """What a SUPPORTED parameter must be, when value is not that kind (SamplingParams checks the ranges)."""
+    if name in STRUCTURED:
+        return None  # structured_spec checks these
+    if name == "logit_bias":
+        ok = isinstance(value, dict) and all(str(k).isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool)
+                                             for k, v in value.items() if v is not None)
+        return None if ok else "an object of token id -> number"
+    if name == "stop_token_ids":
+        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        return None if ok else "a list of token ids"
     if name == "ignore_eos":
         return None if isinstance(value, bool) else "true or false"
     if name == "stop":

@@ -34,6 +34,10 @@ OUTPUT_SCHEMA = pa.schema([
     ("cached_prompt_tokens", pa.int32()),  # of them, found in the engine's prefix cache (not prefilled)
     ("completion_tokens", pa.int32()),
     ("exit_layers", pa.list_(pa.int16())),  # per generated token: decoder layers run (1-based)
+    # per generated token, when the row asks (logprobs: k): its log-probability and the k most likely tokens'
+    ("logprobs", pa.list_(pa.struct([("token", pa.int64()), ("logprob", pa.float64()),
+                                     ("top_logprobs", pa.list_(pa.struct([("token", pa.int64()),
+                                                                          ("logprob", pa.float64())])))]))),
     ("avg_layers", pa.float64()),
     ("latency_s", pa.float64()),  # this row: its engine batch's start to its own last token
     ("ttft_s", pa.float64()),  # this row: its engine batch's start to its first token (the batch's prefill)
@@ -300,6 +304,9 @@ class GenerateRows:
             "id": row_id, "prompt": prompt, "error": None,
             "completion": r.text, "finish_reason": r.finish_reason, "prompt_tokens": r.prompt_tokens,
             "cached_prompt_tokens": r.cached_prompt_tokens, "completion_tokens": len(r.token_ids), "exit_layers": r.exit_layers,
+            "logprobs": None if r.logprobs is None else [
+                {"token": e["token"], "logprob": e["logprob"],
+                 "top_logprobs": [{"token": t, "logprob": lp} for t, lp in e["top_logprobs"]]} for e in r.logprobs],
             "avg_layers": r.stats["avg_layers"], "latency_s": r.metrics["e2e_latency_s"],
             "ttft_s": r.metrics["ttft_s"],
             "retune_histogram": r.stats.get("retune_histogram") if self.cfg.mode == "specee" else None,

@@ -60,7 +60,8 @@ OWN_SAMPLING = [{"id": "max2", "prompt": GOOD[6], "max_tokens": 2},
                 {"id": "hot", "prompt": GOOD[0], "sampling_params": {"max_tokens": 3, "temperature": 0.8, "seed": 1}},
                 {"id": "bad-max", "prompt": GOOD[1], "max_tokens": "x"},
                 {"id": "bad-temp", "prompt": GOOD[2], "temperature": -1},
-                {"id": "not-yet", "prompt": GOOD[3], "sampling_params": {"logprobs": 2}}]
+                {"id": "not-yet", "prompt": GOOD[3], "sampling_params": {"n": 2}},
+                {"id": "logprobs", "prompt": GOOD[4], "sampling_params": {"max_tokens": 3, "logprobs": 2}}]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,7 @@ def test_jsonl_to_parquet_with_error_rows(jsonl_run):
     assert sorted(df.index) == sorted(good + ["not-a-string", "empty", "missing", "too-long", "prompts.jsonl:10"] +
                                       [r["id"] for r in OWN_SAMPLING])
     assert pq.read_schema(next(out.glob("part-*.parquet"))) == OUTPUT_SCHEMA
-    assert len(df) == 17 and sorted(p.name for p in out.iterdir() if not p.name.startswith("part-")) == \
+    assert len(df) == 18 and sorted(p.name for p in out.iterdir() if not p.name.startswith("part-")) == \
         ["_summary.json"]  # dense: no schedules
     ok = df.loc[good]
     assert ok["error"].isna().all() and (ok["completion_tokens"] <= MAX_NEW).all()
@@ -95,7 +96,7 @@ def test_jsonl_to_parquet_with_error_rows(jsonl_run):
     assert errors["empty"] == "PromptError: prompt is empty"
     assert errors["too-long"].startswith("PromptError: prompt has") and "context holds 64" in errors["too-long"]
     assert df.loc[list(errors.index), "completion"].isna().all()
-    assert summary["rows"] == summary["rows_this_run"] == 17 and summary["errors"] == 8
+    assert summary["rows"] == summary["rows_this_run"] == 18 and summary["errors"] == 8
     assert summary["avg_layers"] == 2 and summary["est_speedup_upper_bound"] == 1
     assert summary["completion_tokens"] == int(df["completion_tokens"].sum())
     assert json.loads((out / "_summary.json").read_text())["run_id"] == summary["run_id"]
@@ -117,7 +118,10 @@ def test_rows_with_their_own_sampling_in_the_job(jsonl_run, model_dir):
     assert pd.isna(df.loc["hot", "error"]) and 1 <= df.loc["hot", "completion_tokens"] <= 3
     assert df.loc["bad-max", "error"] == "InputError: sampling parameter max_tokens='x': expected a number"
     assert df.loc["bad-temp", "error"].startswith("InputError: sampling parameters temperature=-1: temperature must")
-    assert df.loc["not-yet", "error"] == "InputError: sampling parameter logprobs=2 is not supported yet"
+    assert df.loc["not-yet", "error"] == "InputError: sampling parameter n=2 is not supported yet (only 1)"
+    lps = df.loc["logprobs", "logprobs"]  # the Parquet column: one struct per generated token
+    assert len(lps) == df.loc["logprobs", "completion_tokens"] and all(len(e["top_logprobs"]) == 2 for e in lps)
+    assert df.loc["max2", "logprobs"] is None  # not asked
 
 
 def test_row_metrics_are_the_rows_own(jsonl_run):
@@ -268,7 +272,7 @@ def test_analyze_stats_and_png(jsonl_run, tmp_path):
 
     cfg, summary, out = jsonl_run
     result = analyze.main([str(out), "--png", str(tmp_path / "hist.png")])
-    assert (result["rows"], result["errors"], result["avg_layers"]) == (17, 8, 2.0)
+    assert (result["rows"], result["errors"], result["avg_layers"]) == (18, 8, 2.0)
     assert result["error_kinds"] == {"InputError": 6, "PromptError": 2}
     [run_stats] = result["per_run"]
     assert run_stats["run_id"] == summary["run_id"] and run_stats["tokens"] == summary["completion_tokens"]
@@ -277,7 +281,7 @@ def test_analyze_stats_and_png(jsonl_run, tmp_path):
     png = tmp_path / "hist.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
     default = analyze.main([str(out)])  # the default plot sits beside the rows, hidden from Parquet readers
-    assert Path(default["png"]) == out / "_exit_layers.png" and len(read_output(out)) == 17
+    assert Path(default["png"]) == out / "_exit_layers.png" and len(read_output(out)) == 18
 
 
 def test_specee_retunes_within_one_run_without_new_actors(tmp_path):

@@ -4,6 +4,9 @@ processing, chat messages, Parquet out, an engine actor lost mid-batch, Ray Data
 example run as it is, and rows that each set their own sampling."""
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pandas as pd
 import pytest
 import ray
@@ -122,6 +125,8 @@ def test_ray_data_llms_documented_example_runs_after_changing_its_import():
         assert r["mode"] == "auto" and r["id"]  # no id given: one made up
 
 
+JSON_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 30}},
+               "required": ["answer"], "additionalProperties": False}
 # Rows that set their own sampling, Ray Data LLM's way (sampling_params) and in columns of their own; the rest
 # take the config's (SETTINGS: 8 tokens, greedy). One row asks for a bad value, one for what the engine lacks.
 OWN_SAMPLING = [
@@ -136,7 +141,10 @@ OWN_SAMPLING = [
     {"id": "chat", "messages": [{"role": "system", "content": "Be brief."},
                                 {"role": "user", "content": "What is a tuple?"}]},
     {"id": "bad", "prompt": QUESTIONS[0], "temperature": -1.0},
-    {"id": "logprobs", "prompt": QUESTIONS[1], "sampling_params": {"logprobs": 2}},
+    {"id": "logprobs", "prompt": QUESTIONS[1], "sampling_params": {"max_tokens": 6, "logprobs": 2}},
+    {"id": "json", "prompt": QUESTIONS[2], "max_tokens": 40, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": JSON_SCHEMA}}},
+    {"id": "not-yet", "prompt": QUESTIONS[3], "sampling_params": {"n": 2}},
     {"id": "bad-chat", "messages": [{"role": "user", "content": None}]},
 ]
 # what each greedy row must equal: the engine called directly with the same parameters
@@ -169,9 +177,13 @@ def test_rows_with_their_own_sampling(engine, mode):
     assert df.loc["chat", "prompt"] == engine.chat_prompt(chats["chat"])  # messages: the text the engine ran
     assert pd.isna(df.loc["hot", "error"]) and 1 <= df.loc["hot", "num_generated_tokens"] <= 6
     assert df.loc["bad", "error"].startswith("InputError: sampling parameters temperature=-1.0")
-    assert df.loc["logprobs", "error"] == "InputError: sampling parameter logprobs=2 is not supported yet"
+    assert df.loc["not-yet", "error"] == "InputError: sampling parameter n=2 is not supported yet (only 1)"
     assert "chat messages must be" in df.loc["bad-chat", "error"]
-    assert df.loc[["bad", "logprobs", "bad-chat"], "generated_text"].isna().all()
+    assert df.loc[["bad", "not-yet", "bad-chat"], "generated_text"].isna().all()
+    lps = df.loc["logprobs", "logprobs"]  # asked: one entry per generated token; the others: none
+    assert len(lps) == df.loc["logprobs", "num_generated_tokens"] and all(len(e["top_logprobs"]) == 2 for e in lps)
+    assert df.loc["default", "logprobs"] is None
+    jsonschema.validate(json.loads(df.loc["json", "generated_text"]), JSON_SCHEMA)
 
 
 def test_bad_settings_fail_before_any_row():

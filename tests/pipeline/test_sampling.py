@@ -29,6 +29,17 @@ def test_vllm_names_map_to_the_engines():
     assert sampling({"max_tokens": 4.0, "temperature": None}) == SamplingParams(max_new_tokens=4, stop=["\n\n"])
     assert sampling({"sampling_params": '{"max_tokens": 2, "n": 1, "presence_penalty": 0}'}).max_new_tokens == 2
     assert row_fields({"prompt": "x", "id": "a"}) == {}  # nothing of its own: the defaults
+    full = sampling({"sampling_params": json.dumps({
+        "presence_penalty": 0.5, "frequency_penalty": 1.0, "repetition_penalty": 1.2, "min_tokens": 2,
+        "stop_token_ids": [7], "logit_bias": {"12": -5}, "logprobs": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}})})
+    assert (full.presence_penalty, full.frequency_penalty, full.repetition_penalty, full.min_tokens) == (0.5, 1.0, 1.2, 2)
+    assert full.stop_token_ids == [7] and full.logit_bias == {12: -5.0} and full.logprobs == 3
+    assert full.structured == {"type": "json_schema", "schema": {"type": "object"}}
+    assert sampling({"structured_outputs": {"choice": ["yes", "no"]}}).structured == {"type": "choice",
+                                                                                     "choices": ["yes", "no"]}
+    assert sampling({"guided_decoding": {"json": '{"type": "object"}'}}).structured["schema"] == {"type": "object"}
+    assert sampling({"response_format": {"type": "text"}}).structured is None
 
 
 @pytest.mark.parametrize("row, message", [
@@ -39,9 +50,13 @@ def test_vllm_names_map_to_the_engines():
     ({"temperature": float("inf")}, "expected a finite number"),
     ({"stop": [1]}, r"stop=\[1\]: expected a string or a list of strings"),
     ({"ignore_eos": "yes"}, "ignore_eos='yes': expected true or false"),
-    ({"logprobs": 1}, "logprobs=1 is not supported yet"),
     ({"sampling_params": {"n": 2}}, r"n=2 is not supported yet \(only 1\)"),
-    ({"response_format": {"type": "json_object"}}, "response_format=.* is not supported yet"),
+    ({"response_format": {"type": "xml"}}, "response_format type must be"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "takes one of"),
+    ({"logit_bias": {"x": 1}}, "expected an object of token id -> number"),
+    ({"stop_token_ids": [1.5]}, "expected a list of token ids"),
+    ({"frequency_penalty": 3}, "frequency_penalty must be"),
+    ({"response_format": {"type": "json_object"}, "guided_decoding": {"regex": "a"}}, "one structured-output"),
     ({"sampling_params": {"max_new_tokens": 3}}, "'max_new_tokens' is not supported"),
     ({"sampling_params": "{oops"}, "sampling_params is not a JSON object"),
     ({"sampling_params": [1]}, "sampling_params must be a dict"),
@@ -74,7 +89,7 @@ def test_prepare_rows_checks_each_rows_sampling_and_messages():
     batch = pd.DataFrame({"id": ["a", None, "c", "d", "e"],
                           "prompt": [None, "plain", None, msgs, "x"],
                           "messages": [msgs, None, [{"role": "user", "content": 5}], None, None],
-                          "sampling_params": [{"max_tokens": 2}, None, None, None, '{"logprobs": 1}'],
+                          "sampling_params": [{"max_tokens": 2}, None, None, None, '{"n": 2}'],
                           "max_tokens": [None, "x", None, 3, None], "topic": ["t"] * 5})
     out = prep(batch).to_pylist()
     a, b, c, d, e = out
@@ -83,7 +98,7 @@ def test_prepare_rows_checks_each_rows_sampling_and_messages():
     assert b["input_error"] == "sampling parameter max_tokens='x': expected a number" and b["id"]
     assert [r["max_tokens"] for r in out] == [None, "x", None, 3, None]
     assert c["input_error"] == "chat messages must be {'role': str, 'content': str} objects"
-    assert e["input_error"] == "sampling parameter logprobs=1 is not supported yet"
+    assert e["input_error"] == "sampling parameter n=2 is not supported yet (only 1)"
     assert [r["topic"] for r in out] == ["t"] * 5 and a["sampling_params"] == {"max_tokens": 2}
     with pytest.raises(ValueError, match="needs a 'messages' or a 'prompt' column"):
         prep(pd.DataFrame({"question": ["q"]}))
