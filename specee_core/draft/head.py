@@ -170,17 +170,31 @@ class DraftModel:
         h = self.fc(torch.cat((m.embed(tokens), feats), dim=-1))
         return m.layer(0, h, m.rope_for(positions), cache, rows, n_valid, tree)
 
-    def top_log_probs(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def top_log_probs(self, out: torch.Tensor, k: int, allowed: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft output features [..., D] -> (log-probabilities [..., k] fp32, token ids [..., k]) of the
-        k most likely next tokens, best first (normalised over the frequent-token subset, when ranked)."""
-        logits = self.base.lm_head(out) if self.subset is None else self.subset_head(out)
-        logp, idx = logits.float().log_softmax(-1).topk(k, dim=-1)
+        k most likely next tokens, best first (normalised over the frequent-token subset, when ranked).
+        allowed [..., V] bool (structured output): only those tokens (a row allowing none of the ranked ones
+        is left unmasked)."""
+        logits = (self.base.lm_head(out) if self.subset is None else self.subset_head(out)).float()
+        if allowed is not None:
+            logits = _only(logits, allowed if self.subset is None else allowed[..., self.subset.cpu()])
+        logp, idx = logits.log_softmax(-1).topk(k, dim=-1)
         return logp, (idx if self.subset is None else self.subset[idx])
 
-    def full_logits(self, out: torch.Tensor) -> torch.Tensor:
+    def full_logits(self, out: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Draft output features [N, D] -> logits [N, V] fp32 over the whole vocabulary (-inf outside the
-        frequent-token subset, when the head ranks one)."""
+        frequent-token subset, when the head ranks one; and outside allowed [N, V], when given)."""
         if self.subset is None:
-            return self.base.lm_head(out).float()
-        logits = torch.full((out.shape[0], self.base.config.vocab_size), float("-inf"), device=out.device)
-        return logits.index_copy_(1, self.subset, self.subset_head(out).float())
+            logits = self.base.lm_head(out).float()
+        else:
+            logits = torch.full((out.shape[0], self.base.config.vocab_size), float("-inf"), device=out.device)
+            logits.index_copy_(1, self.subset, self.subset_head(out).float())
+        return logits if allowed is None else _only(logits, allowed)
+
+
+def _only(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] with the tokens outside allowed [..., V] at -inf, except on rows allowing none of them."""
+    allowed = allowed.to(logits.device)
+    keep = allowed & torch.isfinite(logits)
+    return torch.where(keep.any(-1, keepdim=True), logits.masked_fill(~allowed, float("-inf")), logits)

@@ -19,6 +19,7 @@ import torch
 
 from specee_core.draft.lookup import LOOKUP_NGRAM, NgramIndex
 from specee_core.draft.tree import Draft, TreeShape
+from specee_core.step.grammar import allowed_tokens
 from specee_core.step.sampling import SamplingParams, probabilities
 
 if TYPE_CHECKING:
@@ -152,31 +153,38 @@ class Proposer:
              max_nodes: int | None = None) -> Draft:
         """The draft head's draft after each row's root, no deeper than depths[r] and with at most max_nodes
         drafted nodes (None: shape.nodes): a tree of its most likely tokens (deterministic, q None), or,
-        sampling with width 1, a chain drawn from its distribution, recorded in q for rejection sampling."""
+        sampling with width 1, a chain drawn from its distribution, recorded in q for rejection sampling. With
+        structured output a chain's every level is drafted among the tokens the row's grammar allows there."""
         roots = [batch.last(b) for b in rows]
+        matchers = [batch.matchers[b] for b in rows] if batch.params.structured else None
         synced, counts, f = self._feed(rows)
         if max(depths) == 0:  # every row is one token from its end: the base's token alone
             return Draft.chains(roots, [[] for _ in rows])
         base = synced + counts  # [N] host: the draft cache slot of the first drafted node
         try:
             if params is not None and not params.greedy and shape.width == 1:
-                return self._sampled_chain(rows, roots, depths, f, base, params, generator)
-            return self._expand(rows, roots, depths, f, base, shape, max_nodes or shape.nodes)
+                return self._sampled_chain(rows, roots, depths, f, base, params, generator, matchers)
+            return self._expand(rows, roots, depths, f, base, shape, max_nodes or shape.nodes,
+                                matchers if shape.width == 1 else None)
         finally:
             self.cache.truncate(torch.tensor(rows), base)  # drop the drafted pairs: their features were guesses
 
     def _cache_rows(self, rows: list[int]) -> torch.Tensor | None:
         return None if rows == list(range(self.cache.batch)) else torch.tensor(rows, device=self.device)
 
-    def _expand(self, rows, roots, depths, f, base, shape: TreeShape, max_nodes: int) -> Draft:
+    def _expand(self, rows, roots, depths, f, base, shape: TreeShape, max_nodes: int, matchers=None) -> Draft:
         """EAGLE-2 expansion. Level 1 = the root's `width` best children; each further level feeds the
         previous level's `width` best nodes (by cumulative log-probability) through the draft head as
-        one chunk that attends to its ancestors, and drafts their `width` best children each."""
+        one chunk that attends to its ancestors, and drafts their `width` best children each. matchers
+        (chains only): each level drafts among what the row's grammar allows after the chain so far."""
         draft, dev = self.draft, self.device
         n, w = len(rows), shape.width
         depth = max(depths)
         sub = self._cache_rows(rows)
-        score, tok = draft.top_log_probs(f, w)  # [N, W]
+        vocab = draft.base.config.vocab_size
+        chain: list[list[int]] = [[] for _ in rows]  # matchers: the drafted chain so far
+        allowed = None if matchers is None else allowed_tokens(matchers, chain, vocab)
+        score, tok = draft.top_log_probs(f, w, allowed)  # [N, W]
         pool_tok, pool_score, pool_parent = [tok], [score], [torch.full((n, w), -1, device=dev)]
         pool_depth = [1]
         frontier = torch.arange(w, device=dev).expand(n, w)  # [N, W] pool indices of the level's best nodes
@@ -191,7 +199,11 @@ class Proposer:
             positions = (base[:, None] + level - 1).expand(n, w).to(dev)
             tree = torch.cat((anc, eye), 2)  # [N, W, S + W]
             out = draft.forward(self.cache, ftok, front_feat, positions, sub, tree=tree)  # [N, W, D] the frontier's
-            child_logp, child_tok = draft.top_log_probs(out, w)  # [N, W, W]
+            if matchers is not None:  # width 1: the frontier is the chain's last token
+                for r, t in enumerate(ftok[:, 0].tolist()):
+                    chain[r].append(t)
+                allowed = allowed_tokens(matchers, chain, vocab)[:, None]
+            child_logp, child_tok = draft.top_log_probs(out, w, allowed)  # [N, W, W]
             child_score = child_logp + all_score.gather(1, frontier)[:, :, None]
             pool_tok.append(child_tok.reshape(n, w * w))
             pool_score.append(child_score.reshape(n, w * w))
@@ -216,12 +228,17 @@ class Proposer:
         out.cand[:, 0], out.cand_prob[:, 0] = tok.cpu(), score.exp().cpu()  # the root's: level 1
         return out
 
-    def _sampled_chain(self, rows, roots, depths, f, base, params, generator) -> Draft:
+    def _sampled_chain(self, rows, roots, depths, f, base, params, generator, matchers=None) -> Draft:
         draft, dev = self.draft, self.device
         sub = self._cache_rows(rows)
         drafted, qs = [], []
+        vocab = draft.base.config.vocab_size
         for step in range(max(depths)):
-            q = probabilities(draft.full_logits(f), params)  # [N, V] the draft's distribution
+            allowed = None
+            if matchers is not None:  # the grammar's tokens after the chain so far
+                allowed = allowed_tokens(matchers, torch.stack(drafted, 1).tolist() if drafted else [[] for _ in rows],
+                                         vocab)
+            q = probabilities(draft.full_logits(f, allowed), params)  # [N, V] the draft's distribution
             tok = torch.multinomial(q, 1, generator=generator).squeeze(1)
             qs.append(q.cpu())
             drafted.append(tok)

@@ -66,16 +66,15 @@ class Grammar:
         return LLMatcher(self.tokenizer, self.text)
 
 
-def mask_logits(logits: torch.Tensor, matchers: list, paths: list[list[int]]) -> torch.Tensor:
-    """logits [R, V] float, in place: row r keeps only the tokens matchers[r] allows after consuming paths[r]
-    (then rolled back). A path the matcher refuses leaves its row unmasked: such a node follows a token its
-    parent's mask excluded, so no step can accept it. matchers[r] None: row r is not constrained."""
-    from llguidance.torch import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
+def _bitmask(matchers: list, paths: list[list[int]], vocab: int) -> tuple[list[int], torch.Tensor | None]:
+    """(the rows with a matcher, their llguidance bitmask [len(rows), ceil(vocab / 32)] int32): what each allows
+    after consuming its path (then rolled back); all bits set where a matcher refuses its path or is complete."""
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
     rows = [r for r, m in enumerate(matchers) if m is not None]
     if not rows:
-        return logits
-    bitmask = allocate_token_bitmask(len(rows), logits.shape[-1])
+        return rows, None
+    bitmask = allocate_token_bitmask(len(rows), vocab)
     bitmask.fill_(-1)  # all allowed: what a refused path keeps
     for i, r in enumerate(rows):
         m = matchers[r]
@@ -84,6 +83,18 @@ def mask_logits(logits: torch.Tensor, matchers: list, paths: list[list[int]]) ->
             fill_next_token_bitmask(m, bitmask, i)
         if consumed:
             m.rollback(consumed)
+    return rows, bitmask
+
+
+def mask_logits(logits: torch.Tensor, matchers: list, paths: list[list[int]]) -> torch.Tensor:
+    """logits [R, V] float, in place: row r keeps only the tokens matchers[r] allows after consuming paths[r]
+    (then rolled back). A path the matcher refuses leaves its row unmasked: such a node follows a token its
+    parent's mask excluded, so no step can accept it. matchers[r] None: row r is not constrained."""
+    from llguidance.torch import apply_token_bitmask_inplace
+
+    rows, bitmask = _bitmask(matchers, paths, logits.shape[-1])
+    if not rows:
+        return logits
     if len(rows) == len(matchers):  # every row constrained (one lane, one constraint): in place
         apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
         return logits
@@ -91,3 +102,17 @@ def mask_logits(logits: torch.Tensor, matchers: list, paths: list[list[int]]) ->
     apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
     logits[rows] = sub
     return logits
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def allowed_tokens(matchers: list, paths: list[list[int]], vocab: int) -> torch.Tensor:
+    """[R, vocab] bool: the tokens matchers[r] allows after paths[r] (every token where a row has no matcher,
+    refuses its path or is complete). What the draft head's proposals are masked with."""
+    rows, bitmask = _bitmask(matchers, paths, vocab)
+    out = torch.ones(len(matchers), vocab, dtype=torch.bool)
+    if rows:
+        bits = ((bitmask[:, :, None] >> _BITS) & 1).bool().reshape(len(rows), -1)[:, :vocab]
+        out[rows] = bits
+    return out
