@@ -165,14 +165,15 @@ class Proposer:
             if params is not None and not params.greedy and shape.width == 1:
                 return self._sampled_chain(rows, roots, depths, f, base, params, generator, matchers)
             return self._expand(rows, roots, depths, f, base, shape, max_nodes or shape.nodes,
-                                matchers if shape.width == 1 else None)
+                                matchers if shape.width == 1 else None, batch)
         finally:
             self.cache.truncate(torch.tensor(rows), base)  # drop the drafted pairs: their features were guesses
 
     def _cache_rows(self, rows: list[int]) -> torch.Tensor | None:
         return None if rows == list(range(self.cache.batch)) else torch.tensor(rows, device=self.device)
 
-    def _expand(self, rows, roots, depths, f, base, shape: TreeShape, max_nodes: int, matchers=None) -> Draft:
+    def _expand(self, rows, roots, depths, f, base, shape: TreeShape, max_nodes: int, matchers=None,
+                batch: Batch | None = None) -> Draft:
         """EAGLE-2 expansion. Level 1 = the root's `width` best children; each further level feeds the
         previous level's `width` best nodes (by cumulative log-probability) through the draft head as
         one chunk that attends to its ancestors, and drafts their `width` best children each. matchers
@@ -183,7 +184,8 @@ class Proposer:
         sub = self._cache_rows(rows)
         vocab = draft.base.config.vocab_size
         chain: list[list[int]] = [[] for _ in rows]  # matchers: the drafted chain so far
-        allowed = None if matchers is None else allowed_tokens(matchers, chain, vocab)
+        memo = None if batch is None else batch.mask_memo
+        allowed = None if matchers is None else allowed_tokens(matchers, chain, vocab, [(b, ()) for b in rows], memo)
         score, tok = draft.top_log_probs(f, w, allowed)  # [N, W]
         pool_tok, pool_score, pool_parent = [tok], [score], [torch.full((n, w), -1, device=dev)]
         pool_depth = [1]
@@ -202,7 +204,8 @@ class Proposer:
             if matchers is not None:  # width 1: the frontier is the chain's last token
                 for r, t in enumerate(ftok[:, 0].tolist()):
                     chain[r].append(t)
-                allowed = allowed_tokens(matchers, chain, vocab)[:, None]
+                allowed = allowed_tokens(matchers, chain, vocab, [(b, tuple(c)) for b, c in zip(rows, chain)],
+                                         memo)[:, None]
             child_logp, child_tok = draft.top_log_probs(out, w, allowed)  # [N, W, W]
             child_score = child_logp + all_score.gather(1, frontier)[:, :, None]
             pool_tok.append(child_tok.reshape(n, w * w))

@@ -66,9 +66,12 @@ class Grammar:
         return LLMatcher(self.tokenizer, self.text)
 
 
-def _bitmask(matchers: list, paths: list[list[int]], vocab: int) -> tuple[list[int], torch.Tensor | None]:
+def _bitmask(matchers: list, paths: list[list[int]], vocab: int, keys: list | None = None,
+             memo: dict | None = None) -> tuple[list[int], torch.Tensor | None]:
     """(the rows with a matcher, their llguidance bitmask [len(rows), ceil(vocab / 32)] int32): what each allows
-    after consuming its path (then rolled back); all bits set where a matcher refuses its path or is complete."""
+    after consuming its path (then rolled back); all bits set where a matcher refuses its path or is complete.
+    memo: masks already computed since the matchers last advanced, by keys[r] (a draft's level and the verify
+    node on the same path need one mask, not two)."""
     from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
     rows = [r for r, m in enumerate(matchers) if m is not None]
@@ -77,22 +80,28 @@ def _bitmask(matchers: list, paths: list[list[int]], vocab: int) -> tuple[list[i
     bitmask = allocate_token_bitmask(len(rows), vocab)
     bitmask.fill_(-1)  # all allowed: what a refused path keeps
     for i, r in enumerate(rows):
+        if memo is not None and keys[r] in memo:
+            bitmask[i] = memo[keys[r]]
+            continue
         m = matchers[r]
         consumed = m.try_consume_tokens(paths[r]) if paths[r] else 0  # stops before a refused token, no error state
         if consumed == len(paths[r]) and not m.is_stopped():
             fill_next_token_bitmask(m, bitmask, i)
         if consumed:
             m.rollback(consumed)
+        if memo is not None:
+            memo[keys[r]] = bitmask[i].clone()
     return rows, bitmask
 
 
-def mask_logits(logits: torch.Tensor, matchers: list, paths: list[list[int]]) -> torch.Tensor:
+def mask_logits(logits: torch.Tensor, matchers: list, paths: list[list[int]], keys: list | None = None,
+                memo: dict | None = None) -> torch.Tensor:
     """logits [R, V] float, in place: row r keeps only the tokens matchers[r] allows after consuming paths[r]
     (then rolled back). A path the matcher refuses leaves its row unmasked: such a node follows a token its
     parent's mask excluded, so no step can accept it. matchers[r] None: row r is not constrained."""
     from llguidance.torch import apply_token_bitmask_inplace
 
-    rows, bitmask = _bitmask(matchers, paths, logits.shape[-1])
+    rows, bitmask = _bitmask(matchers, paths, logits.shape[-1], keys, memo)
     if not rows:
         return logits
     if len(rows) == len(matchers):  # every row constrained (one lane, one constraint): in place
@@ -107,10 +116,11 @@ def mask_logits(logits: torch.Tensor, matchers: list, paths: list[list[int]]) ->
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
-def allowed_tokens(matchers: list, paths: list[list[int]], vocab: int) -> torch.Tensor:
+def allowed_tokens(matchers: list, paths: list[list[int]], vocab: int, keys: list | None = None,
+                   memo: dict | None = None) -> torch.Tensor:
     """[R, vocab] bool: the tokens matchers[r] allows after paths[r] (every token where a row has no matcher,
     refuses its path or is complete). What the draft head's proposals are masked with."""
-    rows, bitmask = _bitmask(matchers, paths, vocab)
+    rows, bitmask = _bitmask(matchers, paths, vocab, keys, memo)
     out = torch.ones(len(matchers), vocab, dtype=torch.bool)
     if rows:
         bits = ((bitmask[:, :, None] >> _BITS) & 1).bool().reshape(len(rows), -1)[:, :vocab]

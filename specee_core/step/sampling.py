@@ -95,7 +95,8 @@ class SamplingParams:
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, texts: list[tuple[list[int], list[int]]],
                    stop_ids: frozenset[int], matchers: list | None = None,
-                   paths: list[list[int]] | None = None) -> torch.Tensor:
+                   paths: list[list[int]] | None = None, mask_keys: list | None = None,
+                   mask_memo: dict | None = None) -> torch.Tensor:
     """logits [R, V] -> the logits the choice is made from: logit_bias added, the penalties applied over each
     row's text (repetition over prompt and output, then frequency and presence over the output), and the stop tokens (stop_ids: EOS and stop_token_ids) masked while a row is short of
     min_tokens. texts[r]: (prompt, output) of logits row r, output being every token before the one chosen
@@ -133,7 +134,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, texts: list[tup
         if short and stop_ids:
             out[torch.tensor(short, device=dev)[:, None], torch.tensor(sorted(stop_ids), device=dev)] = float("-inf")
     if params.structured and matchers is not None:
-        mask_logits(out, matchers, paths or [[] for _ in matchers])
+        mask_logits(out, matchers, paths or [[] for _ in matchers], mask_keys, mask_memo)
     return out
 
 

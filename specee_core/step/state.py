@@ -120,6 +120,8 @@ class Batch:
         self.stop_matchers = [StopMatcher(()) for _ in range(n)]
         self.logprobs = [None] * n
         self.matchers: list = [None] * n  # per row, with structured output: its llguidance matcher
+        # grammar masks by (row, drafted path) since the matchers last advanced (grammar._bitmask's memo)
+        self.mask_memo: dict = {}
         self.grammar = None if self.params.structured is None else self.rules.grammar(self.params.structured)
         self.stop_ids = frozenset(self.params.stop_token_ids) | (frozenset() if self.params.ignore_eos
                                                                  else self.rules.eos_ids)
@@ -168,7 +170,9 @@ class Batch:
             return logits
         if texts is None:
             texts = [(self.prompt(b), self.output(b) + (paths[r] if paths else [])) for r, b in enumerate(rows)]
-        return process_logits(logits, self.params, texts, self.stop_ids, [self.matchers[b] for b in rows], paths)
+        keys = [(b, tuple(paths[r]) if paths else ()) for r, b in enumerate(rows)]
+        return process_logits(logits, self.params, texts, self.stop_ids, [self.matchers[b] for b in rows], paths,
+                              keys, self.mask_memo)
 
     def room(self, b: int) -> int:
         """Tokens row b may still emit."""
@@ -180,6 +184,7 @@ class Batch:
         its first token is masked too)."""
         self.finish[b] = PREFILL
         self.matchers[b] = None if self.grammar is None else self.grammar.matcher()
+        self.mask_memo.clear()
 
     def start(self, rows: list[int], prompts: list[list[int]], max_new: list[int], stops: list[list[str]],
               first: torch.Tensor, last_hidden: torch.Tensor, saved: list[SavedRow | None] | None = None,
@@ -189,6 +194,7 @@ class Batch:
         (context()) was prefilled again, first is its last generated token, and nothing is recorded again.
         first_logprobs[r]: the first token's logprob entry, when the params ask for them."""
         now = time.perf_counter()
+        self.mask_memo.clear()  # resumed rows take their own matchers back
         fresh = []
         for r, b in enumerate(rows):
             old = None if saved is None else saved[r]
@@ -249,6 +255,7 @@ class Batch:
         the params ask), advance positions, and settle finished rows: no token after a row's stop (EOS, a
         stop token, a stop string, max_new) is kept."""
         now = time.perf_counter()
+        self.mask_memo.clear()  # the matchers advance
         for i, (b, block, block_layers) in enumerate(zip(alive, toks, layers)):
             for j, (tok, layer) in enumerate(zip(block, block_layers)):
                 if self.finish[b] is None:
