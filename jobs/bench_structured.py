@@ -32,14 +32,15 @@ def prompts(engine: SpecEEEngine, path: Path, n: int) -> list[str]:
                                  "summary, arguments and returns_value."}]) for r in rows]
 
 
-def run(engine: SpecEEEngine, batch: list[str], mode: str, params: SamplingParams) -> tuple[float, int]:
-    """(decode tokens/s of the call: tokens after each row's first over the call's decode seconds, tokens)."""
+def run(engine: SpecEEEngine, batch: list[str], mode: str, params) -> tuple[float, list[int]]:
+    """(decode tokens/s of the call: tokens after each row's first over the call's decode seconds, each row's
+    token count)."""
     t0 = time.perf_counter()
     res = engine.generate(batch, mode=mode, sampling_params=params)
     wall = time.perf_counter() - t0
     first = max(r.metrics["ttft_s"] for r in res)  # every row's prefill is done by then
     tokens = sum(len(r.token_ids) - 1 for r in res)
-    return tokens / max(wall - first, 1e-9), tokens
+    return tokens / max(wall - first, 1e-9), [len(r.token_ids) for r in res]
 
 
 def main() -> None:
@@ -66,8 +67,13 @@ def main() -> None:
             for name, p in variants.items():  # warm-up: the plan's costs, the grammar tokenizer
                 engine.generate(ps[:b], mode=mode, sampling_params=SamplingParams(
                     max_new_tokens=8, structured=p.structured))
+            # the schema's replies are shorter than free text: "plain_same_lengths" cuts each row's free text to
+            # the length of its schema reply (ignore_eos), so the batch empties alike and only the constraint differs
+            lengths = run(engine, ps[:b], mode, variants["json_schema"])[1]
+            same = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
             for rnd in range(args.rounds):
-                for name, p in (variants.items() if rnd % 2 == 0 else reversed(variants.items())):
+                order = [*variants.items(), ("plain_same_lengths", same)]
+                for name, p in (order if rnd % 2 == 0 else reversed(order)):
                     tps, _ = run(engine, ps[:b], mode, p)
                     speeds.setdefault(f"{mode}_b{b}_{name}", []).append(tps)
                     print(f"{mode} b{b} {name} round {rnd}: {tps:.1f} tok/s", flush=True)
@@ -82,9 +88,14 @@ def main() -> None:
                k.removesuffix("_plain"): round(statistics.median(speeds[k.replace("_plain", "_json_schema")])
                                               / statistics.median(v), 3)
                for k, v in speeds.items() if k.endswith("_plain")},
+           "ratio_json_schema_to_plain_same_lengths": {
+               k.removesuffix("_plain_same_lengths"): round(
+                   statistics.median(speeds[k.replace("_plain_same_lengths", "_json_schema")]) / statistics.median(v), 3)
+               for k, v in speeds.items() if k.endswith("_plain_same_lengths")},
            "schema_replies_parsing": valid,
            "note": "decode tokens/s: tokens after each row's first over the call's seconds after its last first "
-                   "token; the same prompts with and without the schema, interleaved"}
+                   "token; the same prompts with and without the schema, interleaved; plain_same_lengths: free text "
+                   "cut per row to its schema reply's length, so only the constraint differs"}
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:
