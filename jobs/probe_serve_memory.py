@@ -37,25 +37,32 @@ def used_bytes() -> int:
     return info["MemTotal"] - info["MemAvailable"]
 
 
+def start_server(url: str, timeout_s: float = 600) -> subprocess.Popen:
+    """`serve run pipeline.serve:app` with its defaults (a process group of its own), once /healthz answers."""
+    serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
+    server = subprocess.Popen([serve_cli, "run", "pipeline.serve:app"], start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=5).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        if time.time() - t0 > timeout_s or server.poll() is not None:
+            if server.poll() is None:
+                os.killpg(server.pid, signal.SIGKILL)
+            raise RuntimeError("the server did not become ready")
+        time.sleep(2)
+
+
 def run(cfg: Config) -> dict:
     from jobs.bench import git_commit
     from specee_core.machine import machine_facts
 
     url = f"http://127.0.0.1:{cfg.port}"
-    serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
-    server = subprocess.Popen([serve_cli, "run", "pipeline.serve:app"], start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = start_server(url)
     try:
-        t0 = time.time()
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() - t0 > 600 or server.poll() is not None:
-                raise RuntimeError("the server did not become ready")
-            time.sleep(2)
         time.sleep(3)
         ready = used_bytes()
         health = httpx.get(f"{url}/healthz", timeout=10).json()

@@ -13,20 +13,13 @@ import threading
 import time
 
 import httpx
+
+sys.path.insert(0, ".")
+from jobs.probe_serve_memory import start_server  # noqa: E402
+
 url = "http://127.0.0.1:8000"
-serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
-srv = subprocess.Popen([serve_cli, "run", "pipeline.serve:app"], start_new_session=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+srv = start_server(url)
 try:
-    t0 = time.time()
-    while True:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.time() - t0 < 600 and srv.poll() is None
-        time.sleep(2)
     qs = ["Write a story about a cat.", "Explain how rain forms.", "List ten fruits and their colors.",
           "Describe a busy market.", "How do computers store numbers?", "Write a poem about the sea.",
           "Explain photosynthesis.", "Describe your ideal city."]
