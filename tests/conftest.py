@@ -96,3 +96,26 @@ CODE_PROMPTS = ["def add(a, b):\n", "import os\n", "class Point:\n    def __init
 def code_ids(bundled_fp32):
     """CODE_PROMPTS' token ids."""
     return [bundled_fp32.encode_prompt(p) for p in CODE_PROMPTS]
+
+
+
+RAY_FIXTURE = "ray_cluster"
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray on loopback with 2 CPUs, shared by every test that asks for it (the batch job, the
+    processor, chaos, Serve): one start instead of one per module. The tests that use it run last
+    (pytest_collection_modifyitems), so the rest of the suite runs without Ray's processes beside it."""
+    import ray
+
+    from pipeline.local_ray import init_ray
+
+    if not ray.is_initialized():
+        init_ray("local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: RAY_FIXTURE in item.fixturenames)  # stable: each module's order is kept

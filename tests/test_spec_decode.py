@@ -222,8 +222,8 @@ def test_sampled_spec_keeps_the_base_distribution_end_to_end(tiny, shape):
             t3s, p3 = dist(ids + [a, b])
             for c, pc in zip(t3s, p3):
                 exact[(a, b, c)] = pa * pb * pc
-    runs = tiny.generate([prompt] * 2400, mode="spec", spec={"proposer": "draft", "step_budget": None, **shape}, **kw)
-    assert sum(r.stats["mean_accepted"] * r.stats["spec_steps"] for r in runs) > 200  # drafts were accepted
+    runs = tiny.generate([prompt] * 1200, mode="spec", spec={"proposer": "draft", "step_budget": None, **shape}, **kw)
+    assert sum(r.stats["mean_accepted"] * r.stats["spec_steps"] for r in runs) > 100  # drafts were accepted
     cells = sorted(exact)
     counts = torch.zeros(len(cells))
     for r in runs:

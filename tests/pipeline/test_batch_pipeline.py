@@ -24,7 +24,7 @@ GOOD = ["def add(a, b):\n", "import os\n", "class Point:\n    def __init__(self"
         "x = [1, 2, 3]\n", "with open(path) as f:\n", "return sorted(", "try:\n    import json\n"]
 
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")  # tests/pipeline/conftest.py
+pytestmark = pytest.mark.usefixtures("ray_cluster")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

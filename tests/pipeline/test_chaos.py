@@ -31,7 +31,7 @@ ROWS = 200
 PROMPTS = ["Write a Python function that reverses a string.", "What does os.path.join do?",
            "Name three built-in types.", "How do I open a file for reading?", "Explain list comprehensions."]
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")  # tests/pipeline/conftest.py
+pytestmark = pytest.mark.usefixtures("ray_cluster")  # tests/conftest.py
 
 
 def ray_processes(marker: str) -> list[psutil.Process]:

@@ -23,7 +23,7 @@ QUESTIONS = ["Write a Python function that reverses a string.", "What does os.pa
 SETTINGS = dict(mode="dense", dtype="float32", weights="q4", max_new_tokens=8, batch_size=4)
 
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")  # tests/pipeline/conftest.py
+pytestmark = pytest.mark.usefixtures("ray_cluster")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from specee_core.early_exit.calibration import CALIBRATION_FILE
 from tests.conftest import BUNDLED, REPO, add_early_exit_files, make_hf_model
 from tests.test_calibration import certify_all
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]  # tests/conftest.py
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -45,19 +45,13 @@ def dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(dirs):
+def server(dirs, ray_cluster):
     """Base URL of a running Serve instance with both apps; torn down after the module."""
-    import ray
     from ray import serve
 
-    from pipeline.local_ray import init_ray
     from pipeline.serve import app
 
     plain, chat = dirs
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        init_ray("local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
-                 log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run_many([
@@ -79,8 +73,6 @@ def server(dirs):
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
-        if started_ray:
-            ray.shutdown()
 
 
 @pytest.fixture(scope="module")
