@@ -25,10 +25,12 @@ threads, so the event loop stays free to accept requests and answer /healthz.
 Limits, each a 4xx with an OpenAI-style error body (ServeArgs): body size (413), JSON nesting depth,
 prompts per request, characters per prompt before tokenizing, tokens per request, stop strings'
 count and length (400), requests waiting beyond the running batch (429 with Retry-After), and with
-`api_keys` set, a missing or wrong `Authorization: Bearer` on /v1 and /metrics (401; /health and
-/healthz stay open)."""
+`api_keys` set, a missing or wrong `Authorization: Bearer` on /v1 and /metrics (401; /health stays open,
+/healthz answers only its status, /docs, /redoc and /openapi.json are off).
+
+Closed unless opened: when Serve's HTTP host (http_options.host) is not loopback and no API keys are set,
+the builder and each replica refuse to start, unless allow_open=True (then they log a warning)."""
 import asyncio
-import hmac
 import json
 import logging
 import math
@@ -43,7 +45,8 @@ from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray import serve
 from ray.serve import Application
@@ -60,6 +63,7 @@ from pipeline.openai_protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRe
                                       chat_logprobs, chat_response, completion_chunk, completion_logprobs,
                                       completion_response, error_body, new_id, parse_body, specee_summary, sse, usage,
                                       usage_chunk)
+from pipeline.serve_access import bearer_ok, check_exposure, read_keys_file, serve_http_host
 from pipeline.serve_metrics import PROMETHEUS_TEXT, EngineMetrics
 from pipeline.stream_text import StreamText
 
@@ -70,6 +74,7 @@ REPO = Path(__file__).resolve().parents[1]
 MAX_BODY_BYTES = 4 << 20  # far beyond any prompt that fits the context; bounds tokenizer work
 INLINE_PARSE_BYTES = 64 << 10  # bodies up to this are parsed on the event loop, larger ones on a thread
 API_KEYS_ENV = "SPECEE_API_KEYS"  # comma-separated; the api_keys argument when it is not given
+API_KEYS_FILE_ENV = "SPECEE_API_KEYS_FILE"  # the api_keys_file argument when it is not given
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -103,6 +108,10 @@ class ServeArgs(BaseModel):
     target_ongoing_requests: float | None = Field(None, gt=0)  # per replica; default: max_batch_size
     # clients must send `Authorization: Bearer <one of these>` (401 otherwise); empty: no authentication
     api_keys: list[str] = Field(default_factory=lambda: os.environ.get(API_KEYS_ENV, ""))
+    # more keys, one a line (blank lines and # comments skipped), read when the app is built
+    api_keys_file: str | None = Field(default_factory=lambda: os.environ.get(API_KEYS_FILE_ENV) or None)
+    # serve without API keys although Serve listens beyond loopback (refused otherwise); logs a warning
+    allow_open: bool = False
     max_json_depth: int = Field(MAX_JSON_DEPTH, ge=4)  # nesting of arrays and objects in a body
     max_prompts_per_request: int = Field(64, ge=1)  # a /v1/completions prompt list
     max_request_tokens: int = Field(65536, ge=1)  # prompt tokens + max_tokens, summed over a request's prompts
@@ -126,6 +135,12 @@ class ServeArgs(BaseModel):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"num_replicas must be a whole number >= 1 or 'auto', got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _keys_file(self) -> "ServeArgs":
+        if self.api_keys_file:
+            self.api_keys = [*self.api_keys, *read_keys_file(self.api_keys_file)]
+        return self
 
     @model_validator(mode="after")
     def _replicas_and_resources(self) -> "ServeArgs":
@@ -239,7 +254,9 @@ class _StreamCancelled(Exception):
     """Raised from on_token inside the engine thread to stop generating for a gone client."""
 
 
-api = FastAPI(title="SpecEE OpenAI-compatible server")
+# openapi_url None: FastAPI adds no docs pages of its own; the replica serves them, off with api_keys set
+# (docs_url stays the path Serve reports for them)
+api = FastAPI(title="SpecEE OpenAI-compatible server", openapi_url=None)
 
 
 @api.exception_handler(APIError)
@@ -341,6 +358,9 @@ class SpecEEServer:
     """One replica: loads the engine once, batches requests into it, answers in OpenAI's format."""
 
     def __init__(self, args: ServeArgs):
+        # first, before the model loads (Serve retries a constructor that fails)
+        host = serve_http_host()
+        check_exposure(host, has_keys=bool(args.api_keys), allow_open=args.allow_open)
         self.engine = SpecEEEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                                    weights=args.weights,
                                                    **{"max_batch_size": args.max_batch_size,
@@ -373,8 +393,9 @@ class SpecEEServer:
         # and the batching thread, with a lane for greedy requests in the default mode
         self._runner.submit(EngineRequest([self.engine.encode_prompt("Hello")], SamplingParams(max_new_tokens=2),
                                           self.mode)).result(timeout=600)
-        log.info("serving %s as %r, mode=%s, context=%d, chat=%s, api keys: %d", args.model, self.model_name,
-                 self.mode, self.engine.context_len, self.chat_template is not None, len(self._api_keys))
+        log.info("serving %s as %r, mode=%s, context=%d, chat=%s, on host %s, api keys: %d", args.model,
+                 self.model_name, self.mode, self.engine.context_len, self.chat_template is not None, host,
+                 len(self._api_keys))
 
     # ---- health -------------------------------------------------------------------------------
     def check_health(self) -> None:
@@ -401,15 +422,40 @@ class SpecEEServer:
         return bad if bad is not None else JSONResponse({"status": "ok"})
 
     @api.get("/healthz")
-    async def healthz(self) -> JSONResponse:
+    async def healthz(self, request: Request) -> JSONResponse:
+        """The status, and what runs and why; with api_keys set, the latter only for a valid key."""
         if (bad := self._unhealthy()) is not None:
             return bad
+        if not self._authorized(request):
+            return JSONResponse({"status": "ok"})
         plan = self.engine.spec_plan()
         return JSONResponse({"status": "ok", "model": self.model_name, "mode": self.mode,
                              "dtype": plan.dtype, "dtype_reason": plan.dtype_reason, **self.engine.weights_info(),
                              "machine": machine_facts(self.engine.device),
                              "plan": plan.to_json([1, self.max_batch_size]),
                              "kv_memory": self._runner.core.memory(), "replica": self.replica_id, "rss_mb": rss_mb()})
+
+    # ---- docs: FastAPI's pages, off with api_keys set (they list every route and argument) ---------------
+    def _docs_root(self, request: Request) -> str:
+        """Where the app is mounted (Serve's route prefix), for the pages' links; 404 with api_keys set."""
+        if self._api_keys:
+            raise StarletteHTTPException(404)
+        return request.scope.get("root_path", "").rstrip("/")
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request) -> JSONResponse:
+        root = self._docs_root(request)
+        schema = request.app.openapi()
+        return JSONResponse({**schema, "servers": [{"url": root}]} if root else schema)
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=f"{self._docs_root(request)}/openapi.json",
+                                   title=f"{api.title} - Swagger UI")
+
+    @api.get("/redoc", include_in_schema=False)
+    async def redoc(self, request: Request) -> HTMLResponse:
+        return get_redoc_html(openapi_url=f"{self._docs_root(request)}/openapi.json", title=f"{api.title} - ReDoc")
 
     @api.get("/metrics")
     async def prometheus(self, request: Request) -> Response:
@@ -503,13 +549,13 @@ class SpecEEServer:
                 ticket.release()
 
     # ---- request checks -----------------------------------------------------------------------
+    def _authorized(self, request: Request) -> bool:
+        """Whether api_keys are unset or `Authorization: Bearer <key>` names one of them."""
+        return not self._api_keys or bearer_ok(request.headers.get("authorization", ""), self._api_keys)
+
     def _authorize(self, request: Request) -> None:
         """With api_keys set: 401 unless `Authorization: Bearer <key>` names one of them."""
-        if not self._api_keys:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        token = token.strip().encode()
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token, k) for k in self._api_keys):
+        if not self._authorized(request):
             raise APIError("missing or incorrect API key: send `Authorization: Bearer <key>`", status=401,
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
@@ -751,4 +797,6 @@ def app(args: dict) -> Application:
     """App builder for `serve run pipeline.serve:app [key=value ...]` and serve_config.yaml
     (`import_path: pipeline.serve:app`); args are ServeArgs fields."""
     a = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args or {})
+    # refused here when Serve runs already (serve deploy builds in the cluster); each replica checks too
+    check_exposure(serve_http_host(), has_keys=bool(a.api_keys), allow_open=a.allow_open)
     return SpecEEServer.options(**deployment_options(a)).bind(a)

@@ -140,6 +140,55 @@ def test_deployment_options():
     assert app({"model": str(BUNDLED), "num_replicas": 2})._bound_deployment.num_replicas == 2
 
 
+def test_api_keys_file(tmp_path, monkeypatch):
+    """Keys from api_keys_file (or SPECEE_API_KEYS_FILE) join api_keys; a file without keys is an error naming it."""
+    from pipeline.serve import ServeArgs
+
+    monkeypatch.delenv("SPECEE_API_KEYS", raising=False)
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nkey-a\n\n  key-b  \n")
+    a = ServeArgs.model_validate({"model": str(BUNDLED), "api_keys": "key-0", "api_keys_file": str(keys)})
+    assert a.api_keys == ["key-0", "key-a", "key-b"]
+    monkeypatch.setenv("SPECEE_API_KEYS_FILE", str(keys))
+    assert ServeArgs.model_validate({"model": str(BUNDLED)}).api_keys == ["key-a", "key-b"]
+    keys.write_text("# none yet\n")
+    with pytest.raises(ValueError, match=f"api_keys_file '{keys}' holds no key"):
+        ServeArgs.model_validate({"model": str(BUNDLED)})
+
+
+def test_builder_and_replica_refuse_an_open_host_without_keys(monkeypatch, caplog):
+    """Serve listening on 0.0.0.0 (as its controller reports it to Serve's client) with no keys: the builder
+    and the replica's constructor refuse, before any model loads; keys or allow_open=True let it deploy."""
+    import logging
+
+    import ray
+    from ray.serve import context
+    from ray.serve.config import HTTPOptions
+
+    from pipeline.serve import ServeArgs, SpecEEServer, app
+
+    class Client:  # Serve's controller client, as a replica or `serve deploy`'s builder finds it
+        http_config = HTTPOptions(host="0.0.0.0")
+
+    for var in ("SPECEE_API_KEYS", "SPECEE_API_KEYS_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(context, "_get_global_client", lambda raise_if_no_controller_running: Client)
+    message = "Serve listens on 0.0.0.0 and no api_keys are set: set api_keys"
+    with pytest.raises(ValueError, match=message):
+        app({"model": str(BUNDLED)})
+    with pytest.raises(ValueError, match=message):  # the replica, for Serve started after the builder ran
+        SpecEEServer.func_or_class.__wrapped__(ServeArgs(model=str(BUNDLED)))
+    assert app({"model": str(BUNDLED), "api_keys": "k"})._bound_deployment
+    log = logging.getLogger("ray.serve.specee")  # Ray's logging config may stop it reaching the root logger
+    log.addHandler(caplog.handler)
+    try:
+        assert app({"model": str(BUNDLED), "allow_open": "true"})._bound_deployment
+    finally:
+        log.removeHandler(caplog.handler)
+    assert "SERVING WITHOUT API KEYS on 0.0.0.0" in caplog.text
+
+
 @pytest.mark.parametrize("args, message", [
     ({"num_replicas": "0"}, "num_replicas must be a whole number >= 1 or 'auto', got 0"),
     ({"num_replicas": "many"}, "num_replicas must be a whole number >= 1 or 'auto', got 'many'"),
@@ -185,8 +234,7 @@ def test_health_routes_answer_503_when_the_engine_is_not_healthy():
         def check_health(self):
             raise RuntimeError("the engine core's thread has stopped")
 
-    for route in (server.health, server.healthz):
-        r = asyncio.run(route(Broken()))
+    for r in (asyncio.run(server.health(Broken())), asyncio.run(server.healthz(Broken(), None))):
         assert r.status_code == 503
         assert json.loads(r.body) == {"status": "unhealthy", "reason": "the engine core's thread has stopped"}
 
@@ -833,6 +881,28 @@ def test_metrics_route_is_this_replicas_prometheus_text(server):
     # the replica answers for itself, under its own label
     replica = httpx.get(f"{server}/healthz", timeout=10).json()["replica"]
     assert f'replica="{replica}"' in httpx.get(f"{server}/metrics", timeout=10).text
+
+
+def test_docs_and_healthz_detail_need_a_key(server):
+    """With api_keys set, /docs, /redoc and /openapi.json are off and /healthz tells only its status without
+    a key; without keys (the other apps, on loopback) they answer as ever."""
+    from pipeline.serve_access import serve_http_host
+
+    assert serve_http_host() == "127.0.0.1"  # what the builder and replicas check: the fixture's Serve
+    for path in ("/strict/docs", "/strict/redoc", "/strict/openapi.json"):
+        assert httpx.get(f"{server}{path}", timeout=10).status_code == 404, path
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.get(f"{server}/strict/healthz", headers=headers, timeout=10)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}, r.text
+    detail = httpx.get(f"{server}/strict/healthz", headers={"Authorization": f"Bearer {KEYS[1]}"}, timeout=10).json()
+    assert detail["status"] == "ok" and detail["model"] == "tiny" and "plan" in detail and "machine" in detail
+    schema = httpx.get(f"{server}/chat/openapi.json", timeout=10).json()
+    assert schema["servers"] == [{"url": "/chat"}] and "/v1/chat/completions" in schema["paths"]
+    assert "/docs" not in schema["paths"]
+    for path in ("/chat/docs", "/chat/redoc"):
+        r = httpx.get(f"{server}{path}", timeout=10)
+        assert r.status_code == 200 and "/chat/openapi.json" in r.text, path
+    assert httpx.get(f"{server}/openapi.json", timeout=10).json().get("servers") is None  # mounted at /
 
 
 def test_health_is_open_and_metrics_need_a_key(server):

@@ -153,3 +153,75 @@ def test_specee_summary():
     s = specee_summary([R([1, 0, 3]), R([0, 0, 2])], num_layers=3, mode="specee", batch_size=2)
     assert s["exit_histogram"] == [1, 0, 5] and s["avg_layers"] == pytest.approx(16 / 6)
     assert s["layer_fraction"] == pytest.approx(16 / 18) and s["batch_size"] == 2
+
+
+# ---- access: closed unless opened -------------------------------------------------------------------
+@pytest.mark.parametrize("host, loopback", [
+    ("127.0.0.1", True), ("127.8.0.1", True), ("::1", True), ("[::1]", True), ("localhost", True),
+    ("LocalHost", True), ("0.0.0.0", False), ("::", False), ("192.168.1.20", False), ("10.0.0.1", False),
+    ("myhost.example.com", False),  # a name may resolve to any interface
+])
+def test_is_loopback(host, loopback):
+    from pipeline.serve_access import is_loopback
+
+    assert is_loopback(host) is loopback
+
+
+def test_check_exposure_refuses_an_open_host_without_keys(caplog):
+    from pipeline.serve_access import check_exposure, log
+
+    with pytest.raises(ValueError) as e:
+        check_exposure("0.0.0.0", has_keys=False, allow_open=False)
+    assert str(e.value) == ("Serve listens on 0.0.0.0 and no api_keys are set: set api_keys / SPECEE_API_KEYS / "
+                            "api_keys_file / SPECEE_API_KEYS_FILE, or pass allow_open=True to serve without keys")
+    with pytest.raises(ValueError, match="Serve listens on :: and"):
+        check_exposure("::", has_keys=False, allow_open=False)
+    log.addHandler(caplog.handler)  # Ray's logging config may stop "ray.*" loggers reaching the root logger
+    try:
+        for host in ("127.0.0.1", "localhost", "::1", None):  # loopback, or HTTP off: no keys needed
+            check_exposure(host, has_keys=False, allow_open=False)
+        check_exposure("0.0.0.0", has_keys=True, allow_open=False)
+        assert not caplog.records
+        check_exposure("0.0.0.0", has_keys=False, allow_open=True)  # opened on purpose: deploys, loudly
+    finally:
+        log.removeHandler(caplog.handler)
+    assert {r.levelname for r in caplog.records} == {"WARNING"}  # once per handler it reaches
+    assert "SERVING WITHOUT API KEYS on 0.0.0.0 (allow_open=True)" in caplog.text
+
+
+def test_read_keys_file(tmp_path):
+    from pipeline.serve_access import read_keys_file
+
+    f = tmp_path / "keys.txt"
+    f.write_text("# production\nkey-one\n\n   key-two  \n  # rotated 2024-05\nkey#three\n")
+    assert read_keys_file(f) == ["key-one", "key-two", "key#three"]  # only whole-line comments
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot be read: No such file or directory"),
+    ("", "holds no key"),
+    ("\n  \n# only a comment\n", "holds no key"),
+    (b"\xff\xfe key", "is not UTF-8 text"),
+    ("dir", "cannot be read: Is a directory"),
+])
+def test_read_keys_file_errors_name_the_file(tmp_path, content, message):
+    from pipeline.serve_access import read_keys_file
+
+    f = tmp_path / "keys.txt"
+    if content == "dir":
+        f.mkdir()
+    elif isinstance(content, bytes):
+        f.write_bytes(content)
+    elif content is not None:
+        f.write_text(content)
+    with pytest.raises(ValueError) as e:
+        read_keys_file(f)
+    assert str(e.value).startswith(f"api_keys_file '{f}' ") and message in str(e.value), str(e.value)
+
+
+def test_bearer_ok():
+    from pipeline.serve_access import bearer_ok
+
+    keys = [b"key-one", b"key-two"]
+    assert bearer_ok("Bearer key-two", keys) and bearer_ok("bearer  key-one ", keys)
+    assert not any(bearer_ok(h, keys) for h in ("", "Bearer", "Bearer key-on", "Basic key-one", "key-one"))
