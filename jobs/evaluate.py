@@ -23,6 +23,10 @@ wall seconds of the generate calls (prefill included). Sandboxed execution runs 
 generation, identical programs once. Perplexity: the reference solutions teacher-forced after
 their prompts (plain text), through dense and each early-exit mode's own decode path; speculative
 decoding's distribution is dense's by construction.
+
+The sandbox fails closed: without user namespaces or Landlock the job stops at its start, naming
+the missing layer; --allow-weak-sandbox runs without it (a warning names it, and the JSON's
+sandbox.missing_layers records it).
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ from specee_core.decode.dense import DenseStepper
 from specee_core.step.sampling import SamplingParams
 from specee_eval import humaneval, metrics
 from specee_eval.forced import Forcing
-from specee_eval.sandbox import Limits, run_many
+from specee_eval.sandbox import Limits, check_layers, run_many
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,7 @@ class EvalConfig:
     timeout_s: float = 10.0  # per program, in the sandbox
     memory_mb: int = 1024
     workers: int = 2  # programs at once
+    allow_weak_sandbox: bool = False  # run programs even when user namespaces or Landlock are missing
     perplexity: bool = True
     threads: int = 0
     out: Path | None = None  # the JSON (also printed)
@@ -332,6 +337,7 @@ def markdown(result: dict) -> str:
 def run(cfg: EvalConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    layers = check_layers(allow_weak=cfg.allow_weak_sandbox)  # at the start, not after hours of generation
     commit = git_commit()  # of the code that runs (taken before a long run, not after)
     engine = SpecEEEngine.from_pretrained(cfg.model, dtype=cfg.dtype, weights=cfg.weights)
     chat = engine.has_chat_template if cfg.chat == "auto" else cfg.chat == "true"
@@ -355,7 +361,7 @@ def run(cfg: EvalConfig) -> dict:
     flat = [code for m in modes for code in programs[m.name]]
     limits = Limits(timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb)
     t0 = time.perf_counter()
-    outcomes = run_many(flat, limits, workers=cfg.workers, progress=True)
+    outcomes = run_many(flat, limits, workers=cfg.workers, progress=True, allow_weak=cfg.allow_weak_sandbox)
     exec_s = time.perf_counter() - t0
     by_mode, i = {}, 0
     for m in modes:
@@ -370,6 +376,7 @@ def run(cfg: EvalConfig) -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "device": str(engine.device),
         "dtype": str(engine.model.dtype), **engine.weights_info(), "num_layers": engine.config.num_hidden_layers, "chat": chat,
         "problems": len(problems), "sandbox": {"limits": vars(limits), "guards": outcomes[0].guards if outcomes else {},
+                                               "missing_layers": layers.missing,
                                                "programs_run": len(set(flat)), "seconds": exec_s},
         "generation_seconds": gen_s,
         "modes": [summarize(m, dense, passed, engine.config.num_hidden_layers) for m in modes],

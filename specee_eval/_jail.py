@@ -9,16 +9,21 @@ nonce on stdin. Standard library only, single-threaded, before any untrusted cod
 4. new user, network, mount and PID namespaces: no network interface but a downed loopback; a
    size-capped tmpfs over WORKDIR (the program's files live and die in it); the program runs as
    PID 1 of its namespace, so every process it starts dies with it (and it dies with this jail);
-5. Landlock (Linux >= 5.13): no writes, creation, removal or execution outside WORKDIR; TCP
-   bind/connect denied (ABI >= 4); signals and abstract sockets scoped to the sandbox (ABI >= 6);
+5. Landlock (Linux >= 5.13): no reads outside WORKDIR, the Python installation, the system's
+   shared libraries, /dev/null, /dev/urandom and /proc/self; no writes, creation, removal or
+   execution outside WORKDIR; TCP bind/connect denied (ABI >= 4); signals and abstract sockets
+   scoped to the sandbox (ABI >= 6);
 6. a Python audit hook (state in a closure, the program in a fresh __main__): no subprocess, exec,
    fork, ctypes, sockets, signals, gc introspection, or file changes outside WORKDIR.
 
 What holds is reported on STATUS_FD as the first line (JSON), before the program starts. The
-program passes when it runs to its end: then the jail writes "passed <nonce>" there. Layers a
-kernel lacks are reported as missing, not faked.
+program passes when it runs to its end: then the jail writes "passed <nonce>" there. A layer the
+kernel refuses is reported with the reason in place of what it would hold (a string); when it is
+among LIMITS_JSON's "require", the jail adds "refused": [layers] to that line and exits with
+REFUSED before the program runs.
 """
 import ctypes
+import errno
 import json
 import os
 import resource
@@ -26,6 +31,7 @@ import signal
 import sys
 
 NOBODY = 65534
+REFUSED = 3  # exit status: a required layer could not be set up, the program never ran
 
 
 def world_readable(path) -> bool:
@@ -83,12 +89,16 @@ def isolate(libc, workdir, limits, guards):
     CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
     uid, gid = os.getuid(), os.getgid()
     if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID) != 0:
-        guards["namespaces"] = f"unavailable: {os.strerror(ctypes.get_errno())}"
+        guards["namespaces"] = f"unshare(CLONE_NEWUSER|CLONE_NEWNET|CLONE_NEWNS|CLONE_NEWPID) failed: {errno_name()}"
+        return False
+    try:
+        write_file("/proc/self/setgroups", "deny")
+        write_file("/proc/self/uid_map", f"{uid} {uid} 1")
+        write_file("/proc/self/gid_map", f"{gid} {gid} 1")
+    except OSError as e:
+        guards["namespaces"] = f"writing the user namespace's id maps failed: {errno.errorcode.get(e.errno, e.errno)}"
         return False
     guards["namespaces"] = ["user", "net", "mount", "pid"]
-    write_file("/proc/self/setgroups", "deny")
-    write_file("/proc/self/uid_map", f"{uid} {uid} 1")
-    write_file("/proc/self/gid_map", f"{gid} {gid} 1")
     MS_NOSUID, MS_NODEV, MS_PRIVATE, MS_REC = 2, 4, 1 << 18, 1 << 14
     libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None)
     opts = f"size={limits['disk_kb']}k,nr_inodes={limits['files']},mode=0700".encode()
@@ -96,9 +106,14 @@ def isolate(libc, workdir, limits, guards):
     return True
 
 
+def errno_name() -> str:
+    code = ctypes.get_errno()
+    return errno.errorcode.get(code, str(code))
+
+
 # Landlock (include/uapi/linux/landlock.h)
 SYS_CREATE_RULESET, SYS_ADD_RULE, SYS_RESTRICT_SELF = 444, 445, 446
-FS_EXECUTE, FS_WRITE_FILE = 1 << 0, 1 << 1
+FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 FS_CHANGES = sum(1 << b for b in range(4, 13))  # remove dir/file, make char/dir/reg/sock/fifo/block/sym
 FS_REFER, FS_TRUNCATE = 1 << 13, 1 << 14
 NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1
@@ -115,30 +130,57 @@ class PathBeneathAttr(ctypes.Structure):
     _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
 
+# Read-only beyond the Python installation: the shared libraries extension modules load (hashlib's
+# libcrypto), the loader's cache, time zones, the random device and the process's own /proc entry
+SYSTEM_READ = ("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/usr/local/lib", "/etc/ld.so.cache",
+               "/usr/share/zoneinfo", "/dev/urandom", "/proc/self")
+
+
+def readable_roots() -> list[str]:
+    """The trees the program may read besides its directory: this Python (prefixes, sys.path) and SYSTEM_READ."""
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *sys.path, *SYSTEM_READ]
+    # /proc/self stays a name: resolved, it would be this process's number
+    return sorted({p if p.startswith("/proc/") else os.path.realpath(p) for p in paths if p and os.path.exists(p)})
+
+
 def landlock(libc, workdir, guards):
+    """Reads confined to workdir and readable_roots(); writes, creation, removal and execution to
+    workdir (execution nowhere). guards["landlock"]: the ABI when it holds, else why not."""
     abi = libc.syscall(SYS_CREATE_RULESET, None, 0, 1)  # LANDLOCK_CREATE_RULESET_VERSION
-    guards["landlock"] = max(abi, 0)
-    if abi < 1:
+    if abi < 1:  # ENOSYS: not built in; EOPNOTSUPP: not enabled at boot (lsm=)
+        guards["landlock"] = f"landlock_create_ruleset failed: {errno_name()}"
         return
-    handled = FS_EXECUTE | FS_WRITE_FILE | FS_CHANGES | (FS_REFER if abi >= 2 else 0) | (FS_TRUNCATE if abi >= 3 else 0)
+    handled = (FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_READ_DIR | FS_CHANGES | (FS_REFER if abi >= 2 else 0)
+               | (FS_TRUNCATE if abi >= 3 else 0))
     attr = RulesetAttr(handled, NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 else 0,
                        SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0)
     size = 8 if abi < 4 else 16 if abi < 6 else 24
     ruleset = libc.syscall(SYS_CREATE_RULESET, ctypes.byref(attr), size, 0)
     if ruleset < 0:
-        raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
-    # workdir: every handled right but execution; /dev/null: writable (file rules take file rights only)
-    for path, allowed in ((workdir, handled & ~FS_EXECUTE), ("/dev/null", FS_WRITE_FILE | (FS_TRUNCATE if abi >= 3 else 0))):
+        guards["landlock"] = f"landlock_create_ruleset (ABI {abi}) failed: {errno_name()}"
+        return
+    file_rights = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | (FS_TRUNCATE if abi >= 3 else 0)  # all a file rule takes
+    roots = readable_roots()
+    rules = [(workdir, handled & ~FS_EXECUTE), ("/dev/null", FS_READ_FILE | FS_WRITE_FILE | (FS_TRUNCATE if abi >= 3 else 0))]
+    rules += [(root, FS_READ_FILE | FS_READ_DIR) for root in roots]
+    for path, allowed in rules:
         fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        if not os.path.isdir(path):
+            allowed &= file_rights
         rule = PathBeneathAttr(allowed, fd)
-        if libc.syscall(SYS_ADD_RULE, ruleset, 1, ctypes.byref(rule), 0) != 0:  # LANDLOCK_RULE_PATH_BENEATH
-            raise OSError(ctypes.get_errno(), f"landlock_add_rule {path}")
+        ok = libc.syscall(SYS_ADD_RULE, ruleset, 1, ctypes.byref(rule), 0) == 0  # LANDLOCK_RULE_PATH_BENEATH
         os.close(fd)
+        if not ok:
+            guards["landlock"] = f"landlock_add_rule({path}) failed: {errno_name()}"
+            return
     if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+        guards["landlock"] = f"prctl(PR_SET_NO_NEW_PRIVS) failed: {errno_name()}"
+        return
     if libc.syscall(SYS_RESTRICT_SELF, ruleset, 0) != 0:
-        raise OSError(ctypes.get_errno(), "landlock_restrict_self")
+        guards["landlock"] = f"landlock_restrict_self failed: {errno_name()}"
+        return
     os.close(ruleset)
+    guards["landlock"], guards["readable"] = abi, roots
 
 
 def audit_hook(workdir):
@@ -185,6 +227,18 @@ def audit_hook(workdir):
     return hook
 
 
+HELD = {"namespaces": list, "landlock": int}  # a layer holds when its guard has this type, else it holds the reason
+
+
+def refuse_if_missing(guards, required, status, layers):
+    """Stops before the program runs when one of `layers` is required and did not hold."""
+    missing = [l for l in layers if l in required and not isinstance(guards.get(l), HELD[l])]
+    if missing:
+        guards["refused"] = missing
+        os.write(status, (json.dumps(guards) + "\n").encode())
+        os._exit(REFUSED)
+
+
 def run_program(source, status, nonce):
     import types
 
@@ -206,9 +260,12 @@ def jail():
     guards = {}
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
+    required = limits.get("require", list(HELD))
     drop_root(libc, guards)
     set_limits(limits, guards)
-    if isolate(libc, workdir, limits, guards):
+    held = isolate(libc, workdir, limits, guards)
+    refuse_if_missing(guards, required, status, ["namespaces"])
+    if held:
         pid = os.fork()
         if pid:  # outside the PID namespace: wait for its init, leave as it left
             os.close(status)
@@ -221,6 +278,7 @@ def jail():
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: dies with the jail (killed at the timeout)
     os.chdir(workdir)  # the tmpfs mounted over it, when there is one
     landlock(libc, workdir, guards)
+    refuse_if_missing(guards, required, status, ["landlock"])
     if limits.get("audit_hook", True):
         sys.addaudithook(audit_hook(workdir))
     guards["audit_hook"] = limits.get("audit_hook", True)

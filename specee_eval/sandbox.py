@@ -4,10 +4,18 @@ Never in the caller's process: each program gets a fresh temporary directory and
 session running specee_eval/_jail.py under `python -s -S -B -P` (no site-packages, no user site,
 an environment of our own). The jail drops root to nobody, sets resource limits, enters new user,
 network, mount and PID namespaces (no network; a size-capped tmpfs for the program's files; every
-process the program starts dies with it), confines writes and execution to the directory (Landlock)
-and installs an audit hook, then runs the program. The caller kills the whole process group at the
-wall-clock limit. Whatever the program does (hang, crash, eat memory, flood stdout, exit early,
-fork, write outside), the outcome is a status, never an exception in the caller.
+process the program starts dies with it), confines reads to the directory, the Python installation
+and the system's shared libraries, and writes and execution to the directory (Landlock), installs an
+audit hook, then runs the program. The caller kills the whole process group at the wall-clock limit.
+Whatever the program does (hang, crash, eat memory, flood stdout, exit early, fork, write outside),
+the outcome is a status, never an exception in the caller.
+
+It fails closed: user namespaces and Landlock are detected once per process (detect_layers, an
+empty program run in the jail) and every run requires the layers detected. When one is missing,
+check_layers and run_python raise SandboxUnavailable naming it, before any program runs, unless
+the caller passes allow_weak=True (jobs.evaluate: --allow-weak-sandbox): then the programs run
+without it and a warning names what is missing. A required layer that fails later (the jail
+refuses to run the program) raises too.
 
 The verdict comes over a pipe, never from a file the program can write: the jail's first line
 reports the layers that hold (before the program starts), and "passed <nonce>" after the program
@@ -22,7 +30,9 @@ standard library needs), the same as HumanEval's own harness.
 """
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import math
 import os
 import secrets
@@ -35,8 +45,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 JAIL = Path(__file__).with_name("_jail.py")
 TAIL_BYTES = 2000  # of stdout/stderr kept in the outcome
+LAYERS = {"namespaces": "user namespaces", "landlock": "Landlock"}  # the layers every run requires (guard: name)
+
+
+class SandboxUnavailable(RuntimeError):
+    """A sandbox layer could not be set up and running without it was not allowed."""
 
 
 @dataclass(frozen=True)
@@ -54,11 +71,12 @@ class Limits:
         if self.timeout_s <= 0 or self.memory_mb < 64 or self.output_kb < 1 or self.open_files < 16:
             raise ValueError(f"sandbox limits out of range: {self}")
 
-    def for_jail(self) -> str:
+    def for_jail(self, require: list[str]) -> str:
+        """The jail's LIMITS_JSON; `require`: the layers without which it must not run the program."""
         return json.dumps({"memory_mb": self.memory_mb, "cpu_s": math.ceil(self.timeout_s) + 1,
                            "file_bytes": self.output_kb << 10, "open_files": self.open_files,
                            "disk_kb": self.disk_kb, "files": self.files, "processes": self.processes,
-                           "audit_hook": self.audit_hook})
+                           "audit_hook": self.audit_hook, "require": require})
 
 
 @dataclass
@@ -67,7 +85,7 @@ class Outcome:
     detail: str  # why, in a line: the exception's last line, the signal, or "timeout after 10s"
     seconds: float
     returncode: int | None
-    guards: dict  # the layers the jail applied (rlimits, netns, landlock ABI, audit_hook)
+    guards: dict  # the layers the jail applied (rlimits, namespaces, landlock ABI and readable trees, audit_hook)
     stderr: str = ""  # its tail
 
     @property
@@ -108,8 +126,62 @@ def _read_status(fd: int) -> list[str]:
     return data.decode("utf-8", "replace").splitlines()
 
 
-def run_python(code: str, limits: Limits = Limits()) -> Outcome:
-    """Run `code` as a program in the sandbox; passed when it ran to its end."""
+def missing_layers(guards: dict) -> dict[str, str]:
+    """Of LAYERS, those the jail's guards say did not hold, each with the reason it gave."""
+    held = {"namespaces": list, "landlock": int}  # as _jail.HELD: a layer that failed holds the reason instead
+    return {layer: str(guards.get(layer, "not reported")) for layer in LAYERS
+            if not isinstance(guards.get(layer), held[layer])}
+
+
+def refusal(missing: dict[str, str]) -> str:
+    """The error for missing layers: what is missing, why, and how to run without it."""
+    what = "; ".join(f"{LAYERS[layer]} unavailable ({why})" for layer, why in missing.items())
+    return (f"sandbox: {what}; pass --allow-weak-sandbox (allow_weak=True in specee_eval.sandbox) "
+            f"to run without {'them' if len(missing) > 1 else 'it'}")
+
+
+@dataclass(frozen=True)
+class Layers:
+    guards: dict  # what the jail reported for an empty program, no layer required
+    missing: dict[str, str]  # layer (a key of LAYERS) -> why it could not be set up; {} when all hold
+
+
+@functools.cache
+def detect_layers() -> Layers:
+    """Which of LAYERS this host sets up, found once per process by running an empty program with
+    none required. Raises SandboxUnavailable when the jail cannot run at all."""
+    o = _run("pass", Limits(timeout_s=30), require=())
+    if not o.guards or not o.passed:
+        raise SandboxUnavailable(f"sandbox: the jail could not run an empty program: {o.status}, {o.detail}")
+    return Layers(o.guards, missing_layers(o.guards))
+
+
+@functools.cache
+def _warn_weak(missing: tuple[tuple[str, str], ...]) -> None:
+    log.warning("SANDBOX WEAKENED (allow_weak): programs run WITHOUT %s",
+                "; ".join(f"{LAYERS[layer]} ({why})" for layer, why in missing))
+
+
+def check_layers(allow_weak: bool = False) -> Layers:
+    """detect_layers, failing closed: SandboxUnavailable naming each missing layer, unless
+    allow_weak (then a warning names them, once per process)."""
+    layers = detect_layers()
+    if layers.missing and not allow_weak:
+        raise SandboxUnavailable(refusal(layers.missing))
+    if layers.missing:
+        _warn_weak(tuple(layers.missing.items()))
+    return layers
+
+
+def run_python(code: str, limits: Limits = Limits(), allow_weak: bool = False) -> Outcome:
+    """Run `code` as a program in the sandbox; passed when it ran to its end. Raises
+    SandboxUnavailable when a layer is missing (check_layers) or fails for this run."""
+    layers = check_layers(allow_weak)
+    return _run(code, limits, require=[layer for layer in LAYERS if layer not in layers.missing])
+
+
+def _run(code: str, limits: Limits, require: list[str] | tuple[str, ...]) -> Outcome:
+    """One program in the jail, which refuses to run it unless every layer in `require` holds."""
     with tempfile.TemporaryDirectory(prefix="specee-sandbox-", ignore_cleanup_errors=True) as tmp:
         os.chmod(tmp, 0o711)  # the jail may run as nobody: it must reach work/, not list tmp
         work = Path(tmp) / "work"  # the program's directory; stdout/stderr live beside it, out of its reach
@@ -124,7 +196,7 @@ def run_python(code: str, limits: Limits = Limits()) -> Outcome:
         t0 = time.perf_counter()
         try:
             with open(out_path, "wb") as out, open(err_path, "wb") as err:
-                proc = subprocess.Popen([sys.executable, *PYTHON_FLAGS, str(JAIL), str(work), limits.for_jail(), str(w)],
+                proc = subprocess.Popen([sys.executable, *PYTHON_FLAGS, str(JAIL), str(work), limits.for_jail(list(require)), str(w)],
                                         cwd=work, env=env, stdin=subprocess.PIPE, stdout=out, stderr=err,
                                         start_new_session=True, close_fds=True, pass_fds=(w,))
                 os.close(w)
@@ -156,6 +228,8 @@ def run_python(code: str, limits: Limits = Limits()) -> Outcome:
         guards = json.loads(lines[0]) if lines else {}
     except ValueError:
         guards = {}
+    if guards.get("refused"):
+        raise SandboxUnavailable(refusal({layer: str(guards.get(layer)) for layer in guards["refused"]}))
     finished = f"passed {nonce}" in lines
     if timed_out:
         return Outcome("timeout", f"timeout after {limits.timeout_s:g}s", seconds, None, guards, stderr)
@@ -170,8 +244,11 @@ def run_python(code: str, limits: Limits = Limits()) -> Outcome:
     return Outcome("failed", detail, seconds, rc, guards, stderr)
 
 
-def run_many(codes: list[str], limits: Limits = Limits(), workers: int = 2, progress: bool = False) -> list[Outcome]:
-    """run_python over many programs, `workers` at a time; identical programs run once."""
+def run_many(codes: list[str], limits: Limits = Limits(), workers: int = 2, progress: bool = False,
+             allow_weak: bool = False) -> list[Outcome]:
+    """run_python over many programs, `workers` at a time; identical programs run once. The layers
+    are checked before the first program starts."""
+    check_layers(allow_weak)
     unique = list(dict.fromkeys(codes))
     bar = None
     if progress:
@@ -180,7 +257,7 @@ def run_many(codes: list[str], limits: Limits = Limits(), workers: int = 2, prog
         bar = tqdm(total=len(unique), desc="sandbox", unit="program")
 
     def one(code: str) -> Outcome:
-        o = run_python(code, limits)
+        o = run_python(code, limits, allow_weak)
         if bar is not None:
             bar.update(1)
         return o
