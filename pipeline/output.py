@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 from typing import BinaryIO, Callable
 
@@ -174,7 +175,7 @@ class OutputDir:
     def save_schedule(self, schedule: Schedule) -> Path:
         path = self.schedule_path(schedule.version)
         self.schedules.mkdir(parents=True, exist_ok=True)
-        schedule.save(path)
+        self.write_json(path, asdict(schedule))  # what Schedule.save writes, durably
         return path
 
     def write_json(self, path: Path, data: dict) -> None:

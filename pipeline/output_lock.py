@@ -25,6 +25,7 @@ import psutil
 log = logging.getLogger(__name__)
 
 LOCK = "_specee_lock.json"
+NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # some network and FUSE filesystems
 
 
 class FolderLocked(RuntimeError):
@@ -106,6 +107,10 @@ class OutputLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
+                if e.errno in NO_FLOCK:
+                    log.warning("%s: the filesystem has no flock (%s): the lock file's content alone keeps other "
+                                "jobs out", self.path, e)
+                    return fd
                 holder = Holder.parse(os.pread(fd, 1 << 16, 0).decode(errors="replace"))
                 os.close(fd)
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):

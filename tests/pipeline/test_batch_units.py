@@ -242,7 +242,8 @@ def test_duplicate_input_ids_stop_the_job_naming_them(tmp_path):
         plan_resume(inputs, OutputDir(tmp_path).index(), retry_errors=False)
 
 
-def test_the_lock_keeps_a_second_job_out_and_a_dead_jobs_lock_is_taken_over(tmp_path, caplog):
+def test_the_lock_keeps_a_second_job_out_and_a_dead_jobs_lock_is_taken_over(tmp_path, caplog, monkeypatch):
+    import errno
     import os
     import socket
     import subprocess
@@ -274,6 +275,16 @@ def test_the_lock_keeps_a_second_job_out_and_a_dead_jobs_lock_is_taken_over(tmp_
     leave_lock()  # a live process on this host that holds no flock: not taken over
     with pytest.raises(FolderLocked, match="still running"):
         OutputLock(tmp_path, "run-6").acquire()
+    (tmp_path / LOCK).unlink()
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr("pipeline.output_lock.fcntl.flock", no_flock)  # an NFS mount without locking
+    with OutputLock(tmp_path, "run-7"):
+        assert "has no flock" in caplog.text
+        with pytest.raises(FolderLocked, match="run run-7 .* still running"):  # the content still keeps others out
+            OutputLock(tmp_path, "run-8").acquire()
 
 
 def manifest_of(tmp_path: Path, model: Path, **stage) -> dict:
