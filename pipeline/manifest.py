@@ -1,7 +1,7 @@
 """What an output folder's rows were generated with: `_specee_manifest.json`.
 
 The batch job (job_manifest) records the model (its path, and a SHA-256 of each weight
-file and of config.json: the path alone says nothing once the files change), the mode, the job-level
+file and of its config and tokenizer files: the path alone says nothing once the files change), the mode, the job-level
 sampling and engine settings, and the input files. A job resuming into a folder compares its own
 manifest with the folder's: any difference in what is compared is an error naming the differences,
 unless the job is told to write anyway (overwrite_config), and then its manifest replaces the old
@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "_specee_manifest.json"
 FORMAT = 1
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")  # the draft head's, predictors' too
+MODEL_TEXT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")  # the chat template is in the last
 NOT_COMPARED = ("format", "model_path", "input_paths", "written_by", "earlier")
 
 
@@ -70,11 +71,12 @@ def input_files(paths: list[str], input_format: str | None) -> list[str]:
 
 def model_files_sha256(model: str | Path, cache: Path | None = None) -> dict[str, str]:
     """SHA-256 of each weight file under the model folder (draft head and predictors included) and of
-    its config.json, by path relative to the folder. Hashing reads the content (~1 s per GB); the
+    its config and tokenizer files, by path relative to the folder (hidden folders skipped). Hashing reads the content (~1 s per GB); the
     digests are cached by path, size and mtime ($SPECEE_CACHE or ~/.cache/specee)."""
     root = Path(model).resolve()
-    files = sorted(p for p in root.rglob("*") if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or
-                                                                   p.relative_to(root) == Path("config.json")))
+    files = sorted(p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in
+                                                                          p.relative_to(root).parts)
+                   and (p.suffix in WEIGHT_SUFFIXES or p.relative_to(root).as_posix() in MODEL_TEXT_FILES))
     cache_path = cache or Path(os.environ.get("SPECEE_CACHE") or Path.home() / ".cache" / "specee") / "file_sha256.json"
     try:
         cached = json.loads(cache_path.read_text())

@@ -336,12 +336,13 @@ def test_weight_hashes_are_of_the_content_and_cached(tmp_path):
     from pipeline.manifest import model_files_sha256
 
     (tmp_path / "m" / "draft").mkdir(parents=True)
+    (tmp_path / "m" / ".git").mkdir()
     for name, data in (("config.json", b"{}"), ("model.safetensors", b"aaaa"), ("draft/model.safetensors", b"bbbb"),
-                       ("tokenizer.json", b"{}")):
+                       ("tokenizer.json", b"{}"), ("README.md", b"x"), (".git/old.bin", b"x")):
         (tmp_path / "m" / name).write_bytes(data)
     cache = tmp_path / "cache.json"
     first = model_files_sha256(tmp_path / "m", cache=cache)
-    assert set(first) == {"config.json", "model.safetensors", "draft/model.safetensors"}  # not the tokenizer
+    assert set(first) == {"config.json", "tokenizer.json", "model.safetensors", "draft/model.safetensors"}
     assert first["model.safetensors"] != first["draft/model.safetensors"]  # same size, other content
     weights = tmp_path / "m" / "model.safetensors"
     st = weights.stat()
