@@ -85,9 +85,10 @@ def pipeline_run(args, mode: str, weights: str, inputs: list[Path], out: Path) -
     from pipeline.batch import BatchConfig, run
 
     t0 = time.perf_counter()
+    # each wave reads another input file into the same output: its input files differ from the manifest's
     summaries = [run(BatchConfig(input=[str(f)], output=str(out), stage=stage_config(args, mode, weights),
-                                 num_actors=args.num_actors, show_progress=False))
-                 for f in inputs]
+                                 num_actors=args.num_actors, show_progress=False, overwrite_config=k > 0))
+                 for k, f in enumerate(inputs)]
     wall = time.perf_counter() - t0
     df = pd.read_parquet(out)
     ok = df[df["error"].isna()]

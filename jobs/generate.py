@@ -4,7 +4,10 @@
     python -m jobs.generate --input prompts.jsonl --output out/gen --mode dense --max-new-tokens 32
     ray job submit --working-dir . -- python -m jobs.generate --output /abs/path/out/gen
 
-Rerun with the same --output to finish a job that stopped: rows already written are skipped.
+Rerun with the same --output to finish a job that stopped: rows already written are skipped, rows whose
+prompt or own sampling changed are generated again, and --retry-errors generates the error rows again.
+The output folder's manifest must match this job's settings (--overwrite-config to write anyway), and one
+job at a time holds the folder (its lock file; a lock left by a crashed job on this host is taken over).
 Prints progress while it runs and the summary as JSON at the end (also saved as _summary.json).
 The rows read back with `pd.read_parquet(OUTPUT)`.
 """
@@ -92,6 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="spec with the draft head: prompt lookup's chain joins its tree (merge) or replaces it "
                         "where lookup finds a continuation (first)")
     p.add_argument("--rows-per-file", type=int, default=1000)
+    p.add_argument("--retry-errors", action="store_true",
+                   help="generate the error rows already in --output again (error_kind says which are worth it: "
+                        "'machine'); their old rows are removed")
+    p.add_argument("--overwrite-config", action="store_true",
+                   help="write into an --output whose manifest records other settings (model weights, mode, "
+                        "sampling, inputs) than this job's")
     p.add_argument("--address", default=None, help="Ray cluster address; 'local' starts a private instance "
                                                    "(default: RAY_ADDRESS, else a cluster started here with "
                                                    "`ray start`, else a new local instance; a local "
@@ -134,7 +143,8 @@ def build_config(args: argparse.Namespace):
                        num_actors=args.num_actors, cpus_per_actor=args.cpus_per_actor,
                        input_format=args.input_format, prompt_column=args.prompt_column, id_column=args.id_column,
                        limit=args.limit, schedule=args.schedule, rows_per_file=args.rows_per_file,
-                       show_progress=not args.no_progress)
+                       show_progress=not args.no_progress, retry_errors=args.retry_errors,
+                       overwrite_config=args.overwrite_config)
 
 
 def main(argv: list[str] | None = None) -> dict:

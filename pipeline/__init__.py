@@ -1,7 +1,8 @@
 """Ray stages around the SpecEE engine. Thin: they call the engine's public API.
 
 pipeline.processor (ProcessorConfig, build_processor: the engine as a Ray Data Dataset -> Dataset
-processor), pipeline.batch (the job), .prompts (reader), .stage (actor), .output (files): batch
+processor), pipeline.batch (the job), .prompts (reader), .stage (actor), .output (files), .output_lock
+and .manifest (who writes the output folder, and with what): batch
 generation with Ray Data; pipeline.serve: the Ray Serve app. Nothing is imported until asked for,
 so importing one does not pull in the other's dependencies.
 """

@@ -9,6 +9,12 @@ duplicates rows. In SpecEE mode the processor's schedule store actor (pipeline.s
 gathers each batch's exit statistics and re-tunes the predictor schedule every N generated tokens;
 engines pick up new versions between batches, every row records the version it ran with, and the
 driver saves each version under _schedules/.
+
+The output folder (pipeline.output) is held by one job at a time (pipeline.output_lock) and records
+what its rows were generated with (pipeline.manifest): a resume with other settings stops, naming
+them. A resume regenerates the rows whose request (prompt, own sampling) changed under their id,
+and with retry_errors the error rows; their old rows are removed from the folder first, so every
+id is there once.
 """
 from __future__ import annotations
 
@@ -16,16 +22,19 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 import ray.data
 
-from pipeline.output import DoneIds, OutputDir
+from pipeline.manifest import MANIFEST, check_manifest, job_manifest
+from pipeline.output import DoneIds, OutputDir, OutputIndex, digest
+from pipeline.output_lock import OutputLock
 from pipeline.prompts import read_prompts
 from pipeline.stage import OUTPUT_SCHEMA, StageConfig
 from specee_core.early_exit.step import initial_schedule
@@ -53,6 +62,8 @@ class BatchConfig:
     flush_every_s: float = 60.0  # also write a part file this often, so a crash loses little work
     runtime_env: dict | None = None  # for the actors, e.g. {"env_vars": {...}}
     show_progress: bool = True
+    retry_errors: bool = False  # generate the error rows already in the output again (their old rows removed)
+    overwrite_config: bool = False  # write into an output whose manifest records other settings
 
     def __post_init__(self) -> None:
         self.input = [self.input] if isinstance(self.input, str) else list(self.input)
@@ -74,6 +85,7 @@ class RowStats:
     num_layers: int | None = None
     rows: int = 0
     errors: int = 0
+    error_kinds: dict = field(default_factory=dict)  # error_kind -> error rows
     completion_tokens: int = 0
     layer_tokens: float = 0.0  # sum over tokens of layers run
     first_start: float | None = None
@@ -81,8 +93,8 @@ class RowStats:
 
     def add(self, rows: pa.Table) -> None:
         d = rows.select(["error", "completion_tokens", "avg_layers", "num_layers", "batch_started_at",
-                         "batch_s"]).to_pydict()
-        for err, n, avg, layers, start, dur in zip(*d.values()):
+                         "batch_s", "error_kind"]).to_pydict()
+        for err, n, avg, layers, start, dur, kind in zip(*d.values()):
             self.rows += 1
             self.num_layers = self.num_layers or layers
             if start is not None:
@@ -91,6 +103,7 @@ class RowStats:
                 self.last_end = end if self.last_end is None else max(self.last_end, end)
             if err is not None:
                 self.errors += 1
+                self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
                 continue
             self.completion_tokens += n
             self.layer_tokens += avg * n
@@ -157,12 +170,54 @@ class Progress:
         self.bar.close()
 
 
-def count_to_do(inputs: ray.data.Dataset, done: DoneIds) -> int:
-    """Rows of the input not yet in the output: one read of the id column, for the progress bar."""
-    total = 0
+@dataclass
+class Resume:
+    """What a run does about the rows already in the output."""
+    total: int  # input rows to generate in this run
+    replace: np.ndarray  # [R] OutputIndex positions of written rows to generate again (removed first)
+    changed: int  # of them, rows whose request (prompt, own sampling) changed under their id
+    errors: int  # of them, error rows retried (retry_errors)
+
+
+def plan_resume(inputs: ray.data.Dataset, index: OutputIndex, retry_errors: bool) -> Resume:
+    """One read of the input's ids and request hashes against the output's rows. ValueError naming some
+    ids when an id is in the input twice."""
+    total, changed, errors = 0, 0, 0
+    replace, seen = [], []
     for block in inputs.iter_batches(batch_format="pyarrow", batch_size=None):
-        total += block.num_rows - (int(done.mask(block["id"].to_pylist()).sum()) if len(done) else 0)
-    return total
+        ids = block["id"].to_pylist()
+        seen.append(np.array([digest(i) for i in ids], dtype="S16"))
+        at = index.find(ids)
+        found = at >= 0
+        total += int((~found).sum())
+        if not found.any():
+            continue
+        at = at[found]
+        hashes = block["request_hash"].to_pylist()
+        asked = np.array([bytes.fromhex(hashes[i]) if hashes[i] else b"" for i in np.flatnonzero(found)], dtype="S16")
+        stale = (index.hashes[at] != asked) & (index.hashes[at] != b"")  # b"": a row without a hash is kept
+        retry = index.errors[at] & ~stale if retry_errors else np.zeros(len(at), dtype=bool)
+        replace.append(at[stale | retry])
+        changed, errors = changed + int(stale.sum()), errors + int(retry.sum())
+        total += int((stale | retry).sum())
+    check_unique_ids(inputs, np.concatenate(seen) if seen else np.zeros(0, dtype="S16"))
+    return Resume(total, np.concatenate(replace) if replace else np.zeros(0, dtype=np.int64), changed, errors)
+
+
+def check_unique_ids(inputs: ray.data.Dataset, digests: np.ndarray, show: int = 5) -> None:
+    """ValueError naming up to `show` ids that the input holds more than once (digests: every input row's)."""
+    ordered = np.sort(digests)
+    twice = np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
+    if not len(twice):
+        return
+    wanted, names = set(twice.tolist()), []
+    for block in inputs.iter_batches(batch_format="pyarrow", batch_size=None):  # only now: name them
+        names += [i for i in dict.fromkeys(block["id"].to_pylist()) if digest(i) in wanted and i not in names]
+        if len(names) >= show:
+            break
+    raise ValueError(f"the input holds {len(twice)} id(s) more than once, e.g. {', '.join(map(repr, names[:show]))}: "
+                     f"each id is one output row, and a resume skips the ids already written; give each row its "
+                     f"own id (or none: then <file>:<row>)")
 
 
 class Writer:
@@ -221,21 +276,44 @@ class SavedVersions:
 
 
 def run(cfg: BatchConfig) -> dict:
-    """Generate every input row not yet in cfg.output; return the summary (also saved as _summary.json)."""
+    """Generate every input row not yet in cfg.output (and those to generate again: a changed request,
+    retry_errors); return the summary (also saved as _summary.json). The output folder is locked while
+    it runs (pipeline.output_lock.FolderLocked when another job has it)."""
     t0 = time.time()
     ray.data.DataContext.get_current().enable_progress_bars = False  # ours counts rows and tokens/s
     if not (Path(cfg.stage.model) / "config.json").is_file():
         raise FileNotFoundError(f"model not found: {cfg.stage.model} has no config.json")
-    out = OutputDir(cfg.output)
-    out.prepare()
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
-    done = out.done_ids()
-    schedule = starting_schedule(cfg, out)
+    out = OutputDir(cfg.output, tag=run_id)
+    out.prepare()
+    with OutputLock(out.root, run_id):
+        return run_locked(cfg, out, run_id, t0)
+
+
+def run_locked(cfg: BatchConfig, out: OutputDir, run_id: str, t0: float) -> dict:
+    """run(), holding the output folder: every check before any work, then the rows."""
+    out.remove_temps()
+    manifest = job_manifest(cfg.stage, cfg.input, input_format=cfg.input_format, prompt_column=cfg.prompt_column,
+                            id_column=cfg.id_column, run_id=run_id)
+    manifest = check_manifest(out.root, manifest, has_rows=bool(out.part_files()), overwrite=cfg.overwrite_config)
+    index = out.index()  # every part file read whole once: an unreadable one is set aside here
     inputs = read_prompts(cfg.input, input_format=cfg.input_format, prompt_column=cfg.prompt_column,
                           id_column=cfg.id_column, limit=cfg.limit)
-    total = count_to_do(inputs, done)
-    log.info("run %s: %d rows to do (%d already in %s); %d actors with %s; mode %s", run_id, total,
-             len(done), out.root, cfg.num_actors, actor_resources(cfg), cfg.stage.mode)
+    resume = plan_resume(inputs, index, cfg.retry_errors)
+    out.write_json(out.root / MANIFEST, manifest)
+    if index.duplicates:
+        log.warning("%s holds %d rows whose id an earlier row has: removing them",
+                    out.root, sum(map(len, index.duplicates.values())))
+    stale = index.rows_at(resume.replace)
+    for path, rows in index.duplicates.items():
+        stale.setdefault(path, set()).update(rows)
+    out.drop_rows(stale)  # before any new row: every id in the folder once, whenever this run stops
+    done = index.done_ids(without=resume.replace)
+    schedule = starting_schedule(cfg, out)
+    total = resume.total
+    log.info("run %s: %d rows to do (%d already in %s, %d of them again: %d changed requests, %d error rows); "
+             "%d actors with %s; mode %s", run_id, total, len(index), out.root, len(resume.replace), resume.changed,
+             resume.errors, cfg.num_actors, actor_resources(cfg), cfg.stage.mode)
     stats = RowStats()
     writer = Writer(out, run_id, cfg.rows_per_file, cfg.flush_every_s)
     progress = Progress(total, cfg.show_progress)
@@ -255,6 +333,8 @@ def run(cfg: BatchConfig) -> dict:
     if stats.rows != total:  # each row comes back once; anything else is a bug worth stopping for
         raise RuntimeError(f"expected {total} rows, got {stats.rows}")
     summary = summarize(cfg, out, run_id, stats, store_state, time.time() - t0, engine_info)
+    summary["regenerated"] = {"changed_requests": resume.changed, "error_rows": resume.errors}
+    summary["set_aside"] = [p.name for p in out.set_aside_files]
     out.write_summary(summary)
     return summary
 
@@ -330,7 +410,7 @@ def summarize(cfg: BatchConfig, out: OutputDir, run_id: str, this_run: RowStats,
     """Totals over every row in the output, plus this run's throughput on the job's one clock."""
     everything = RowStats()
     table = out.read_rows(columns=["error", "completion_tokens", "avg_layers", "num_layers", "batch_started_at",
-                                   "batch_s"])
+                                   "batch_s", "error_kind"])
     if table is not None:
         everything.add(table)
     avg = everything.avg_layers
@@ -343,6 +423,7 @@ def summarize(cfg: BatchConfig, out: OutputDir, run_id: str, this_run: RowStats,
         "model": cfg.stage.model,
         "rows": everything.rows,
         "errors": everything.errors,
+        "error_kinds": everything.error_kinds,  # "input": the rows' own; "machine": worth retry_errors
         "completion_tokens": everything.completion_tokens,
         "rows_this_run": this_run.rows,
         "tokens_this_run": this_run.completion_tokens,

@@ -27,8 +27,9 @@ Stages:
    `num_gpus`); each actor loads one engine (pipeline.stage.GenerateRows) and turns a batch into one
    engine call and one output row per input row: `generated_text`, `num_input_tokens`,
    `num_generated_tokens` (Ray Data LLM's names), `error` (null unless the row failed: InputError,
-   PromptError, or the engine's exception for that row alone) and the per-row statistics the batch job
-   writes (pipeline.stage.OUTPUT_SCHEMA, whose `completion`, `prompt_tokens` and `completion_tokens`
+   PromptError, WorkerDied, or the engine's exception for that row alone), `error_kind` ("input": the
+   row's own, "machine": out of memory, a device error, a lost worker; pipeline.stage.error_kind) and the
+   per-row statistics the batch job writes (pipeline.stage.ROW_SCHEMA, whose `completion`, `prompt_tokens` and `completion_tokens`
    the rows keep as deprecated aliases). `prompt` is the text the engine ran for chat messages, the
    prompt as given otherwise. Detokenizing happens in the engine, as tokens are chosen, because stop
    strings are matched on the text. The input's other columns are carried through;
@@ -72,7 +73,7 @@ from specee_core import SamplingParams
 log = logging.getLogger(__name__)
 
 INTERNAL = ("input_error", "text", "_sampling")  # columns the processor adds for its own stages
-# Ray Data LLM's names of the engine's columns -> OUTPUT_SCHEMA's (the batch job's files keep those)
+# Ray Data LLM's names of the engine's columns -> ROW_SCHEMA's (the batch job's files keep those)
 RAY_DATA_LLM_COLUMNS = {"generated_text": "completion", "num_input_tokens": "prompt_tokens",
                         "num_generated_tokens": "completion_tokens"}
 

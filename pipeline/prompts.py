@@ -5,12 +5,15 @@ A file holds a `prompt` column and an optional `id` column. Rows without an id g
 ids are the same on every run and a rerun can skip what is already written. A row may also set its
 own sampling (pipeline.sampling: a `sampling_params` object or columns such as `max_tokens`,
 `temperature`); the reader passes what it sets on as JSON text in `sampling_params`, so that rows of
-any types fit one schema, and the processor reads it. The reader never fails on a row: a prompt
+any types fit one schema, and the processor reads it. Each row also gets a `request_hash` of its prompt
+and its own sampling fields: the batch job stores it with the row's output and regenerates a row
+whose request changed under the same id. The reader never fails on a row: a prompt
 that is missing or not a string is kept, with the reason in `input_error`, and the generation stage
 turns it into an error row ("InputError: ...").
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -28,9 +31,9 @@ from pipeline.sampling import COLUMN as SAMPLING_COLUMN, ROW_COLUMNS as SAMPLING
 log = logging.getLogger(__name__)
 
 # What the reader yields: one row per input row, bad ones included. sampling_params: the row's own
-# sampling fields as JSON text (null: none; pipeline.sampling.row_fields).
+# sampling fields as JSON text (null: none; pipeline.sampling.row_fields); request_hash: request_hash().
 PROMPT_SCHEMA = pa.schema([("id", pa.string()), ("prompt", pa.string()), ("input_error", pa.string()),
-                           ("sampling_params", pa.string())])
+                           ("sampling_params", pa.string()), ("request_hash", pa.string())])
 FORMATS = {"jsonl": ("jsonl", "json"), "csv": ("csv",), "parquet": ("parquet",)}
 ROWS_PER_BLOCK = 1024
 READ_TASKS = 4  # concurrent read tasks (each reads whole files)
@@ -142,7 +145,7 @@ class PromptDatasource(FileBasedDatasource):
 def to_prompt_table(records: list[dict], name: str, start: int, prompt_column: str = "prompt",
                     id_column: str = "id") -> pa.Table:
     """PROMPT_SCHEMA rows from parsed records; records[k] is row start + k of file `name`."""
-    ids, prompts, errors, sampling = [], [], [], []
+    ids, prompts, errors, sampling, hashes = [], [], [], [], []
     for k, rec in enumerate(records):
         rid, prompt = rec.get(id_column), rec.get(prompt_column)
         error = rec.get("__input_error")
@@ -162,8 +165,16 @@ def to_prompt_table(records: list[dict], name: str, start: int, prompt_column: s
         # values of any type (a bad one included) as text: repr for what JSON cannot hold, and the
         # processor says what is wrong with it
         sampling.append(json.dumps(fields, default=repr) if fields else None)
-    return pa.table({"id": ids, "prompt": prompts, "input_error": errors, "sampling_params": sampling},
-                    schema=PROMPT_SCHEMA)
+        hashes.append(request_hash(prompt, fields))
+    return pa.table({"id": ids, "prompt": prompts, "input_error": errors, "sampling_params": sampling,
+                     "request_hash": hashes}, schema=PROMPT_SCHEMA)
+
+
+def request_hash(prompt, sampling: dict | None) -> str:
+    """What a row asks for, as 32 hex digits: its prompt as read (any type) and its own sampling fields,
+    independent of their order. Job-level settings are not in it (pipeline.manifest compares those)."""
+    text = json.dumps([prompt, sampling or {}], sort_keys=True, default=repr, ensure_ascii=False)
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).hexdigest()
 
 
 def read_prompts(paths: str | list[str], *, input_format: str | None = None, prompt_column: str = "prompt",

@@ -22,10 +22,10 @@ from specee_core.spec.spec_decode import SpecOptions
 
 log = logging.getLogger(__name__)
 
-# One output row per input row. Error rows keep id, prompt, mode, run_id, the batch columns and
-# error; the rest is null. Row-level timings are the row's own; batch_* columns describe the engine
-# batch the row ran in (the same on every row of that batch).
-OUTPUT_SCHEMA = pa.schema([
+# One output row per input row (GenerateRows). Error rows keep id, prompt, mode, run_id, the batch
+# columns, error and error_kind; the rest is null. Row-level timings are the row's own; batch_* columns
+# describe the engine batch the row ran in (the same on every row of that batch).
+ROW_SCHEMA = pa.schema([
     ("id", pa.string()),
     ("prompt", pa.string()),
     ("completion", pa.string()),
@@ -54,7 +54,15 @@ OUTPUT_SCHEMA = pa.schema([
     ("worker", pa.string()),  # <actor id prefix>:<pid> of the engine actor (a restarted actor: new pid)
     ("run_id", pa.string()),
     ("error", pa.string()),  # null when the row succeeded
+    ("error_kind", pa.string()),  # ERROR_KINDS: the row's own (input) or the machine's; null when it succeeded
 ])
+# The batch job's part files: the rows plus the request hash the reader gave each input row
+# (pipeline.prompts.request_hash, carried through the processor), which a resume compares
+OUTPUT_SCHEMA = ROW_SCHEMA.append(pa.field("request_hash", pa.string()))
+# input: the row's own (a bad prompt or sampling value, or an error its prompt raises whenever it runs
+# alone): it fails again unless the row changes. machine: out of memory, a device error, a lost worker:
+# the row may well succeed when run again (the batch job's retry_errors)
+ERROR_KINDS = ("input", "machine")
 
 # Test hook: the first actor call that finds this marker file missing creates it and kills its
 # own process after generating, before returning (an actor lost mid-wave, work in flight).
@@ -124,7 +132,7 @@ class StageConfig:
 
 
 class GenerateRows:
-    """One engine, loaded once, turning PROMPT_SCHEMA batches into OUTPUT_SCHEMA rows: one engine call
+    """One engine, loaded once, turning PROMPT_SCHEMA batches into ROW_SCHEMA rows: one engine call
     per batch, each row with its own SamplingParams (a `_sampling` column: the row's sampling fields as
     JSON, checked by the processor's prepare stage; null or absent: the config's).
 
@@ -234,26 +242,27 @@ class GenerateRows:
         runnable, texts = [], {}
         for i, (prompt, error) in enumerate(zip(prompts, input_errors)):
             if error is not None:  # the reader could not make a prompt of the row
-                rows[i] = self._error_row(ids[i], prompt, f"InputError: {error}")
+                rows[i] = self._error_row(ids[i], prompt, f"InputError: {error}", "input")
                 continue
             try:  # one row at a time, so that one bad prompt does not fail the batch
                 texts[i] = self._prompt_text(to_run[i])
                 self.engine.encode_prompt(texts[i])
                 runnable.append(i)
             except PromptError as e:
-                rows[i] = self._error_row(ids[i], prompt, f"PromptError: {e}")
+                rows[i] = self._error_row(ids[i], prompt, f"PromptError: {e}", "input")
         params = [self.defaults if sampling[i] is None else to_sampling(json.loads(sampling[i]), self.defaults)
                   for i in runnable]
         for i, result in zip(runnable, self._generate([texts[i] for i in runnable], params)):
             if isinstance(result, Exception):
-                rows[i] = self._error_row(ids[i], prompts[i], f"{type(result).__name__}: {result}")
+                rows[i] = self._error_row(ids[i], prompts[i], f"{type(result).__name__}: {result}",
+                                          error_kind(result))
             else:
                 rows[i] = self._row(ids[i], prompts[i], result)
         batch_s = time.perf_counter() - t0
         rows = [{**common, **r, "batch_s": batch_s} for r in rows]
         self._report(rows)
         maybe_crash_once()
-        return pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA)
+        return pa.Table.from_pylist(rows, schema=ROW_SCHEMA)
 
     def _common(self, rows: int, started_at: float) -> dict:
         """The columns every row of one call shares (a new batch_id per call)."""
@@ -262,12 +271,12 @@ class GenerateRows:
                 "batch_id": f"{self.worker}-{self.batches}", "batch_rows": rows, "batch_started_at": started_at,
                 "worker": self.worker, "run_id": self.run_id}
 
-    def error_rows(self, batch: pa.Table, error: str) -> pa.Table:
-        """OUTPUT_SCHEMA error rows for every row of batch, without running it (a row that keeps killing
+    def error_rows(self, batch: pa.Table, error: str, kind: str = "machine") -> pa.Table:
+        """ROW_SCHEMA error rows for every row of batch, without running it (a row that keeps killing
         its process)."""
         common = {**self._common(batch.num_rows, time.time()), "batch_s": 0.0}
-        return pa.Table.from_pylist([{**common, **self._error_row(i, p, error)} for i, p in
-                                     zip(batch["id"].to_pylist(), batch["prompt"].to_pylist())], schema=OUTPUT_SCHEMA)
+        return pa.Table.from_pylist([{**common, **self._error_row(i, p, error, kind)} for i, p in
+                                     zip(batch["id"].to_pylist(), batch["prompt"].to_pylist())], schema=ROW_SCHEMA)
 
     def _prompt_text(self, prompt) -> str:
         """What the engine runs for a row's prompt: the prompt itself, or in chat mode the chat template
@@ -314,8 +323,20 @@ class GenerateRows:
         }
 
     @staticmethod
-    def _error_row(row_id: str, prompt: str | None, error: str) -> dict:
-        return {"id": row_id, "prompt": prompt, "error": error}
+    def _error_row(row_id: str, prompt: str | None, error: str, kind: str) -> dict:
+        return {"id": row_id, "prompt": prompt, "error": error, "error_kind": kind}
+
+
+def error_kind(e: BaseException) -> str:
+    """Whose fault an engine exception for a row run alone is (ERROR_KINDS): the machine's for running out
+    of memory, a device error or a lost Ray worker, else the row's own (it raises again when rerun)."""
+    import torch
+
+    text = str(e)
+    if isinstance(e, (MemoryError, torch.cuda.OutOfMemoryError, ray.exceptions.RayError)) or \
+            "out of memory" in text.lower() or "CUDA error" in text or "device-side assert" in text:
+        return "machine"
+    return "input"
 
 
 def lane_of(p: SamplingParams) -> tuple:

@@ -1,6 +1,6 @@
 """The batch pipeline on a real (local, loopback, 2-CPU) Ray cluster with real Parquet files and
-tiny random models: bad rows, input formats, resume, a crashed actor, live re-tuning, every mode,
-the CLI and analyze."""
+tiny random models: bad rows, input formats, resume (lost, damaged and edited rows, the manifest, the
+lock), retrying error rows, a crashed actor, live re-tuning, every mode, the CLI and analyze."""
 from __future__ import annotations
 
 import json
@@ -83,7 +83,7 @@ def test_jsonl_to_parquet_with_error_rows(jsonl_run):
                                       [r["id"] for r in OWN_SAMPLING])
     assert pq.read_schema(next(out.glob("part-*.parquet"))) == OUTPUT_SCHEMA
     assert len(df) == 18 and sorted(p.name for p in out.iterdir() if not p.name.startswith("part-")) == \
-        ["_summary.json"]  # dense: no schedules
+        ["_specee_manifest.json", "_summary.json"]  # dense: no schedules; the lock is gone with the job
     ok = df.loc[good]
     assert ok["error"].isna().all() and (ok["completion_tokens"] <= MAX_NEW).all()
     assert all(list(layers) == [2] * int(n) for layers, n in zip(ok["exit_layers"], ok["completion_tokens"]))
@@ -96,7 +96,10 @@ def test_jsonl_to_parquet_with_error_rows(jsonl_run):
     assert errors["empty"] == "PromptError: prompt is empty"
     assert errors["too-long"].startswith("PromptError: prompt has") and "context holds 64" in errors["too-long"]
     assert df.loc[list(errors.index), "completion"].isna().all()
+    assert (df.loc[list(errors.index), "error_kind"] == "input").all() and ok["error_kind"].isna().all()
+    assert df["request_hash"].str.fullmatch("[0-9a-f]{32}").all()
     assert summary["rows"] == summary["rows_this_run"] == 18 and summary["errors"] == 8
+    assert summary["error_kinds"] == {"input": 8}
     assert summary["avg_layers"] == 2 and summary["est_speedup_upper_bound"] == 1
     assert summary["completion_tokens"] == int(df["completion_tokens"].sum())
     assert json.loads((out / "_summary.json").read_text())["run_id"] == summary["run_id"]
@@ -142,25 +145,74 @@ def test_row_metrics_are_the_rows_own(jsonl_run):
     assert 0 < summary["generate_s"] < summary["wall_s"]
 
 
+def part_ids(path: Path) -> list[str]:
+    return pq.read_table(path, columns=["id"])["id"].to_pylist()
+
+
 def test_resume_skips_written_ids(jsonl_run, tmp_path, model_dir):
+    """A resume generates exactly the rows not in the output: those of a part file that never made it, of
+    one damaged since (set aside), and a row whose prompt was edited under its id (its old row removed);
+    a rerun with other settings stops naming them, and a folder another job holds is refused."""
+    from dataclasses import replace
+
+    from pipeline.output_lock import FolderLocked, OutputLock
+
     cfg, first, out = jsonl_run
     resumed = tmp_path / "out"
     shutil.copytree(out, resumed)
     parts = sorted(resumed.glob("part-*.parquet"))
-    lost = pq.read_table(parts[0], columns=["id"])["id"].to_pylist()
+    lost, damaged = part_ids(parts[0]), part_ids(parts[1])
     parts[0].unlink()  # the job died before this file was renamed into place ...
-    (resumed / f".{parts[0].name}.tmp").write_bytes(b"PAR1 half")  # ... while writing it
-    kept = {p.name: p.stat().st_mtime_ns for p in parts[1:]}
+    (resumed / f".{parts[0].name}.crashed-run.tmp").write_bytes(b"PAR1 half")  # ... while writing it
+    parts[1].write_bytes(parts[1].read_bytes()[:200])  # a file damaged since
+    edited = part_ids(parts[2])[0]  # a row whose prompt is edited in the input, under the same id
+    lines = Path(cfg.input[0]).read_text().splitlines()
+    line = int(edited.split(":")[1]) if edited.startswith("prompts.jsonl:") else \
+        next(k for k, text in enumerate(lines) if f'"id": {json.dumps(edited)}' in text)
+    lines[line] = json.dumps({"id": edited, "prompt": "def edited():\n"})
+    (tmp_path / "in").mkdir()
+    src = write_jsonl(tmp_path / "in" / "prompts.jsonl", lines)
+    kept = {p.name: p.stat().st_mtime_ns for p in parts[3:]}
 
-    again = run(config(model_dir, cfg.input, resumed))
-    assert again["rows_this_run"] == len(lost) and again["rows"] == first["rows"]
-    df = read_output(resumed)
-    assert df["id"].is_unique and set(df["id"]) == set(read_output(out)["id"])
-    assert {p.name: p.stat().st_mtime_ns for p in parts[1:]} == kept
+    again = run(config(model_dir, src, resumed))
+    assert again["rows_this_run"] == len(lost) + len(damaged) + 1 and again["rows"] == first["rows"]
+    assert again["regenerated"] == {"changed_requests": 1, "error_rows": 0}
+    assert again["set_aside"] == [f"_{parts[1].name}.corrupt"]
+    df = read_output(resumed).set_index("id")
+    assert df.index.is_unique and set(df.index) == set(read_output(out)["id"])
+    assert df.loc[edited, "prompt"] == "def edited():\n" and df.loc[edited, "run_id"] == again["run_id"]
+    assert edited not in part_ids(parts[2])  # rewritten without its old row
+    assert {p.name: p.stat().st_mtime_ns for p in parts[3:]} == kept
     assert not list(resumed.glob(".*"))
 
-    nothing = run(config(model_dir, cfg.input, resumed))
+    nothing = run(config(model_dir, src, resumed))
     assert nothing["rows_this_run"] == 0 and nothing["rows"] == first["rows"]
+    shorter = config(model_dir, src, resumed)
+    shorter.stage = replace(shorter.stage, max_new_tokens=2)
+    with pytest.raises(ValueError, match=f"output folder {resumed} was written with max_new_tokens=4; this job has "
+                                         f"max_new_tokens=2; pass --overwrite-config"):
+        run(shorter)
+    with OutputLock(resumed, "another-job"), pytest.raises(FolderLocked, match="in use by run another-job"):
+        run(config(model_dir, src, resumed))
+
+
+def test_retry_errors_generates_the_error_rows_again(jsonl_run, tmp_path, model_dir):
+    """retry_errors on a finished job: its error rows run again and replace the old ones (the part files
+    holding them rewritten without them), every id once; the input's faults fail again, as kind input."""
+    cfg, first, out = jsonl_run
+    again_dir = tmp_path / "out"
+    shutil.copytree(out, again_dir)
+    before = read_output(again_dir)
+    errors = set(before.loc[before["error"].notna(), "id"])
+    untouched = {p.name: p.stat().st_mtime_ns for p in again_dir.glob("part-*.parquet") if not set(part_ids(p)) & errors}
+    summary = run(config(model_dir, cfg.input, again_dir, retry_errors=True))
+    assert summary["rows_this_run"] == len(errors) == 8 and summary["regenerated"] == {"changed_requests": 0,
+                                                                                       "error_rows": 8}
+    df = read_output(again_dir)
+    assert df["id"].is_unique and set(df["id"]) == set(before["id"])
+    assert set(df.loc[df["error"].notna(), "id"]) == errors and summary["error_kinds"] == {"input": 8}
+    assert set(df.loc[df["id"].isin(errors), "run_id"]) == {summary["run_id"]}
+    assert {p.name: p.stat().st_mtime_ns for p in again_dir.glob("part-*.parquet") if p.name in untouched} == untouched
 
 
 def test_csv_and_parquet_inputs(tmp_path, model_dir):
@@ -217,6 +269,7 @@ def test_a_row_that_always_kills_its_actor_becomes_an_error_row(tmp_path, model_
     df = read_output(tmp_path / "out").set_index("id")
     assert sorted(df.index) == sorted(r["id"] for r in rows) and df.index.is_unique
     assert df.loc["bad", "error"].startswith("WorkerDied: the engine process died")
+    assert df.loc["bad", "error_kind"] == "machine" and summary["error_kinds"] == {"machine": 1}
     assert df.drop(index="bad")["error"].isna().all() and summary["errors"] == 1
 
 

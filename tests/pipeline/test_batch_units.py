@@ -1,5 +1,6 @@
 """Units of the batch pipeline without a Ray cluster: the prompt reader's rows, the schedule
-store, the done-id set, the output directory, the stage with a fake engine."""
+store, the done-id set, the output directory (durable parts, corrupt parts, rows replaced, the lock,
+the manifest), the resume plan, the stage with a fake engine."""
 from __future__ import annotations
 
 import json
@@ -10,11 +11,11 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from pipeline.batch import BatchConfig, RowStats
+from pipeline.batch import BatchConfig, RowStats, plan_resume
 from pipeline.output import DoneIds, OutputDir
 from pipeline.prompts import PROMPT_SCHEMA, infer_format, to_prompt_table
 from pipeline.schedule_store import ScheduleStore
-from pipeline.stage import OUTPUT_SCHEMA, StageConfig
+from pipeline.stage import OUTPUT_SCHEMA, ROW_SCHEMA, StageConfig
 from specee_core.early_exit.scheduler import Schedule
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +26,8 @@ def rows(errors: list[str | None], tokens: int = 4, start: float = 100.0, batch_
     """Output rows of one engine call."""
     return pa.Table.from_pylist([
         {"id": f"r{i}", "completion_tokens": None if e else tokens, "avg_layers": None if e else 5.0,
-         "num_layers": L, "error": e, "batch_started_at": start, "batch_s": batch_s}
+         "num_layers": L, "error": e, "error_kind": e and ("machine" if e.startswith("WorkerDied") else "input"),
+         "batch_started_at": start, "batch_s": batch_s}
         for i, e in enumerate(errors)], schema=OUTPUT_SCHEMA)
 
 
@@ -37,6 +39,21 @@ def test_prompt_rows_get_stable_ids_and_input_errors():
     assert t["prompt"].to_pylist() == ["a", "b", None, None, None, ""]  # "" is the engine's to reject
     assert t["input_error"].to_pylist() == [None, None, "prompt must be a string, got int", "no 'prompt' value",
                                             "invalid JSON", None]
+
+
+def test_request_hash_covers_the_prompt_and_the_rows_own_sampling():
+    def hashes(records):
+        return to_prompt_table(records, "f.jsonl", 0)["request_hash"].to_pylist()
+
+    a, same, reordered, edited, sampled, other = hashes([
+        {"id": "1", "prompt": "p", "max_tokens": 4, "temperature": 0.5},
+        {"id": "2", "prompt": "p", "max_tokens": 4, "temperature": 0.5},  # the id is not part of it
+        {"id": "1", "prompt": "p", "sampling_params": {"temperature": 0.5, "max_tokens": 4}},
+        {"id": "1", "prompt": "p ", "max_tokens": 4, "temperature": 0.5},
+        {"id": "1", "prompt": "p", "max_tokens": 5, "temperature": 0.5},
+        {"id": "1", "prompt": 7}])
+    assert a == same == reordered and len(a) == 32
+    assert len({a, edited, sampled, other}) == 4
 
 
 def test_infer_format(tmp_path):
@@ -51,8 +68,9 @@ def test_infer_format(tmp_path):
 def test_row_stats_count_good_rows_on_one_clock():
     s = RowStats()
     s.add(rows([None, None, "PromptError: x"], start=100.0, batch_s=2.0))
-    s.add(rows([None], start=101.0, batch_s=3.0))
-    assert (s.rows, s.errors, s.completion_tokens, s.num_layers, s.avg_layers) == (4, 1, 12, L, 5.0)
+    s.add(rows([None, "WorkerDied: x"], start=101.0, batch_s=3.0))
+    assert (s.rows, s.errors, s.completion_tokens, s.num_layers, s.avg_layers) == (5, 2, 12, L, 5.0)
+    assert s.error_kinds == {"input": 1, "machine": 1}
     assert s.generate_s() == 4.0 and s.tokens_per_s() == 3.0  # 12 tokens from t=100 to t=104
     assert s.tokens_per_s(now=106.0) == 2.0
     assert RowStats().tokens_per_s() is None
@@ -113,24 +131,226 @@ def test_done_ids():
     assert big.digests.nbytes == 16 * 2500
 
 
-def test_output_reads_back_with_pandas_and_part_files_are_atomic(tmp_path):
-    out = OutputDir(tmp_path)
+def test_output_reads_back_with_pandas_and_part_files_are_durable(tmp_path, monkeypatch):
+    out = OutputDir(tmp_path, tag="run-b")
     out.prepare()
     table = pa.Table.from_pylist([{"id": "a", "mode": "dense"}, {"id": "b", "mode": "dense"}], schema=OUTPUT_SCHEMA)
+    synced = []
+    real_fsync = __import__("os").fsync
+    monkeypatch.setattr("os.fsync", lambda fd: synced.append(fd) or real_fsync(fd))
     out.write_part(table, "part-r-00000.parquet")
-    (tmp_path / ".part-r-00001.parquet.tmp").write_bytes(b"half a file")  # a crash mid-write
+    assert len(synced) == 2  # the file, then its folder (the rename)
+    (tmp_path / ".part-r-00001.parquet.run-a.tmp").write_bytes(b"half a file")  # a crashed job's, mid-write
+    (tmp_path / ".part-r-00002.parquet.run-b.tmp").write_bytes(b"this job's")
     out.save_schedule(Schedule(num_layers=L, offline_layers=[2], version=3))
     out.write_summary({"rows": 2})
     (tmp_path / "_exit_layers.png").write_bytes(b"\x89PNG")
     assert sorted(pd.read_parquet(tmp_path)["id"]) == ["a", "b"]  # metadata and temp files are skipped
-    assert "a" in out.done_ids() and len(out.done_ids()) == 2
+    assert "a" in out.index().done_ids() and len(out.index()) == 2
     assert out.latest_schedule().version == 3 and json.loads(out.summary.read_text()) == {"rows": 2}
-    out.prepare()
-    assert not (tmp_path / ".part-r-00001.parquet.tmp").exists() and len(out.part_files()) == 1
+    out.remove_temps()  # another job's temporary files go, this job's stay
+    assert sorted(p.name for p in tmp_path.glob(".*")) == [".part-r-00002.parquet.run-b.tmp"]
+    assert len(out.part_files()) == 1
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "parts").mkdir()
     with pytest.raises(ValueError, match="earlier version"):
         OutputDir(tmp_path / "old").prepare()
+
+
+def part(out: OutputDir, name: str, ids: list[str], errors: dict | None = None, hashes: dict | None = None):
+    errors, hashes = errors or {}, hashes or {}
+    return out.write_part(pa.Table.from_pylist(
+        [{"id": i, "completion": i.upper(), "error": errors.get(i), "request_hash": hashes.get(i, f"{k:032x}")}
+         for k, i in enumerate(ids)], schema=OUTPUT_SCHEMA), name)
+
+
+def test_an_unreadable_part_file_is_set_aside_and_its_rows_count_as_not_written(tmp_path, caplog):
+    out = OutputDir(tmp_path)
+    good = part(out, "part-r-00000.parquet", ["a", "b"])
+    cut = part(out, "part-r-00001.parquet", ["c"])
+    flipped = part(out, "part-r-00002.parquet", ["d", "e"])
+    cut.write_bytes(cut.read_bytes()[:-30])  # the footer lost
+    data = bytearray(flipped.read_bytes())
+    at = data.index(b"D")  # a value of the completion column: a plain read returns "E"; the page checksum tells
+    data[at] ^= 0x01
+    flipped.write_bytes(bytes(data))
+    index = out.index()
+    assert sorted(p.name for p in out.set_aside_files) == ["_part-r-00001.parquet.corrupt",
+                                                          "_part-r-00002.parquet.corrupt"]
+    assert "cannot be read" in caplog.text and "_part-r-00001.parquet.corrupt" in caplog.text
+    assert out.part_files() == [good] and len(index) == 2 and list(index.find(["a", "c", "d"]) >= 0) == [True, False, False]
+    assert sorted(pd.read_parquet(tmp_path)["id"]) == ["a", "b"]  # the set-aside files are skipped
+
+
+def test_rows_replaced_leave_each_id_once(tmp_path):
+    out = OutputDir(tmp_path)
+    first = part(out, "part-r-00000.parquet", ["a", "b", "c"], errors={"b": "PromptError: x"})
+    second = part(out, "part-r-00001.parquet", ["d"])
+    third = part(out, "part-r-00002.parquet", ["a", "e"])  # "a" again: a folder written before ids were unique
+    index = out.index()
+    assert len(index) == 5 and index.duplicates == {third: {0}}
+    at = index.find(["b", "d", "zz"])
+    assert at[2] == -1 and index.errors[at[0]] and not index.errors[at[1]]
+    rows = index.rows_at(at[:2])
+    assert rows == {first: {1}, second: {0}}
+    rows[third] = index.duplicates[third]
+    assert out.drop_rows(rows) == 3
+    assert not second.exists()  # no row left: removed
+    assert sorted(pd.read_parquet(tmp_path)["id"]) == ["a", "c", "e"]
+    assert pq_ids(first) == ["a", "c"] and pq_ids(third) == ["e"] and not list(tmp_path.glob(".*"))
+    assert sorted(index.done_ids(without=at[:2]).mask(["a", "b", "d", "e"]).tolist()) == [False, False, True, True]
+
+
+def pq_ids(path: Path) -> list[str]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path, columns=["id"])["id"].to_pylist()
+
+
+class FakeDataset:
+    """ray.data.Dataset's iter_batches over PROMPT_SCHEMA blocks."""
+
+    def __init__(self, *blocks: list[dict]):
+        self.blocks = [to_prompt_table(b, "f.jsonl", 0) for b in blocks]
+
+    def iter_batches(self, **kw):
+        return iter(self.blocks)
+
+
+def test_resume_plan_regenerates_changed_requests_and_retried_errors(tmp_path):
+    prompts = {"a": "x", "b": "y", "c": "z"}
+    out = OutputDir(tmp_path)
+    hashes = {i: to_prompt_table([{"prompt": p}], "f", 0)["request_hash"][0].as_py() for i, p in prompts.items()}
+    part(out, "part-r-00000.parquet", ["a", "b", "c"], errors={"c": "WorkerDied: x"}, hashes=hashes)
+    index = out.index()
+    inputs = FakeDataset([{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y, edited"}],
+                         [{"id": "c", "prompt": "z"}, {"id": "new", "prompt": "w"}])
+    plan = plan_resume(inputs, index, retry_errors=False)
+    assert (plan.total, plan.changed, plan.errors) == (2, 1, 0)  # new, and b (its prompt changed)
+    assert index.rows_at(plan.replace) == {out.part_files()[0]: {1}}
+    retry = plan_resume(inputs, index, retry_errors=True)
+    assert (retry.total, retry.changed, retry.errors) == (3, 1, 1)
+    assert index.rows_at(retry.replace) == {out.part_files()[0]: {1, 2}}
+    sampled = FakeDataset([{"id": "a", "prompt": "x", "max_tokens": 3}])  # the row's own sampling changed
+    assert plan_resume(sampled, index, retry_errors=False).changed == 1
+
+
+def test_duplicate_input_ids_stop_the_job_naming_them(tmp_path):
+    inputs = FakeDataset([{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}],
+                         [{"id": "a", "prompt": "z"}, {"id": "c", "prompt": "w"}, {"id": "c", "prompt": "v"}])
+    with pytest.raises(ValueError, match=r"the input holds 2 id\(s\) more than once, e.g. 'a', 'c'"):
+        plan_resume(inputs, OutputDir(tmp_path).index(), retry_errors=False)
+
+
+def test_the_lock_keeps_a_second_job_out_and_a_dead_jobs_lock_is_taken_over(tmp_path, caplog, monkeypatch):
+    import errno
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from pipeline.output_lock import LOCK, FolderLocked, Holder, OutputLock
+
+    with OutputLock(tmp_path, "run-1"):
+        holder = Holder.parse((tmp_path / LOCK).read_text())
+        assert (holder.pid, holder.host, holder.run_id) == (os.getpid(), socket.gethostname(), "run-1")
+        with pytest.raises(FolderLocked, match=r"in use by run run-1 \(pid \d+ on"):
+            OutputLock(tmp_path, "run-2").acquire()
+    assert not (tmp_path / LOCK).exists()  # released
+
+    def leave_lock(**changes) -> None:
+        fields = {**Holder.me("crashed").__dict__, **changes}
+        (tmp_path / LOCK).write_text(json.dumps(fields))
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    leave_lock(pid=int(gone.stdout))  # a crashed job on this host: its process is gone
+    with OutputLock(tmp_path, "run-3"):
+        assert Holder.parse((tmp_path / LOCK).read_text()).run_id == "run-3"
+    assert "taking over the lock of run crashed" in caplog.text
+    leave_lock(process_started_at=1.0)  # this pid, but a newer process: the holder's pid was reused
+    OutputLock(tmp_path, "run-4").__enter__().release()
+    leave_lock(host="elsewhere")
+    with pytest.raises(FolderLocked, match=f"another host: if that job is gone, delete {tmp_path / LOCK}"):
+        OutputLock(tmp_path, "run-5").acquire()
+    leave_lock()  # a live process on this host that holds no flock: not taken over
+    with pytest.raises(FolderLocked, match="still running"):
+        OutputLock(tmp_path, "run-6").acquire()
+    (tmp_path / LOCK).unlink()
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr("pipeline.output_lock.fcntl.flock", no_flock)  # an NFS mount without locking
+    with OutputLock(tmp_path, "run-7"):
+        assert "has no flock" in caplog.text
+        with pytest.raises(FolderLocked, match="run run-7 .* still running"):  # the content still keeps others out
+            OutputLock(tmp_path, "run-8").acquire()
+
+
+def manifest_of(tmp_path: Path, model: Path, **stage) -> dict:
+    from pipeline.manifest import job_manifest
+
+    (tmp_path / "in").mkdir(exist_ok=True)
+    (tmp_path / "in" / "p.jsonl").write_text('{"prompt": "x"}\n')
+    return job_manifest(StageConfig(model=str(model), **stage), [str(tmp_path / "in" / "p.jsonl")],
+                        input_format=None, prompt_column="prompt", id_column="id", run_id="r")
+
+
+def test_manifest_names_the_differences_and_overwrite_keeps_the_old_one(tmp_path, monkeypatch):
+    from pipeline.manifest import MANIFEST, check_manifest
+
+    monkeypatch.setenv("SPECEE_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    folder = tmp_path / "out"
+    folder.mkdir()
+    old = manifest_of(tmp_path, model, max_new_tokens=64, mode="dense")
+    assert old["input_files"] == ["p.jsonl"] and set(old["model_files"]) == {"config.json", "model.safetensors"}
+    assert check_manifest(folder, old, has_rows=False, overwrite=False) == {**old, "earlier": []}
+    (folder / MANIFEST).write_text(json.dumps(old))
+    same = manifest_of(tmp_path, model, max_new_tokens=64, mode="dense")
+    assert check_manifest(folder, same, has_rows=True, overwrite=False)["written_by"] == same["written_by"]
+    new = manifest_of(tmp_path, model, max_new_tokens=32, mode="dense")
+    with pytest.raises(ValueError) as e:
+        check_manifest(folder, new, has_rows=True, overwrite=False)
+    assert str(e.value) == (f"output folder {folder} was written with max_new_tokens=64; this job has "
+                            f"max_new_tokens=32; pass --overwrite-config (BatchConfig.overwrite_config) to write "
+                            f"into it anyway")
+    (model / "model.safetensors").write_bytes(b"other w")  # same size: the content tells
+    with pytest.raises(ValueError, match="model file model.safetensors=sha256:[0-9a-f]{12}; this job has max_new"):
+        check_manifest(folder, manifest_of(tmp_path, model, max_new_tokens=32, mode="dense"), has_rows=True,
+                       overwrite=False)
+    kept = check_manifest(folder, new, has_rows=True, overwrite=True)
+    assert kept["sampling"]["max_new_tokens"] == 32 and kept["earlier"][0]["sampling"]["max_new_tokens"] == 64
+    assert check_manifest(folder, new, has_rows=False, overwrite=False)["sampling"]["max_new_tokens"] == 32
+    (folder / MANIFEST).unlink()
+    with pytest.raises(ValueError, match="has part files but no _specee_manifest.json"):
+        check_manifest(folder, new, has_rows=True, overwrite=True)
+
+
+def test_weight_hashes_are_of_the_content_and_cached(tmp_path):
+    import os
+
+    from pipeline.manifest import model_files_sha256
+
+    (tmp_path / "m" / "draft").mkdir(parents=True)
+    (tmp_path / "m" / ".git").mkdir()
+    for name, data in (("config.json", b"{}"), ("model.safetensors", b"aaaa"), ("draft/model.safetensors", b"bbbb"),
+                       ("tokenizer.json", b"{}"), ("README.md", b"x"), (".git/old.bin", b"x")):
+        (tmp_path / "m" / name).write_bytes(data)
+    cache = tmp_path / "cache.json"
+    first = model_files_sha256(tmp_path / "m", cache=cache)
+    assert set(first) == {"config.json", "tokenizer.json", "model.safetensors", "draft/model.safetensors"}
+    assert first["model.safetensors"] != first["draft/model.safetensors"]  # same size, other content
+    weights = tmp_path / "m" / "model.safetensors"
+    st = weights.stat()
+    weights.write_bytes(b"cccc")
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert model_files_sha256(tmp_path / "m", cache=cache) == first  # same path, size, mtime: from the cache
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert model_files_sha256(tmp_path / "m", cache=cache)["model.safetensors"] != first["model.safetensors"]
 
 
 def test_config_validation(tmp_path):
@@ -149,6 +369,7 @@ def test_config_validation(tmp_path):
         BatchConfig(input=["x"], output=str(tmp_path), stage=stage, retune_every_tokens=0)
     with pytest.raises(ValueError, match="schedule only applies"):
         BatchConfig(input=["x"], output=str(tmp_path), stage=stage, schedule="s.json")
+    assert not BatchConfig(input=["x"], output=str(tmp_path), stage=stage).retry_errors
     with pytest.raises(ValueError, match="local or mounted"):
         OutputDir("s3://bucket/out")
 
@@ -182,6 +403,9 @@ def test_the_job_is_lossless_by_default_even_with_predictors(tmp_path):
     args = parse_args(["--output", str(tmp_path / "out"), "--model", str(tmp_path)])
     cfg = build_config(args)
     assert (cfg.stage.mode, cfg.stage.dtype, cfg.stage.engine_options) == ("auto", "auto", {})
+    assert (cfg.retry_errors, cfg.overwrite_config) == (False, False)
+    again = build_config(parse_args(["--output", "o", "--model", str(tmp_path), "--retry-errors", "--overwrite-config"]))
+    assert (again.retry_errors, again.overwrite_config) == (True, True)
     specee = build_config(parse_args(["--output", "o", "--model", str(tmp_path), "--mode", "specee"]))
     assert specee.stage.mode == "specee" and specee.stage.engine_options == {"explore_every": 8}
     assert parse_args(["--output", "o"]).input == [str(REPO / "prompts" / "instructions_heldout.jsonl")]
@@ -267,7 +491,7 @@ def test_stage_uses_its_schedule_and_isolates_failing_rows(monkeypatch):
     batch = pa.table({"id": ["a", "b", "c", "d", "e"], "prompt": ["x", "", None, "poison", "yz"],
                       "input_error": [None, None, "prompt must be a string, got int", None, None]})
     out = stage(batch)
-    assert out.schema == OUTPUT_SCHEMA
+    assert out.schema == ROW_SCHEMA
     rows = {r["id"]: r for r in out.to_pylist()}
     assert rows["a"]["completion"] == "X" and rows["e"]["completion"] == "YZ"
     assert rows["a"]["schedule_version"] == 7 and rows["a"]["mode"] == "specee" and rows["a"]["run_id"] == "run-1"
@@ -277,6 +501,7 @@ def test_stage_uses_its_schedule_and_isolates_failing_rows(monkeypatch):
     assert rows["b"]["error"] == "PromptError: prompt is empty"
     assert rows["c"]["error"] == "InputError: prompt must be a string, got int"
     assert rows["d"]["error"] == "RuntimeError: still broken" and rows["d"]["completion"] is None
+    assert [rows[i]["error_kind"] for i in "abcde"] == [None, "input", "input", "input", None]
     assert all(rows[i]["error"] is None for i in "ae")
     assert {r["batch_id"] for r in rows.values()} == {f"local:{__import__('os').getpid()}-1"}
     assert {r["batch_rows"] for r in rows.values()} == {5} and rows["b"]["batch_s"] == rows["a"]["batch_s"] > 0
@@ -284,6 +509,19 @@ def test_stage_uses_its_schedule_and_isolates_failing_rows(monkeypatch):
     assert engine.calls[0][0] == ["x", "poison", "yz"] and engine.calls[0][1]["mode"] == "specee"
     assert [p.max_new_tokens for p in engine.calls[0][1]["sampling_params"]] == [2, 2, 2]
     assert stage(batch.slice(0, 1)).to_pylist()[0]["batch_id"].endswith("-2")
+    died = stage.error_rows(batch.slice(0, 1), "WorkerDied: x").to_pylist()[0]  # a row that kept killing its actor
+    assert (died["error"], died["error_kind"]) == ("WorkerDied: x", "machine")
+
+
+def test_error_kind_tells_the_machines_fault_from_the_rows():
+    import torch
+
+    from pipeline.stage import error_kind
+
+    assert error_kind(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")) == "machine"
+    assert error_kind(RuntimeError("CUDA error: an illegal memory access was encountered")) == "machine"
+    assert error_kind(MemoryError()) == "machine"
+    assert error_kind(ValueError("unsupported JSON schema keyword")) == "input"
 
 
 def test_stage_runs_prompts_through_the_chat_template(tmp_path):
