@@ -39,7 +39,8 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -195,9 +196,51 @@ class Work:
     mode: str
     ids: tuple = ()  # the prompts' token ids (what the engine runs)
 
-    def engine_request(self, on_token=None) -> EngineRequest:
-        return EngineRequest([list(i) for i in self.ids], sampling_params(self.params), self.mode,
-                             on_token=on_token, max_disagreement=self.params.get("max_disagreement"))
+    def engine_requests(self, on_token=None) -> list[EngineRequest]:
+        """The engine requests that run this work: one for all choices, or, when sampling with a seed,
+        one per choice seeded with seed + its index (as vLLM does): each choice has its own generator, so
+        it is the same whatever runs beside it (n, the other prompts, preemption)."""
+        params = sampling_params(self.params)
+        kw = {"max_disagreement": self.params.get("max_disagreement")}
+        ids = [list(i) for i in self.ids]
+        if params.seed is None or params.greedy or len(ids) == 1:
+            return [EngineRequest(ids, params, self.mode, on_token=on_token, **kw)]
+        return [EngineRequest([row], replace(params, seed=params.seed + k), self.mode,
+                              on_token=None if on_token is None else partial(_shifted, on_token, k), **kw)
+                for k, row in enumerate(ids)]
+
+
+def _shifted(on_token, k: int, i: int, *rest) -> None:
+    """on_token of the engine request that runs choice k alone: its prompt 0 is the work's choice k."""
+    on_token(k + i, *rest)
+
+
+class Submitted:
+    """A Work's engine requests, submitted together to the runner: one future of all their results in
+    the work's order; cancel() stops every one."""
+
+    def __init__(self, runner: Runner, requests: list[EngineRequest]):
+        self.requests = requests
+        futures = []
+        try:
+            for r in requests:
+                futures.append(asyncio.wrap_future(runner.submit(r)))
+        except BaseException:
+            self.cancel()
+            raise
+        self.future = asyncio.gather(*futures)
+
+    async def results(self) -> list:
+        return [r for part in await self.future for r in part]
+
+    def cancel(self) -> None:
+        for r in self.requests:
+            if not r.done:
+                r.cancel()
+
+    @property
+    def peak_batch(self) -> int:
+        return max(r.peak_batch for r in self.requests)
 
 
 def pick_mode(requested: str | None, *, has_predictors: bool) -> str:
@@ -670,20 +713,20 @@ class SpecEEServer:
     # ---- engine calls -------------------------------------------------------------------------
     async def _generate(self, work: Work):
         """(results, the batch it ran in: the most rows decoding beside it); APIError on failure."""
-        request = work.engine_request()
         try:
-            fut = asyncio.wrap_future(self._runner.submit(request))
+            submitted = Submitted(self._runner, work.engine_requests())
         except ValueError as e:  # PromptError included
             raise engine_error(e) from None
         try:
-            results = await fut
+            results = await submitted.results()
         except asyncio.CancelledError:  # the client went away: free its rows
-            request.cancel()
+            submitted.cancel()
             raise
         except Exception as e:  # noqa: BLE001 -- as the client sees it
+            submitted.cancel()
             raise engine_error(e) from None
         self._finished(results, work.mode)
-        return results, request.peak_batch or len(work.prompts)
+        return results, submitted.peak_batch or len(work.prompts)
 
     def _finished(self, results, mode: str) -> None:
         self.metrics.finished(results, mode)
@@ -726,8 +769,8 @@ class SpecEEServer:
                     f.exception()  # retrieved here: a cancelled stream's error is expected
                 queue.put_nowait(None)
 
-            request = work.engine_request(on_token)  # joins the running batch
-            fut = asyncio.wrap_future(self._runner.submit(request))
+            submitted = Submitted(self._runner, work.engine_requests(on_token))  # joins the running batch
+            fut = submitted.future
             fut.add_done_callback(done)
             fut.add_done_callback(lambda _: ticket.release())
             texts = [StreamText(tok, params["stop"]) for _ in prompts]
@@ -742,7 +785,7 @@ class SpecEEServer:
                     if delta := texts[i].push(token_id):
                         yield chunk(i, delta)
                 try:
-                    results = fut.result()
+                    results = [r for part in fut.result() for r in part]
                 except Exception as e:  # noqa: BLE001 - reported in the stream: the status is sent
                     err = engine_error(e)
                     yield sse(err.body())
@@ -753,12 +796,11 @@ class SpecEEServer:
                 raise
             finally:
                 cancelled.set()  # the client left (GeneratorExit / CancelledError) or we are done
-                if not request.done:
-                    request.cancel()
+                submitted.cancel()
             self._finished(results, mode)
             u = usage(sum(r.prompt_tokens for r in results), sum(len(r.token_ids) for r in results),
                       sum(r.cached_prompt_tokens for r in results))
-            batch = request.peak_batch or len(prompts)
+            batch = submitted.peak_batch or len(prompts)
             summary = specee_summary(results, self.engine.model.num_layers, mode, batch)
             for i, r in enumerate(results):
                 if rest := texts[i].finish(cut_at_stop(r.text, params["stop"])):

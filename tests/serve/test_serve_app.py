@@ -423,6 +423,15 @@ def test_logprobs_n_and_penalties(server, dirs):
     assert got == pytest.approx([i.logprob for i in content], abs=1e-5)
     three = chat.chat.completions.create(**{**kw, "temperature": 1.0}, n=3, seed=5)
     assert [c.index for c in three.choices] == [0, 1, 2] and three.usage.completion_tokens >= 3
+    # seed per choice (vLLM's rule): choice k is the one-choice request seeded with seed + k, streamed or not
+    alone = [chat.chat.completions.create(**{**kw, "temperature": 1.0}, seed=5 + k).choices[0].message.content
+             for k in (1, 2)]
+    assert [c.message.content for c in three.choices[1:]] == alone
+    parts = ["", "", ""]
+    for c in chat.chat.completions.create(**{**kw, "temperature": 1.0}, n=3, seed=5, stream=True):
+        for ch in c.choices:
+            parts[ch.index] += ch.delta.content or ""
+    assert parts == [c.message.content for c in three.choices]
     plain = OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
     rep = dict(model="tiny", prompt="1 2 3 4 1 2 3 4", max_tokens=24, temperature=0)
     free = plain.completions.create(**rep).choices[0].text
