@@ -109,6 +109,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="each engine's KV budget (its KV, the draft head's and the prefix cache), GiB; default: a "
                         "share of the memory free at start, split over the actors")
     p.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole (no shared blocks)")
+    p.add_argument("--batch-timeout", type=float, default=900.0, metavar="S",
+                   help="an engine call (one batch) running longer is a hang: its process is stopped and the batch "
+                        "runs again, in the end row by row in a quarantined process (0: no limit; default 900)")
+    p.add_argument("--row-attempts", type=int, default=2,
+                   help="a row that kills or hangs a fresh engine process this many times alone becomes an error "
+                        "row (default 2)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -137,7 +143,8 @@ def build_config(args: argparse.Namespace):
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, stop=tuple(args.stop), seed=args.seed, batch_size=args.batch_size,
                         torch_threads=args.torch_threads, chat=args.chat, engine_options=early_exit, spec=spec,
-                        kv_cache_gb=args.kv_cache_gb, prefix_cache=not args.no_prefix_cache)
+                        kv_cache_gb=args.kv_cache_gb, prefix_cache=not args.no_prefix_cache,
+                        batch_timeout_s=args.batch_timeout or None, row_attempts=args.row_attempts)
     return BatchConfig(input=args.input, output=args.output, stage=stage,
                        retune_every_tokens=args.retune_every_tokens,
                        num_actors=args.num_actors, cpus_per_actor=args.cpus_per_actor,

@@ -36,7 +36,7 @@ from pipeline.manifest import MANIFEST, check_manifest, job_manifest
 from pipeline.output import DoneIds, OutputDir, OutputIndex, digest
 from pipeline.output_lock import OutputLock
 from pipeline.prompts import read_prompts
-from pipeline.stage import OUTPUT_SCHEMA, StageConfig
+from pipeline.stage import OUTPUT_SCHEMA, WORKER_DIED, StageConfig
 from specee_core.early_exit.step import initial_schedule
 from specee_core.early_exit.scheduler import Schedule
 
@@ -231,7 +231,10 @@ class Writer:
 
     def add(self, table: pa.Table) -> None:
         self.buffer.append(table)
-        if sum(t.num_rows for t in self.buffer) >= self.rows_per_file or self.due():
+        # a quarantine's verdict (a row that killed or hung its process) cost process deaths to reach: it is
+        # written at once, so that a lost driver does not lose it and the rerun does not die on the row again
+        verdict = pc.any(pc.starts_with(table["error"].fill_null(""), WORKER_DIED)).as_py() if table.num_rows else False
+        if verdict or sum(t.num_rows for t in self.buffer) >= self.rows_per_file or self.due():
             self.flush()
 
     def due(self) -> bool:
@@ -352,6 +355,7 @@ def processor_config(cfg: BatchConfig, out: OutputDir, schedule: Schedule | None
                            engine_kwargs={**st.engine_options, **st.core_options}, spec=dict(st.spec),
                            torch_threads=st.torch_threads,
                            kv_cache_gb=st.kv_cache_gb, prefix_cache=st.prefix_cache,
+                           batch_timeout_s=st.batch_timeout_s, row_attempts=st.row_attempts,
                            retune_every_tokens=cfg.retune_every_tokens, retune_min_exits=cfg.retune_min_exits,
                            schedule=None if schedule is None else str(out.schedule_path(schedule.version)),
                            runtime_env=cfg.runtime_env)

@@ -42,19 +42,25 @@ audit's closed layers) between batches, and each row records the version it ran 
 `processor.schedule_state()` returns the store's state after the dataset has run.
 
 Fault tolerance is Ray Data's own, plus a ledger: the engine actors restart when they die (max_restarts
--1) and a batch that was running on a dead actor runs again on another (`max_task_retries`). A RunLedger
-actor records which calls started and never finished, so the rerun of a batch that died runs its rows one
-by one, and a row that killed its process ROW_DEATHS times alone becomes an error row ("WorkerDied: ...")
-instead of failing the dataset. An engine *exception* never fails it either: it costs only its rows (error
-rows). Ray warns that actors whose constructor arguments live in the object store may not restart
+-1) and a batch that was running on a dead actor runs again on another (`max_task_retries`). A call that
+runs past `batch_timeout_s` (a hang) stops its process, as a crash would. A RunLedger actor records which
+calls started and never finished: a call that hung, or died IN_PLACE_TRIES times, runs in a quarantine
+(pipeline.quarantine: a child process of the actor with its own engine), whole (unless it hung), then row by
+row, and a
+row that kills or hangs a fresh process `row_attempts` times alone becomes an error row ("WorkerDied:
+...", error_kind "input"), whatever the number of such rows. An engine *exception* never fails the
+dataset either: it costs only its rows (error rows). Ray warns that actors whose constructor arguments live in the object store may not restart
 (ray-project/ray#53727); measured here (tests/pipeline/test_chaos.py: engine processes SIGKILLed mid-run,
 the schedule store too) they do restart while the dataset runs, and every row comes back exactly once.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import os
+import threading
 import time
 import uuid
 from typing import Callable
@@ -66,8 +72,9 @@ import ray
 from ray.data.extensions import ArrowPythonObjectArray
 
 from pipeline.processor_config import ProcessorConfig
+from pipeline.quarantine import Died, Quarantine
 from pipeline.sampling import COLUMN as SAMPLING_COLUMN, ROW_COLUMNS as SAMPLING_COLUMNS, row_fields, to_sampling
-from pipeline.stage import OUTPUT_SCHEMA, GenerateRows, StageConfig
+from pipeline.stage import OUTPUT_SCHEMA, WORKER_DIED, GenerateRows, StageConfig
 from specee_core import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -165,7 +172,7 @@ class PrepareRows:
         return text, None
 
 
-ROW_DEATHS = 2  # a row whose process died this often while it ran alone becomes an error row
+IN_PLACE_TRIES = 2  # a batch runs this often in its actor; after that many deaths, in a Quarantine
 
 
 class RunLedger:
@@ -173,25 +180,28 @@ class RunLedger:
     what each engine runs with.
 
     An engine actor that dies takes its call with it; Ray Data restarts the actor and runs the call
-    again. The ledger lets the rerun know: a batch that was started before and never finished runs
-    row by row, each row recorded alone, and a row that killed its process ROW_DEATHS times alone
-    comes back as an error row instead of running again. So one poisonous prompt costs its own row,
-    not its batch mates or the dataset, while an actor lost for any other reason (a node gone, a
-    kill) only costs a rerun. If the ledger itself is lost it restarts empty: calls then run whole,
-    as on their first try."""
+    again. The ledger lets the rerun know how many earlier starts of the call died, so that a call that
+    hung or died IN_PLACE_TRIES times runs in a pipeline.quarantine.Quarantine (a child process), where rows that
+    kill or hang their process become error rows without costing the actor, its batch mates or the
+    dataset. If the ledger itself is lost it restarts empty: calls then run as on their first try."""
 
     def __init__(self):
         self.started: dict[str, int] = {}  # key -> starts that did not finish
+        self.hangs: set[str] = set()  # keys a start of which overran the per-batch timeout
         self.engines: dict[str, dict] = {}  # worker -> what it runs with (GenerateRows.describe)
 
-    def begin(self, key: str) -> int:
-        """Record a start of `key`; returns how many earlier starts never finished."""
+    def begin(self, key: str) -> tuple[int, bool]:
+        """Record a start of `key`; returns how many earlier starts never finished, and whether one hung."""
         n = self.started.get(key, 0)
         self.started[key] = n + 1
-        return n
+        return n, key in self.hangs
+
+    def hung(self, key: str) -> None:
+        self.hangs.add(key)
 
     def end(self, key: str) -> None:
         self.started.pop(key, None)
+        self.hangs.discard(key)
 
     def engine(self, worker: str, info: dict) -> None:
         self.engines[worker] = info
@@ -202,8 +212,8 @@ class RunLedger:
 
 class EngineRows:
     """Stage 3: one engine per actor (pipeline.stage.GenerateRows); the input's own columns are
-    carried through to the output rows. A call that an earlier attempt died in runs row by row
-    (RunLedger)."""
+    carried through to the output rows. A call runs under the per-batch timeout (a hang stops the
+    process, as a crash would); a call that hung or died IN_PLACE_TRIES times runs in a Quarantine (RunLedger)."""
 
     def __init__(self, stage: StageConfig, run_id: str, store=None, ledger=None,
                  postprocess: Callable[[dict], dict] | None = None):
@@ -212,50 +222,77 @@ class EngineRows:
         self.rows = GenerateRows(stage, run_id, store)
         self.postprocess = postprocess
         self.ledger = ledger
+        self.quarantine: Quarantine | None = None
         self._describe()
 
     def _describe(self) -> None:
         if self.ledger is not None:
             self.ledger.engine.remote(self.rows.worker, self.rows.describe())
 
-    def _begin(self, key: str) -> int:
+    def _begin(self, key: str) -> tuple[int, bool]:
         if self.ledger is None:
-            return 0
+            return 0, False
         try:
             return ray.get(self.ledger.begin.remote(key))
         except ray.exceptions.RayError as e:  # the ledger is gone: run as a first try
             log.warning("run ledger lost (%s)", e)
             self.ledger = None
-            return 0
+            return 0, False
+
+    def _hung(self, key: str) -> None:
+        """Tell the ledger this call hung (the process is about to stop itself): its rerun runs quarantined."""
+        if self.ledger is not None:
+            try:
+                ray.get(self.ledger.hung.remote(key), timeout=10)
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                log.warning("could not record the hang in the run ledger (%s)", e)
 
     def _end(self, key: str) -> None:
         if self.ledger is not None:
             self.ledger.end.remote(key)
 
     def _generate(self, mine: pa.Table) -> pa.Table:
-        """The engine's rows for mine; row by row when an earlier start of this call never finished."""
+        """The engine's rows for mine: here, or in the quarantine when earlier starts of this call died."""
         ids = mine["id"].to_pylist()
         key = "batch:" + hashlib.blake2b("\x00".join(map(str, ids)).encode(), digest_size=16).hexdigest()
-        if self._begin(key) == 0:
-            out = self.rows(mine)
+        deaths, hung = self._begin(key)
+        if deaths < IN_PLACE_TRIES and not hung:
+            with deadline(self.rows.cfg.batch_timeout_s, len(ids), lambda: self._hung(key)):
+                out = self.rows(mine)
         else:
-            log.warning("a call of %d rows died before: running its rows one by one", len(ids))
-            out = pa.concat_tables([self._alone(mine.slice(i, 1)) for i in range(len(ids))])
+            log.warning("a call of %d rows %s: running it in a quarantined process", len(ids),
+                        "hung" if hung else f"died {deaths} times")
+            out = self._quarantined(mine, whole=not hung)
         self._end(key)
         if self.rows.cfg.mode == "auto":  # the plan's choices so far (other modes: as described at start)
             self._describe()
         return out
 
-    def _alone(self, row: pa.Table) -> pa.Table:
-        key = f"row:{row['id'][0].as_py()}"
-        deaths = self._begin(key)
-        if deaths >= ROW_DEATHS:
-            out = self.rows.error_rows(row, f"WorkerDied: the engine process died {deaths} times running this "
-                                            f"row alone (and before that with its batch)")
-        else:
-            out = self.rows(row)
-        self._end(key)
-        return out
+    def _quarantined(self, mine: pa.Table, whole: bool) -> pa.Table:
+        """mine in a child process: whole (unless it hung: a hang would cost another timeout), then if that
+        dies row by row, each row up to row_attempts deaths before it becomes an error row."""
+        cfg = self.rows.cfg
+        if self.quarantine is None:
+            self.quarantine = Quarantine(cfg, self.rows.run_id, cfg.batch_timeout_s)
+        if whole:
+            try:
+                return self.quarantine.run(mine)
+            except Died as e:
+                log.warning("the whole call died in quarantine too (%s): its rows one by one", e)
+        rows = []
+        for i in range(mine.num_rows):
+            row = mine.slice(i, 1)
+            for attempt in range(1, cfg.row_attempts + 1):
+                try:
+                    rows.append(self.quarantine.run(row))
+                    break
+                except Died as e:
+                    log.warning("row %s: %s (attempt %d of %d)", row["id"][0].as_py(), e, attempt, cfg.row_attempts)
+                    if attempt == cfg.row_attempts:
+                        # it fails again unless the row changes: its own ("input"), not the machine's
+                        rows.append(self.rows.error_rows(row, f"{WORKER_DIED}: {e}; {attempt} time(s) running this "
+                                                              f"row alone in a fresh process", kind="input"))
+        return pa.concat_tables(rows)
 
     def __call__(self, batch: pd.DataFrame) -> pa.Table:
         mine = pa.table({c: pa.array([None if is_missing(v) else v for v in batch[c].tolist()], pa.string())
@@ -276,6 +313,31 @@ class EngineRows:
         types.update({name: types[same] for name, same in RAY_DATA_LLM_COLUMNS.items()})
         return pa.table({n: pa.array([r.get(n) for r in rows], types[n]) if n in types else
                          arrow_column([r.get(n) for r in rows]) for n in names})
+
+
+@contextlib.contextmanager
+def deadline(timeout_s: float | None, rows: int, on_hang: Callable[[], None]):
+    """Stop this process if the block takes longer than timeout_s (after calling on_hang): a hung engine call
+    cannot be interrupted from another thread, and a process that dies is what the actor pool recovers from
+    (the call runs again, in a quarantine)."""
+    if timeout_s is None:
+        yield
+        return
+
+    def hung() -> None:
+        on_hang()
+        log.error("an engine call of %d rows is still running after %g s (the per-batch timeout): stopping "
+                  "process %d", rows, timeout_s, os.getpid())
+        logging.shutdown()
+        os._exit(3)
+
+    timer = threading.Timer(timeout_s, hung)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def is_missing(v) -> bool:

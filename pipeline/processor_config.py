@@ -64,9 +64,11 @@ class ProcessorConfig:
     torch_threads: int | None = None
     kv_cache_gb: float | None = None  # each engine actor's KV budget, GiB; None: a share of free memory / concurrency
     prefix_cache: bool = True  # reuse full prompt blocks across rows (chat template, system prompt)
-    # a batch whose actor died runs again this often (then fails the dataset): the first rerun splits it
-    # into single rows, and a row that killed its process twice alone becomes an error row on the third
+    # a batch whose actor died runs again this often (then fails the dataset); after two deaths it runs in a
+    # quarantined child process (pipeline.quarantine), which no row can take the actor down from
     max_task_retries: int = 3
+    batch_timeout_s: float | None = 900.0  # an engine call running longer is a hang (StageConfig)
+    row_attempts: int = 2  # a row that kills or hangs a fresh process this often alone: an error row
     retune_every_tokens: int = 1024  # specee: the schedule store re-tunes after this many tokens
     retune_min_exits: int = 1  # ... when at least this many of them exited early
     schedule: str | None = None  # specee: start from this schedule JSON (default: the model's)
@@ -159,7 +161,8 @@ class ProcessorConfig:
                            engine_options={k: v for k, v in kw.items() if k not in CORE_OPTIONS},
                            core_options={k: v for k, v in kw.items() if k in CORE_OPTIONS}, spec=dict(self.spec),
                            engines_per_node=self.max_actors, kv_cache_gb=self.kv_cache_gb,
-                           prefix_cache=self.prefix_cache)
+                           prefix_cache=self.prefix_cache, batch_timeout_s=self.batch_timeout_s,
+                           row_attempts=self.row_attempts)
 
     def resources(self) -> dict:
         """num_cpus, num_gpus (and accelerator_type) of each engine actor."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -63,12 +65,15 @@ OUTPUT_SCHEMA = ROW_SCHEMA.append(pa.field("request_hash", pa.string()))
 # alone): it fails again unless the row changes. machine: out of memory, a device error, a lost worker:
 # the row may well succeed when run again (the batch job's retry_errors)
 ERROR_KINDS = ("input", "machine")
+WORKER_DIED = "WorkerDied"  # the error of a row that killed or hung its engine process (pipeline.quarantine)
 
 # Test hook: the first actor call that finds this marker file missing creates it and kills its
 # own process after generating, before returning (an actor lost mid-wave, work in flight).
 CRASH_ONCE_ENV = "SPECEE_PIPELINE_CRASH_ONCE"
 # Test hook: an actor call whose batch has a prompt equal to this value kills its process, every time.
 CRASH_ON_ENV = "SPECEE_PIPELINE_CRASH_ON"
+# Test hook: an actor call whose batch has a prompt equal to this value never returns (a hang).
+HANG_ON_ENV = "SPECEE_PIPELINE_HANG_ON"
 # EngineOptions a stage may set beside those it sets itself (batch size, KV budget, prefix cache)
 CORE_OPTIONS = ("context_len", "prefill_chunk", "kv_block_size")
 
@@ -97,8 +102,18 @@ class StageConfig:
     kv_cache_gb: float | None = None  # each engine's KV budget (EngineOptions.kv_cache_gb); None: that share
     prefix_cache: bool = True  # reuse full prompt blocks (a shared chat template, system prompt) across rows
     core_options: dict = field(default_factory=dict)  # more EngineOptions (CORE_OPTIONS), every mode
+    # an engine call (one batch) still running after this many seconds is a hang: its process is stopped and
+    # the batch runs again (pipeline.quarantine); None: no limit. 900 s is 20-50x what a batch of 16 rows of
+    # 512 tokens takes on a 2-core CPU with a 135M model: raise it for long outputs on large models
+    batch_timeout_s: float | None = 900.0
+    # a row that kills or hangs a fresh engine process this many times, running alone, becomes an error row
+    row_attempts: int = 2
 
     def __post_init__(self) -> None:
+        if self.batch_timeout_s is not None and not self.batch_timeout_s > 0:
+            raise ValueError(f"batch_timeout_s must be > 0 or None, got {self.batch_timeout_s!r}")
+        if not isinstance(self.row_attempts, int) or self.row_attempts < 1:
+            raise ValueError(f"row_attempts must be an int >= 1, got {self.row_attempts!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.dtype != "auto":
@@ -153,6 +168,11 @@ class GenerateRows:
         self.worker = worker_name()
         self.batches = 0
         early_exit = cfg.engine_options if cfg.mode == "specee" or cfg.spec.get("t3") else {}
+        if not os.path.isdir(cfg.model):
+            # on a cluster each node loads the model from its own disk: the path must exist on every node
+            raise FileNotFoundError(f"{cfg.model}: no such model directory on node {socket.gethostname()} (every "
+                                    f"node that runs an engine needs the model at this path: a shared filesystem, "
+                                    f"or a copy at the same path)")
         self.engine = SpecEEEngine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype, weights=cfg.weights,
                                                    max_batch_size=cfg.batch_size,
                                                    engines_per_node=cfg.engines_per_node, kv_cache_gb=cfg.kv_cache_gb,
@@ -220,6 +240,7 @@ class GenerateRows:
         e = self.engine
         out = {"dtype": str(e.model.dtype).removeprefix("torch."), "dtype_reason": e.dtype_reason,
                **e.weights_info(), "machine": machine_facts(e.device), "worker": self.worker,
+               "node": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
                "kv_memory": e.core.memory()}
         if self.cfg.mode == "auto":
             out["plan"] = {**e.spec_plan(dict(self.cfg.spec) or None).to_json([self.cfg.batch_size]),
@@ -356,6 +377,10 @@ def maybe_crash_on(prompts: list) -> None:
     if poison and poison in prompts:
         log.warning("%s: killing actor process %d", CRASH_ON_ENV, os.getpid())
         os._exit(1)
+    hang = os.environ.get(HANG_ON_ENV)
+    if hang and hang in prompts:
+        log.warning("%s: process %d hangs", HANG_ON_ENV, os.getpid())
+        threading.Event().wait()
 
 
 def maybe_crash_once() -> None:

@@ -221,13 +221,13 @@ def test_auto_keeps_the_distribution_when_sampling(tiny):
     plan.costs, plan.times = FLAT, StepTimes(decay=1.0)
     try:
         kw = dict(max_new_tokens=4, temperature=1.0, ignore_eos=True)
-        dense = tiny.generate([CODE[0]] * 600, mode="dense", seed=1, **kw)
-        again = tiny.generate([CODE[0]] * 600, mode="dense", seed=3, **kw)
-        auto = tiny.generate([CODE[0]] * 600, seed=2, **kw)
+        dense = tiny.generate([CODE[0]] * 400, mode="dense", seed=1, **kw)
+        again = tiny.generate([CODE[0]] * 400, mode="dense", seed=3, **kw)
+        auto = tiny.generate([CODE[0]] * 400, seed=2, **kw)
     finally:
         plan.costs, plan.times = measured, times
     assert any(k.startswith("depth") for k in auto[0].stats["plan_steps"])
-    assert sum(r.stats["mean_accepted"] for r in auto) > 30  # drafts were accepted: the sampled path ran
+    assert sum(r.stats["mean_accepted"] for r in auto) > 20  # drafts were accepted: the sampled path ran
 
     def tv(x, y, pos: int) -> float:
         a, b = (torch.bincount(torch.tensor([r.token_ids[pos] for r in z]), minlength=tiny.config.vocab_size).float()

@@ -477,7 +477,7 @@ class FakeEngine:
                 for p in prompts]
 
 
-def test_stage_uses_its_schedule_and_isolates_failing_rows(monkeypatch):
+def test_stage_uses_its_schedule_and_isolates_failing_rows(monkeypatch, tmp_path):
     """GenerateRows in-process with a fake engine: the given schedule is set on the engine, rows
     carry its version, the retune histogram and their batch's columns, a prompt the engine rejects
     and a prompt that breaks its batch each cost one row."""
@@ -486,7 +486,7 @@ def test_stage_uses_its_schedule_and_isolates_failing_rows(monkeypatch):
     engine = FakeEngine()
     monkeypatch.setattr("pipeline.stage.SpecEEEngine.from_pretrained", lambda *a, **kw: engine)
     schedule = Schedule(num_layers=4, offline_layers=[1, 2], version=7)
-    stage = GenerateRows(StageConfig(model="m", mode="specee", max_new_tokens=2), "run-1", schedule=schedule)
+    stage = GenerateRows(StageConfig(model=str(tmp_path), mode="specee", max_new_tokens=2), "run-1", schedule=schedule)
     assert engine.schedule is schedule
     batch = pa.table({"id": ["a", "b", "c", "d", "e"], "prompt": ["x", "", None, "poison", "yz"],
                       "input_error": [None, None, "prompt must be a string, got int", None, None]})
@@ -503,6 +503,8 @@ def test_stage_uses_its_schedule_and_isolates_failing_rows(monkeypatch):
     assert rows["d"]["error"] == "RuntimeError: still broken" and rows["d"]["completion"] is None
     assert [rows[i]["error_kind"] for i in "abcde"] == [None, "input", "input", "input", None]
     assert all(rows[i]["error"] is None for i in "ae")
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'elsewhere'}: no such model directory on node "):
+        GenerateRows(StageConfig(model=str(tmp_path / "elsewhere"), mode="dense"), "run-1")
     assert {r["batch_id"] for r in rows.values()} == {f"local:{__import__('os').getpid()}-1"}
     assert {r["batch_rows"] for r in rows.values()} == {5} and rows["b"]["batch_s"] == rows["a"]["batch_s"] > 0
     assert rows["d"]["schedule_version"] == 7 and rows["d"]["run_id"] == "run-1"  # error rows keep the context
