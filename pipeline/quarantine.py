@@ -1,14 +1,14 @@
 """Rows whose batch killed or hung its engine process, run where a death costs nothing else.
 
-An engine actor's batch whose process crashed runs again in the actor itself (pipeline.processor.EngineRows):
-most deaths are the machine's (a killed or lost worker) and a rerun costs only the batch. A batch that died
-twice, or once by overrunning the per-batch timeout (a hang: its process stopped itself), is run by a
-Quarantine: a child process of the actor, with an engine of its own (the actor's settings), that may die
-without taking the actor, its Ray Data task or any other row with it. The batch is first run whole there
+An engine actor's batch whose process died (a crash, or a hang: past the per-batch timeout the process stops
+itself) runs again (pipeline.processor.EngineRows) in a Quarantine: a child process of the actor, with an engine of
+its own (the actor's settings), that may die without taking the actor, its Ray Data task or any other row
+with it. The batch is first run whole there
 (not after a hang: that would cost another timeout), then, if that dies too, one row at a time; a row that
 kills or hangs a fresh child `row_attempts` times in a row becomes an error row, whatever the number of such
-rows in the batch. The child is reused while it
-lives, so rows that succeed cost no new process; every death costs one (an engine load).
+rows in the batch. Most deaths are the machine's (a killed or lost worker): then the whole batch succeeds in
+the child at the cost of one engine load. The child is reused while it lives, so rows that succeed cost no new
+process; every death costs one (an engine load); it is stopped when the batch is done.
 
 The child is forked from a forkserver (never from the actor itself: it has threads) that has imported
 the engine's modules once, so a new child costs an engine load, not a Python start; it talks to the

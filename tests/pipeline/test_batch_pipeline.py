@@ -259,8 +259,8 @@ def test_killed_actor_loses_and_duplicates_nothing(tmp_path, model_dir):
 
 def test_rows_that_kill_or_hang_their_process_become_error_rows_whatever_their_number(tmp_path, model_dir):
     """Two poisonous rows in one batch, a third in the next, a row that hangs in the last (one actor, batches
-    of 4): a crashing batch dies twice in its actor, the hanging one once (stopped at the per-batch timeout),
-    then each runs in a quarantined child process (whole, unless it hung) and row by row; the job finishes by
+    of 4): each batch dies once in its actor (the hanging one stopped at the per-batch timeout), then runs in
+    a quarantined child process (whole, unless it hung) and row by row; the job finishes by
     itself, every good row once, each bad row an error row saying why."""
     good = [{"id": f"g{i}", "prompt": p} for i, p in enumerate(GOOD[:6])]
     rows = [good[0], {"id": "p1", "prompt": "POISON"}, good[1], {"id": "p2", "prompt": "POISON"},
