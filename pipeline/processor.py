@@ -44,7 +44,7 @@ audit's closed layers) between batches, and each row records the version it ran 
 Fault tolerance is Ray Data's own, plus a ledger: the engine actors restart when they die (max_restarts
 -1) and a batch that was running on a dead actor runs again on another (`max_task_retries`). A call that
 runs past `batch_timeout_s` (a hang) stops its process, as a crash would. A RunLedger actor records which
-calls started and never finished: a call whose process died (or hung) runs again in a quarantine
+calls started and never finished: a call that hung, or whose process died twice, runs again in a quarantine
 (pipeline.quarantine: a child process of the actor with its own engine), whole (unless it hung), then row by
 row, and a
 row that kills or hangs a fresh process `row_attempts` times alone becomes an error row ("WorkerDied:
@@ -172,7 +172,9 @@ class PrepareRows:
         return text, None
 
 
-IN_PLACE_TRIES = 1  # a batch runs this often in its actor; after that many deaths, in a Quarantine
+# a batch runs this often in its actor, then in a Quarantine: most deaths are the machine's (a lost or killed
+# worker), and a rerun in place costs no second engine
+IN_PLACE_TRIES = 2
 
 
 class RunLedger:
@@ -181,9 +183,9 @@ class RunLedger:
 
     An engine actor that dies takes its call with it; Ray Data restarts the actor and runs the call
     again. The ledger lets the rerun know how many earlier starts of the call died, so that a call that
-    hung or died runs again in a pipeline.quarantine.Quarantine (a child process), where rows that
-    kill or hang their process become error rows without costing the actor, its batch mates or the
-    dataset. If the ledger itself is lost it restarts empty: calls then run as on their first try."""
+    hung, or died IN_PLACE_TRIES times, runs again in a pipeline.quarantine.Quarantine (a child process),
+    where rows that kill or hang their process become error rows without costing the actor, its batch
+    mates or the dataset. If the ledger itself is lost it restarts empty: calls then run as on their first try."""
 
     def __init__(self):
         self.started: dict[str, int] = {}  # key -> starts that did not finish
@@ -213,7 +215,8 @@ class RunLedger:
 class EngineRows:
     """Stage 3: one engine per actor (pipeline.stage.GenerateRows); the input's own columns are
     carried through to the output rows. A call runs under the per-batch timeout (a hang stops the
-    process, as a crash would); a call that hung or died runs again in a Quarantine (RunLedger)."""
+    process, as a crash would); a call that hung, or died IN_PLACE_TRIES times, runs again in a Quarantine
+    (RunLedger)."""
 
     def __init__(self, stage: StageConfig, run_id: str, store=None, ledger=None,
                  postprocess: Callable[[dict], dict] | None = None):
@@ -276,7 +279,7 @@ class EngineRows:
         dies row by row, each row up to row_attempts deaths before it becomes an error row."""
         cfg = self.rows.cfg
         if self.quarantine is None:
-            self.quarantine = Quarantine(cfg, self.rows.run_id, cfg.batch_timeout_s)
+            self.quarantine = Quarantine(cfg, self.rows.run_id, cfg.batch_timeout_s, self.rows.worker)
         if whole:
             try:
                 return self.quarantine.run(mine)

@@ -64,7 +64,7 @@ class ProcessorConfig:
     torch_threads: int | None = None
     kv_cache_gb: float | None = None  # each engine actor's KV budget, GiB; None: a share of free memory / concurrency
     prefix_cache: bool = True  # reuse full prompt blocks across rows (chat template, system prompt)
-    # a batch whose actor died runs again this often (then fails the dataset); after a death it runs in a
+    # a batch whose actor died runs again this often (then fails the dataset); after two deaths it runs in a
     # quarantined child process (pipeline.quarantine), which no row can take the actor down from
     max_task_retries: int = 3
     batch_timeout_s: float | None = 900.0  # an engine call running longer is a hang (StageConfig)

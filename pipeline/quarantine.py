@@ -1,14 +1,14 @@
 """Rows whose batch killed or hung its engine process, run where a death costs nothing else.
 
-An engine actor's batch whose process died (a crash, or a hang: past the per-batch timeout the process stops
-itself) runs again (pipeline.processor.EngineRows) in a Quarantine: a child process of the actor, with an engine of
-its own (the actor's settings), that may die without taking the actor, its Ray Data task or any other row
-with it. The batch is first run whole there
-(not after a hang: that would cost another timeout), then, if that dies too, one row at a time; a row that
-kills or hangs a fresh child `row_attempts` times in a row becomes an error row, whatever the number of such
-rows in the batch. Most deaths are the machine's (a killed or lost worker): then the whole batch succeeds in
-the child at the cost of one engine load. The child is reused while it lives, so rows that succeed cost no new
-process; every death costs one (an engine load); it is stopped when the batch is done.
+An engine actor's batch whose process crashed runs again in the actor (pipeline.processor.EngineRows): most
+deaths are the machine's (a lost or killed worker), and a rerun costs only the batch. A batch that died
+twice, or hung once (past the per-batch timeout its process stops itself), runs again in a Quarantine: a
+child process of the actor, with an engine of its own (the actor's settings), that may die without taking
+the actor, its Ray Data task or any other row with it. The batch is first run whole there (not after a
+hang: that would cost another timeout), then, if that dies too, one row at a time; a row that kills or
+hangs a fresh child `row_attempts` times in a row becomes an error row, whatever the number of such rows in
+the batch. The child is reused while it lives, so rows that succeed cost no new process; every death costs
+one (an engine load); it is stopped when the batch is done.
 
 The child is forked from a forkserver (never from the actor itself: it has threads) that has imported
 the engine's modules once, so a new child costs an engine load, not a Python start; it talks to the
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import time
 from dataclasses import replace
 
@@ -37,12 +38,13 @@ class Died(Exception):
 class Quarantine:
     """A child process with its own engine, started when first needed and again after each death."""
 
-    def __init__(self, stage: StageConfig, run_id: str, timeout_s: float | None):
+    def __init__(self, stage: StageConfig, run_id: str, timeout_s: float | None, worker: str):
+        """worker: the actor's worker name; the child's rows name it, with the child's pid after a '/'."""
         import torch
 
         # the child uses the threads the actor has (Ray gave the actor its CPUs; the child asks Ray for none)
         self.stage = replace(stage, torch_threads=stage.torch_threads or torch.get_num_threads())
-        self.run_id, self.timeout_s = run_id, timeout_s
+        self.run_id, self.timeout_s, self.worker = run_id, timeout_s, worker
         self._proc = self._conn = None
         self.started = 0  # child processes started so far
 
@@ -64,8 +66,8 @@ class Quarantine:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["pipeline.stage"])
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_child_main, args=(self.stage, self.run_id, child), daemon=True,
-                                 name="specee-quarantine")
+        self._proc = ctx.Process(target=_child_main, args=(self.stage, self.run_id, self.worker, child),
+                                 daemon=True, name="specee-quarantine")
         self._proc.start()
         child.close()
         self._conn = parent
@@ -96,11 +98,12 @@ class Quarantine:
         return value
 
 
-def _child_main(stage: StageConfig, run_id: str, conn) -> None:
+def _child_main(stage: StageConfig, run_id: str, worker: str, conn) -> None:
     """The child process: one engine; a table in, its rows out, until the pipe closes."""
     logging.basicConfig(level=logging.WARNING)
     try:
         rows = GenerateRows(stage, run_id)
+        rows.worker = f"{worker}/{os.getpid()}"  # the actor's (its node, its id), then this process
     except Exception as e:  # noqa: BLE001 -- reported to the actor, which fails the batch with it
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return

@@ -53,7 +53,9 @@ ROW_SCHEMA = pa.schema([
     ("batch_rows", pa.int32()),  # rows in that call
     ("batch_started_at", pa.float64()),  # unix seconds when that call started
     ("batch_s", pa.float64()),  # wall seconds of that call (every row of it)
-    ("worker", pa.string()),  # <actor id prefix>:<pid> of the engine actor (a restarted actor: new pid)
+    # <actor id prefix>@<node id prefix>:<pid> of the engine actor (a restarted actor: a new pid, maybe another
+    # node), then "/<pid>" for its quarantined child
+    ("worker", pa.string()),
     ("run_id", pa.string()),
     ("error", pa.string()),  # null when the row succeeded
     ("error_kind", pa.string()),  # ERROR_KINDS: the row's own (input) or the machine's; null when it succeeded
@@ -367,9 +369,10 @@ def lane_of(p: SamplingParams) -> tuple:
 
 
 def worker_name() -> str:
-    """<actor id prefix>:<pid> inside an actor, local:<pid> elsewhere."""
-    actor = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
-    return f"{actor[:8] if actor else 'local'}:{os.getpid()}"
+    """<actor id prefix>@<node id prefix>:<pid> inside an actor, local:<pid> elsewhere."""
+    ctx = ray.get_runtime_context() if ray.is_initialized() else None
+    actor = ctx.get_actor_id() if ctx is not None else None
+    return f"{actor[:8]}@{ctx.get_node_id()[:8]}:{os.getpid()}" if actor else f"local:{os.getpid()}"
 
 
 def maybe_crash_on(prompts: list) -> None:

@@ -116,6 +116,32 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "size"], "additionalProperties": False}
 
 
+def test_greedy_masks_only_rows_whose_best_token_the_grammar_refuses(tiny):
+    """Greedy under a grammar checks each row's best token and masks only the rows the grammar refuses it
+    (grammar.only_disallowed_best): the same choices as masking every row, on rows along drafted paths of a
+    JSON schema, some best tokens allowed and some not; when every best token is allowed the logits are the
+    same tensor (no copy, no mask)."""
+    from specee_core.step.grammar import mask_logits
+
+    grammar = tiny.rules.grammar({"type": "json_schema", "schema": SCHEMA})
+    m = grammar.matcher()
+    tok = tiny.tokenizer
+    opening = tok.encode('{"', add_special_tokens=False)
+    paths = [[], opening, opening[:1], [], opening]
+    matchers = [m] * len(paths)
+    logits = torch.randn(len(paths), tiny.config.vocab_size, generator=torch.Generator().manual_seed(0))
+    allowed_next = opening[len(paths[3]) : len(paths[3]) + 1][0]  # the token the grammar takes at row 3
+    logits[3, allowed_next] = 100.0  # row 3's best token is allowed: it keeps its logits
+    params = SamplingParams(structured={"type": "json_schema", "schema": SCHEMA})
+    got = process_logits(logits, params, [([], [])] * len(paths), frozenset(), matchers, paths)
+    want = mask_logits(logits.clone(), matchers, paths)
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+    assert got[3].equal(logits[3]) and not want[0].equal(logits[0])  # row 0 was masked: its best was refused
+    best_ok = torch.full_like(logits[:1], -5.0)
+    best_ok[0, allowed_next] = 1.0
+    assert process_logits(best_ok, params, [([], [])], frozenset(), [m], [[]]) is best_ok
+
+
 def test_structured_output_holds_and_keeps_every_lossless_mode_equal_to_dense(tiny):
     """A JSON schema: every row's text parses and validates; spec (chain, tree) and auto give dense's tokens
     under the same constraint (the mask follows each drafted path and rolls back); regex and choice hold too."""

@@ -87,7 +87,7 @@ def test_fp32_greedy_equals_transformers_and_every_step_equals_full_forward(hf32
 def test_fp32_ragged_batch_equals_single_runs(fp32_engine, prompts, dense):
     lengths = {len(fp32_engine.encode_prompt(p)) for p in prompts}
     assert len(lengths) > 1, "the prompts should be ragged"
-    for p, b in zip(prompts, dense):
+    for p, b in zip(prompts[:4], dense):  # the batch of 8 against 4 of its rows alone
         single = fp32_engine.generate([p], max_new_tokens=32, mode="dense")[0]
         assert b[:32] == single.token_ids
 

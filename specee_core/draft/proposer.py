@@ -19,7 +19,7 @@ import torch
 
 from specee_core.draft.lookup import LOOKUP_NGRAM, NgramIndex
 from specee_core.draft.tree import Draft, TreeShape
-from specee_core.step.grammar import allowed_tokens
+from specee_core.step.grammar import allowed_tokens, allows
 from specee_core.step.sampling import SamplingParams, probabilities
 
 if TYPE_CHECKING:
@@ -182,11 +182,9 @@ class Proposer:
         n, w = len(rows), shape.width
         depth = max(depths)
         sub = self._cache_rows(rows)
-        vocab = draft.base.config.vocab_size
         chain: list[list[int]] = [[] for _ in rows]  # matchers: the drafted chain so far
         memo = None if batch is None else batch.mask_memo
-        allowed = None if matchers is None else allowed_tokens(matchers, chain, vocab, [(b, ()) for b in rows], memo)
-        score, tok = draft.top_log_probs(f, w, allowed)  # [N, W]
+        score, tok = self._top(f, w, matchers, chain, [(b, ()) for b in rows], memo)  # [N, W]
         pool_tok, pool_score, pool_parent = [tok], [score], [torch.full((n, w), -1, device=dev)]
         pool_depth = [1]
         frontier = torch.arange(w, device=dev).expand(n, w)  # [N, W] pool indices of the level's best nodes
@@ -204,9 +202,8 @@ class Proposer:
             if matchers is not None:  # width 1: the frontier is the chain's last token
                 for r, t in enumerate(ftok[:, 0].tolist()):
                     chain[r].append(t)
-                allowed = allowed_tokens(matchers, chain, vocab, [(b, tuple(c)) for b, c in zip(rows, chain)],
-                                         memo)[:, None]
-            child_logp, child_tok = draft.top_log_probs(out, w, allowed)  # [N, W, W]
+            child_logp, child_tok = self._top(out, w, matchers, chain,
+                                              [(b, tuple(c)) for b, c in zip(rows, chain)], memo)  # [N, W, W]
             child_score = child_logp + all_score.gather(1, frontier)[:, :, None]
             pool_tok.append(child_tok.reshape(n, w * w))
             pool_score.append(child_score.reshape(n, w * w))
@@ -230,6 +227,20 @@ class Proposer:
                       depth_of.expand(n, -1), cand, cand_prob, min(shape.nodes, max_nodes))
         out.cand[:, 0], out.cand_prob[:, 0] = tok.cpu(), score.exp().cpu()  # the root's: level 1
         return out
+
+    def _top(self, feats: torch.Tensor, w: int, matchers, chain: list[list[int]], keys: list, memo):
+        """The draft head's top_log_probs (feats [N, D] or [N, 1, D]); with matchers (chains: w 1), the best
+        token each row's grammar allows after its chain: the head's best where the grammar allows it (one
+        check), else the best under the row's mask (a pass over the vocabulary)."""
+        score, tok = self.draft.top_log_probs(feats, w)
+        if matchers is None:
+            return score, tok
+        best = tok.reshape(len(chain), -1)[:, 0].tolist()
+        masked = [None if m is None or allows(m, c, t) else m for m, c, t in zip(matchers, chain, best)]
+        if all(m is None for m in masked):
+            return score, tok
+        allowed = allowed_tokens(masked, chain, self.draft.base.config.vocab_size, keys, memo)
+        return self.draft.top_log_probs(feats, w, allowed if feats.dim() == 2 else allowed[:, None])
 
     def _sampled_chain(self, rows, roots, depths, f, base, params, generator, matchers=None) -> Draft:
         draft, dev = self.draft, self.device

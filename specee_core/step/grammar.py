@@ -94,6 +94,19 @@ def _bitmask(matchers: list, paths: list[list[int]], vocab: int, keys: list | No
     return rows, bitmask
 
 
+def allows(matcher, path: list[int], token: int) -> bool:
+    """Whether matcher takes path and then token (state unchanged): one check, where a mask is a pass over the
+    vocabulary."""
+    return matcher.validate_tokens([*path, token]) == len(path) + 1
+
+
+def only_disallowed_best(logits: torch.Tensor, matchers: list, paths: list[list[int]]) -> list:
+    """matchers, with None where row r's best token (greedy's choice) is one its grammar allows after paths[r]:
+    masking that row would not change its argmax, so greedy masks only the others."""
+    best = logits.argmax(-1).tolist()
+    return [None if m is None or allows(m, p, t) else m for m, p, t in zip(matchers, paths, best)]
+
+
 def mask_logits(logits: torch.Tensor, matchers: list, paths: list[list[int]], keys: list | None = None,
                 memo: dict | None = None) -> torch.Tensor:
     """logits [R, V] float, in place: row r keeps only the tokens matchers[r] allows after consuming paths[r]

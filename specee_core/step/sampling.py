@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specee_core.step.grammar import check_structured, mask_logits
+from specee_core.step.grammar import check_structured, mask_logits, only_disallowed_best
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 
@@ -82,8 +82,14 @@ class SamplingParams:
     @property
     def processes(self) -> bool:
         """Whether logits are processed before the choice (logit_bias, a penalty, min_tokens, structured output)."""
+        return bool(self.transforms_logits or self.structured)
+
+    @property
+    def transforms_logits(self) -> bool:
+        """Whether logits change before the choice other than by a grammar's mask (logit_bias, a penalty,
+        min_tokens)."""
         return bool(self.logit_bias or self.frequency_penalty or self.presence_penalty
-                    or self.repetition_penalty != 1.0 or self.min_tokens or self.structured)
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
 
     def lane_key(self) -> tuple:
         """What rows sharing decode steps must agree on (max_new_tokens and stop strings are per row)."""
@@ -105,6 +111,12 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, texts: list[tup
     process nothing."""
     if not params.processes:
         return logits
+    if params.greedy and params.structured and matchers is not None and not params.transforms_logits:
+        # greedy under a grammar alone: rows whose best token the grammar allows keep their logits as they are
+        paths = paths or [[] for _ in matchers]
+        matchers = only_disallowed_best(logits, matchers, paths)
+        if all(m is None for m in matchers):
+            return logits
     out = logits.float()
     if out is logits:  # fp32 already: a copy, the caller's logits stay raw (logprobs read them)
         out = out.clone()
@@ -134,6 +146,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, texts: list[tup
         if short and stop_ids:
             out[torch.tensor(short, device=dev)[:, None], torch.tensor(sorted(stop_ids), device=dev)] = float("-inf")
     if params.structured and matchers is not None:
+        if params.greedy:  # the same argmax as masking every row (grammar.only_disallowed_best)
+            matchers = only_disallowed_best(out, matchers, paths or [[] for _ in matchers])
         mask_logits(out, matchers, paths or [[] for _ in matchers], mask_keys, mask_memo)
     return out
 

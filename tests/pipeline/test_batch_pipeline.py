@@ -259,8 +259,8 @@ def test_killed_actor_loses_and_duplicates_nothing(tmp_path, model_dir):
 
 def test_rows_that_kill_or_hang_their_process_become_error_rows_whatever_their_number(tmp_path, model_dir):
     """Two poisonous rows in one batch, a third in the next, a row that hangs in the last (one actor, batches
-    of 4): each batch dies once in its actor (the hanging one stopped at the per-batch timeout), then runs in
-    a quarantined child process (whole, unless it hung) and row by row; the job finishes by
+    of 4): a crashing batch dies twice in its actor, the hanging one once (stopped at the per-batch timeout),
+    then each runs in a quarantined child process (whole, unless it hung) and row by row; the job finishes by
     itself, every good row once, each bad row an error row saying why."""
     good = [{"id": f"g{i}", "prompt": p} for i, p in enumerate(GOOD[:6])]
     rows = [good[0], {"id": "p1", "prompt": "POISON"}, good[1], {"id": "p2", "prompt": "POISON"},
@@ -278,8 +278,9 @@ def test_rows_that_kill_or_hang_their_process_become_error_rows_whatever_their_n
     assert "within 5 s (the per-batch timeout)" in df.loc["h1", "error"]
     assert (df.loc[["p1", "p2", "p3", "h1"], "error_kind"] == "input").all()
     assert df.loc[[r["id"] for r in good], "error"].isna().all() and summary["errors"] == 4
-    # every batch held a bad row: their good rows come from the actor's quarantined child (pipeline.quarantine)
-    assert df.loc[[r["id"] for r in good], "worker"].str.startswith("local:").all()
+    # every batch held a bad row: their good rows come from the actor's quarantined child (pipeline.quarantine),
+    # named after the actor: "<actor>:<pid>/<child pid>"
+    assert df.loc[[r["id"] for r in good], "worker"].str.contains(r"^[0-9a-f]{8}@[0-9a-f]{8}:\d+/\d+$").all()
 
 
 # (spec with the draft head through the CLI: test_every_mode_with_predictors)

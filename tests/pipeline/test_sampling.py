@@ -104,7 +104,7 @@ def test_prepare_rows_checks_each_rows_sampling_and_messages():
         prep(pd.DataFrame({"question": ["q"]}))
 
 
-def test_one_engine_call_per_batch_with_each_rows_parameters(monkeypatch):
+def test_one_engine_call_per_batch_with_each_rows_parameters(monkeypatch, tmp_path):
     """GenerateRows with the prepare stage's per-row parameters: one generate call for the batch, one
     SamplingParams per runnable row (the config's where a row set none)."""
     from pipeline.stage import GenerateRows, StageConfig
@@ -112,7 +112,7 @@ def test_one_engine_call_per_batch_with_each_rows_parameters(monkeypatch):
 
     engine = FakeEngine()
     monkeypatch.setattr("pipeline.stage.SpecEEEngine.from_pretrained", lambda *a, **kw: engine)
-    stage = GenerateRows(StageConfig(model="m", mode="dense", max_new_tokens=6), "run-1")
+    stage = GenerateRows(StageConfig(model=str(tmp_path), mode="dense", max_new_tokens=6), "run-1")
     own = json.dumps({"max_tokens": 3, "temperature": 0.5})  # what the prepare stage writes
     batch = pa.table({"id": ["a", "b", "c"], "prompt": ["x", "y", "z"], "input_error": [None, "bad", None],
                       "_sampling": [own, None, None]})
