@@ -190,16 +190,22 @@ class RunLedger:
     def __init__(self):
         self.started: dict[str, int] = {}  # key -> starts that did not finish
         self.hangs: set[str] = set()  # keys a start of which overran the per-batch timeout
+        self.verdicts: dict[str, str] = {}  # row id -> the error of a row that killed or hung its process alone
         self.engines: dict[str, dict] = {}  # worker -> what it runs with (GenerateRows.describe)
 
-    def begin(self, key: str) -> tuple[int, bool]:
-        """Record a start of `key`; returns how many earlier starts never finished, and whether one hung."""
+    def begin(self, key: str, ids: list[str]) -> tuple[int, bool, dict[str, str]]:
+        """Record a start of `key` (a call over rows `ids`); returns how many earlier starts never finished,
+        whether one hung, and the verdicts already reached on its rows (a call can run again after it
+        finished, when its actor died before the answer left it)."""
         n = self.started.get(key, 0)
         self.started[key] = n + 1
-        return n, key in self.hangs
+        return n, key in self.hangs, {i: self.verdicts[i] for i in ids if i in self.verdicts}
 
     def hung(self, key: str) -> None:
         self.hangs.add(key)
+
+    def verdict(self, row_id: str, error: str) -> None:
+        self.verdicts[row_id] = error
 
     def end(self, key: str) -> None:
         self.started.pop(key, None)
@@ -232,15 +238,15 @@ class EngineRows:
         if self.ledger is not None:
             self.ledger.engine.remote(self.rows.worker, self.rows.describe())
 
-    def _begin(self, key: str) -> tuple[int, bool]:
+    def _begin(self, key: str, ids: list[str]) -> tuple[int, bool, dict[str, str]]:
         if self.ledger is None:
-            return 0, False
+            return 0, False, {}
         try:
-            return ray.get(self.ledger.begin.remote(key))
+            return ray.get(self.ledger.begin.remote(key, ids))
         except ray.exceptions.RayError as e:  # the ledger is gone: run as a first try
             log.warning("run ledger lost (%s)", e)
             self.ledger = None
-            return 0, False
+            return 0, False, {}
 
     def _hung(self, key: str) -> None:
         """Tell the ledger this call hung (the process is about to stop itself): its rerun runs quarantined."""
@@ -258,17 +264,24 @@ class EngineRows:
         """The engine's rows for mine: here, or in the quarantine when earlier starts of this call died."""
         ids = mine["id"].to_pylist()
         key = "batch:" + hashlib.blake2b("\x00".join(map(str, ids)).encode(), digest_size=16).hexdigest()
-        deaths, hung = self._begin(key)
-        if deaths < IN_PLACE_TRIES and not hung:
+        deaths, hung, known = self._begin(key, ids)
+        todo = mine if not known else mine.filter(pa.array([i not in known for i in ids]))
+        if not todo.num_rows:
+            out = todo
+        elif deaths < IN_PLACE_TRIES and not hung:
             with deadline(self.rows.cfg.batch_timeout_s, len(ids), lambda: self._hung(key)):
-                out = self.rows(mine)
+                out = self.rows(todo)
         else:
             log.warning("a call of %d rows %s: running it in a quarantined process", len(ids),
                         "hung" if hung else f"died {deaths} time(s)")
             try:
-                out = self._quarantined(mine, whole=not hung)
+                out = self._quarantined(todo, whole=not hung)
             finally:  # its engine would double this actor's memory for the rest of the run
                 self.quarantine.close()
+        if known:  # rows judged before (this call ran already, its answer lost with its actor): not run again
+            judged = [self.rows.error_rows(mine.slice(r, 1), known[i], kind="input") for r, i in enumerate(ids)
+                      if i in known]
+            out = pa.concat_tables([out, *judged]) if out.num_rows else pa.concat_tables(judged)
         self._end(key)
         if self.rows.cfg.mode == "auto":  # the plan's choices so far (other modes: as described at start)
             self._describe()
@@ -296,8 +309,10 @@ class EngineRows:
                     log.warning("row %s: %s (attempt %d of %d)", row["id"][0].as_py(), e, attempt, cfg.row_attempts)
                     if attempt == cfg.row_attempts:
                         # it fails again unless the row changes: its own ("input"), not the machine's
-                        rows.append(self.rows.error_rows(row, f"{WORKER_DIED}: {e}; {attempt} time(s) running this "
-                                                              f"row alone in a fresh process", kind="input"))
+                        error = f"{WORKER_DIED}: {e}; {attempt} time(s) running this row alone in a fresh process"
+                        if self.ledger is not None:
+                            self.ledger.verdict.remote(row["id"][0].as_py(), error)
+                        rows.append(self.rows.error_rows(row, error, kind="input"))
         return pa.concat_tables(rows)
 
     def __call__(self, batch: pd.DataFrame) -> pa.Table:

@@ -64,9 +64,11 @@ class ProcessorConfig:
     torch_threads: int | None = None
     kv_cache_gb: float | None = None  # each engine actor's KV budget, GiB; None: a share of free memory / concurrency
     prefix_cache: bool = True  # reuse full prompt blocks across rows (chat template, system prompt)
-    # a batch whose actor died runs again this often (then fails the dataset); after two deaths it runs in a
-    # quarantined child process (pipeline.quarantine), which no row can take the actor down from
-    max_task_retries: int = 3
+    # a batch whose actor died runs again this often (then fails the dataset); -1: until it is done. A death
+    # costs a retry of every batch queued on that actor, not only its own, so a bound fails jobs with a few bad
+    # rows; unbounded is safe because a batch dies at most twice in place (once if it hung) before it runs in a
+    # quarantined child process (pipeline.quarantine) that no row can take the actor down from
+    max_task_retries: int = -1
     batch_timeout_s: float | None = 900.0  # an engine call running longer is a hang (StageConfig)
     row_attempts: int = 2  # a row that kills or hangs a fresh process this often alone: an error row
     retune_every_tokens: int = 1024  # specee: the schedule store re-tunes after this many tokens
@@ -92,8 +94,8 @@ class ProcessorConfig:
             raise ValueError(f"accelerator_type={self.accelerator_type!r} needs device 'cuda', got {self.device!r}")
         self._take_engine_kwargs()
         self.stage()  # every engine setting is checked here, once, not in each actor
-        if self.max_task_retries < 0:
-            raise ValueError(f"max_task_retries must be >= 0, got {self.max_task_retries}")
+        if self.max_task_retries < -1:
+            raise ValueError(f"max_task_retries must be >= 0, or -1 (until done), got {self.max_task_retries}")
         if self.schedule is not None and self.mode != "specee":
             raise ValueError(f"a schedule only applies to mode='specee', mode is {self.mode!r}")
 

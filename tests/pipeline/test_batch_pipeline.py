@@ -258,14 +258,14 @@ def test_killed_actor_loses_and_duplicates_nothing(tmp_path, model_dir):
 
 
 def test_rows_that_kill_or_hang_their_process_become_error_rows_whatever_their_number(tmp_path, model_dir):
-    """Two poisonous rows in one batch, a third in the next, a row that hangs in the last (one actor, batches
-    of 4): a crashing batch dies twice in its actor, the hanging one once (stopped at the per-batch timeout),
-    then each runs in a quarantined child process (whole, unless it hung) and row by row; the job finishes by
-    itself, every good row once, each bad row an error row saying why."""
-    good = [{"id": f"g{i}", "prompt": p} for i, p in enumerate(GOOD[:6])]
+    """Two poisonous rows in one batch and a row that hangs in the next (one actor, batches of 4; each death
+    restarts a process, so the test keeps to three bad rows: scripts/probe_faults.py runs the larger probes on
+    SmolLM2): the crashing batch dies twice in its actor, the hanging one once (stopped at the per-batch
+    timeout), then each runs in a quarantined child process (whole, unless it hung) and row by row; the job
+    finishes by itself, every good row once, each bad row an error row saying why."""
+    good = [{"id": f"g{i}", "prompt": p} for i, p in enumerate(GOOD[:4])]
     rows = [good[0], {"id": "p1", "prompt": "POISON"}, good[1], {"id": "p2", "prompt": "POISON"},
-            good[2], {"id": "p3", "prompt": "POISON"}, good[3], good[4],
-            {"id": "h1", "prompt": "HANG"}, good[5]]
+            {"id": "h1", "prompt": "HANG"}, good[2], good[3]]
     src = write_jsonl(tmp_path / "p.jsonl", rows)
     cfg = config(model_dir, src, tmp_path / "out", num_actors=1,
                  runtime_env={"env_vars": {CRASH_ON_ENV: "POISON", HANG_ON_ENV: "HANG"}})
@@ -273,14 +273,12 @@ def test_rows_that_kill_or_hang_their_process_become_error_rows_whatever_their_n
     summary = run(cfg)
     df = read_output(tmp_path / "out").set_index("id")
     assert sorted(df.index) == sorted(r["id"] for r in rows) and df.index.is_unique
-    for bad in ("p1", "p2", "p3"):
+    for bad in ("p1", "p2"):
         assert df.loc[bad, "error"].startswith("WorkerDied: the engine process died running 1 row(s)"), bad
     assert "within 5 s (the per-batch timeout)" in df.loc["h1", "error"]
-    assert (df.loc[["p1", "p2", "p3", "h1"], "error_kind"] == "input").all()
-    assert df.loc[[r["id"] for r in good], "error"].isna().all() and summary["errors"] == 4
-    # every batch held a bad row: their good rows come from the actor's quarantined child (pipeline.quarantine),
-    # named after the actor: "<actor>:<pid>/<child pid>"
-    assert df.loc[[r["id"] for r in good], "worker"].str.contains(r"^[0-9a-f]{8}@[0-9a-f]{8}:\d+/\d+$").all()
+    assert (df.loc[["p1", "p2", "h1"], "error_kind"] == "input").all()
+    assert df.loc[[r["id"] for r in good], "error"].isna().all() and summary["errors"] == 3
+    # (the errors name a row dying alone: only the quarantine runs a row alone in a process of its own)
 
 
 # (spec with the draft head through the CLI: test_every_mode_with_predictors)
