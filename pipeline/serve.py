@@ -231,7 +231,12 @@ class Submitted:
         self.future = asyncio.gather(*futures)
 
     async def results(self) -> list:
-        return [r for part in await self.future for r in part]
+        return self.joined(await self.future)
+
+    @staticmethod
+    def joined(parts: list[list]) -> list:
+        """The requests' results (one list each) as the work's, in its order."""
+        return [r for part in parts for r in part]
 
     def cancel(self) -> None:
         for r in self.requests:
@@ -785,7 +790,7 @@ class SpecEEServer:
                     if delta := texts[i].push(token_id):
                         yield chunk(i, delta)
                 try:
-                    results = [r for part in fut.result() for r in part]
+                    results = Submitted.joined(fut.result())
                 except Exception as e:  # noqa: BLE001 - reported in the stream: the status is sent
                     err = engine_error(e)
                     yield sse(err.body())

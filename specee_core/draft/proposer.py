@@ -19,7 +19,7 @@ import torch
 
 from specee_core.draft.lookup import LOOKUP_NGRAM, NgramIndex
 from specee_core.draft.tree import Draft, TreeShape
-from specee_core.step.grammar import allowed_tokens, allows
+from specee_core.step.grammar import allowed_tokens, refusing
 from specee_core.step.sampling import SamplingParams, probabilities
 
 if TYPE_CHECKING:
@@ -235,8 +235,7 @@ class Proposer:
         score, tok = self.draft.top_log_probs(feats, w)
         if matchers is None:
             return score, tok
-        best = tok.reshape(len(chain), -1)[:, 0].tolist()
-        masked = [None if m is None or allows(m, c, t) else m for m, c, t in zip(matchers, chain, best)]
+        masked = refusing(matchers, chain, tok.reshape(len(chain), -1)[:, 0].tolist())
         if all(m is None for m in masked):
             return score, tok
         allowed = allowed_tokens(masked, chain, self.draft.base.config.vocab_size, keys, memo)

@@ -94,17 +94,17 @@ def _bitmask(matchers: list, paths: list[list[int]], vocab: int, keys: list | No
     return rows, bitmask
 
 
-def allows(matcher, path: list[int], token: int) -> bool:
-    """Whether matcher takes path and then token (state unchanged): one check, where a mask is a pass over the
-    vocabulary."""
-    return matcher.validate_tokens([*path, token]) == len(path) + 1
+def refusing(matchers: list, paths: list[list[int]], tokens: list[int]) -> list:
+    """matchers, with None where row r's grammar takes paths[r] and then tokens[r] (state unchanged): one
+    check per row, where a mask is a pass over the vocabulary. The rows left are those a mask could change."""
+    return [None if m is None or m.validate_tokens([*p, t]) == len(p) + 1 else m
+            for m, p, t in zip(matchers, paths, tokens)]
 
 
 def only_disallowed_best(logits: torch.Tensor, matchers: list, paths: list[list[int]]) -> list:
     """matchers, with None where row r's best token (greedy's choice) is one its grammar allows after paths[r]:
     masking that row would not change its argmax, so greedy masks only the others."""
-    best = logits.argmax(-1).tolist()
-    return [None if m is None or allows(m, p, t) else m for m, p, t in zip(matchers, paths, best)]
+    return refusing(matchers, paths, logits.argmax(-1).tolist())
 
 
 def mask_logits(logits: torch.Tensor, matchers: list, paths: list[list[int]], keys: list | None = None,

@@ -111,9 +111,11 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, texts: list[tup
     process nothing."""
     if not params.processes:
         return logits
-    if params.greedy and params.structured and matchers is not None and not params.transforms_logits:
-        # greedy under a grammar alone: rows whose best token the grammar allows keep their logits as they are
-        paths = paths or [[] for _ in matchers]
+    grammar = params.structured and matchers is not None
+    paths = paths or ([[] for _ in matchers] if grammar else None)
+    # greedy masks only the rows whose best token (after the other processing) its grammar refuses
+    # (grammar.only_disallowed_best): under a grammar alone that is decided on the raw logits, before any copy
+    if grammar and params.greedy and not params.transforms_logits:
         matchers = only_disallowed_best(logits, matchers, paths)
         if all(m is None for m in matchers):
             return logits
@@ -145,10 +147,10 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, texts: list[tup
         short = [r for r, (_, output) in enumerate(texts) if len(output) < params.min_tokens]
         if short and stop_ids:
             out[torch.tensor(short, device=dev)[:, None], torch.tensor(sorted(stop_ids), device=dev)] = float("-inf")
-    if params.structured and matchers is not None:
-        if params.greedy:  # the same argmax as masking every row (grammar.only_disallowed_best)
-            matchers = only_disallowed_best(out, matchers, paths or [[] for _ in matchers])
-        mask_logits(out, matchers, paths or [[] for _ in matchers], mask_keys, mask_memo)
+    if grammar:
+        if params.greedy and params.transforms_logits:
+            matchers = only_disallowed_best(out, matchers, paths)
+        mask_logits(out, matchers, paths, mask_keys, mask_memo)
     return out
 
 
