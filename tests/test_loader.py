@@ -120,3 +120,31 @@ def test_sampling_is_seeded_and_stops(reference):
     assert sorted(streamed) == sorted((i, t) for i, r in enumerate(res) for t in r.token_ids)
     for r in res:
         assert r.finish_reason in ("stop", "length") and r.metrics["ttft_s"] > 0
+
+
+def test_the_tokenizer_is_the_one_autotokenizer_loads(tmp_path, reference):
+    """A fast tokenizer loads through its own class: the same class, vocabulary, encoding and chat template
+    as AutoTokenizer's (the GGUF import's TokenizersBackend and PreTrainedTokenizerFast); a broken config is named."""
+    from transformers import AutoTokenizer
+
+    from specee_core.model.loader import load_tokenizer
+    from tests.test_smollm2 import MODEL
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):\n  return x"}]
+    for path in [reference] + ([MODEL] if (MODEL / "tokenizer.json").is_file() else []):
+        ours, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        assert type(ours) is type(auto) and ours.get_vocab() == auto.get_vocab()
+        assert ours("héllo wörld  x\n\ty").input_ids == auto("héllo wörld  x\n\ty").input_ids
+        assert (ours.eos_token_id, ours.bos_token_id, ours.chat_template) == \
+            (auto.eos_token_id, auto.bos_token_id, auto.chat_template)
+        if auto.chat_template is not None:
+            assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+                auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    other = tmp_path / "other"
+    shutil.copytree(reference, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    assert load_tokenizer(other).get_vocab() == load_tokenizer(reference).get_vocab()
+    (other / "tokenizer_config.json").write_text("{broken")
+    with pytest.raises(ValueError, match="tokenizer_config.json: not valid JSON"):
+        load_tokenizer(other)

@@ -186,11 +186,28 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     return LlamaModel(config, mw, device, dtype)
 
 
-def load_tokenizer(path: str | Path):
-    """The tokenizer saved beside the model (tokenizer.json / tokenizer_config.json), offline."""
-    from transformers import AutoTokenizer
+# tokenizer_config.json classes that are tokenizer.json run by the `tokenizers` library (what the GGUF import writes)
+FAST_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer saved beside the model (tokenizer.json / tokenizer_config.json), offline.
+
+    A tokenizer.json whose config names a fast class loads through that class: the same object AutoTokenizer
+    returns, without AutoTokenizer's detour through the model's config classes (about 4 s of imports in a fresh
+    process, paid by every engine actor, prepare actor and quarantined child)."""
     model_dir = find_model_dir(path)
     if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no tokenizer found (expected tokenizer.json or tokenizer_config.json)")
+    config = model_dir / "tokenizer_config.json"
+    try:
+        named = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config}: not valid JSON ({e})") from e
+    if named in FAST_TOKENIZER_CLASSES and (model_dir / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
