@@ -116,6 +116,33 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "size"], "additionalProperties": False}
 
 
+def test_the_mask_keeps_exactly_the_tokens_of_llguidances_bitmask(tiny):
+    """mask_logits (rows along paths, some rows without a constraint) and allowed_tokens keep token t of row r
+    exactly when bit t % 32 of word t // 32 of llguidance's mask after r's path is set (decoded here one token at
+    a time), over the whole vocabulary; every kept token is one the matcher validates after the path."""
+    from specee_core.step.grammar import _bitmask, allowed_tokens, mask_logits
+
+    m = tiny.rules.grammar({"type": "json_schema", "schema": SCHEMA}).matcher()
+    opening = tiny.tokenizer.encode('{"', add_special_tokens=False)
+    paths, matchers = [[], opening, [], opening[:1]], [m, m, None, m]
+    vocab = tiny.config.vocab_size
+    logits = torch.randn(len(paths), vocab, generator=torch.Generator().manual_seed(1))
+    masked = mask_logits(logits.clone(), matchers, paths)
+    allowed = allowed_tokens(matchers, paths, vocab)
+    rows, words = _bitmask(matchers, paths, vocab)
+    for r, (matcher, path) in enumerate(zip(matchers, paths)):
+        if matcher is None:
+            want = [True] * vocab
+        else:
+            word = words[rows.index(r)].tolist()
+            want = [bool((word[t // 32] >> (t % 32)) & 1) for t in range(vocab)]
+            assert all(matcher.validate_tokens([*path, t]) == len(path) + 1 for t in range(vocab) if want[t])
+        assert allowed[r].tolist() == want and 0 < sum(want)
+        assert torch.isfinite(masked[r]).tolist() == want
+        assert masked[r][allowed[r]].equal(logits[r][allowed[r]])
+    assert sum(allowed[0].tolist()) < vocab  # the schema does refuse tokens
+
+
 def test_greedy_masks_only_rows_whose_best_token_the_grammar_refuses(tiny):
     """Greedy under a grammar checks each row's best token and masks only the rows the grammar refuses it
     (grammar.only_disallowed_best): the same choices as masking every row, on rows along drafted paths of a

@@ -72,13 +72,12 @@ def _bitmask(matchers: list, paths: list[list[int]], vocab: int, keys: list | No
     after consuming its path (then rolled back); all bits set where a matcher refuses its path or is complete.
     memo: masks already computed since the matchers last advanced, by keys[r] (a draft's level and the verify
     node on the same path need one mask, not two)."""
-    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
-
     rows = [r for r, m in enumerate(matchers) if m is not None]
     if not rows:
         return rows, None
-    bitmask = allocate_token_bitmask(len(rows), vocab)
-    bitmask.fill_(-1)  # all allowed: what a refused path keeps
+    # all allowed: what a refused path keeps. (llguidance.torch is not imported: it torch.compiles its mask
+    # kernel at import and on first use, ~8 s in each new process, for what two tensor ops do here.)
+    bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
     for i, r in enumerate(rows):
         if memo is not None and keys[r] in memo:
             bitmask[i] = memo[keys[r]]
@@ -86,7 +85,7 @@ def _bitmask(matchers: list, paths: list[list[int]], vocab: int, keys: list | No
         m = matchers[r]
         consumed = m.try_consume_tokens(paths[r]) if paths[r] else 0  # stops before a refused token, no error state
         if consumed == len(paths[r]) and not m.is_stopped():
-            fill_next_token_bitmask(m, bitmask, i)
+            m.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), bitmask.shape[1] * 4)  # row i is contiguous
         if consumed:
             m.rollback(consumed)
         if memo is not None:
@@ -112,21 +111,22 @@ def mask_logits(logits: torch.Tensor, matchers: list, paths: list[list[int]], ke
     """logits [R, V] float, in place: row r keeps only the tokens matchers[r] allows after consuming paths[r]
     (then rolled back). A path the matcher refuses leaves its row unmasked: such a node follows a token its
     parent's mask excluded, so no step can accept it. matchers[r] None: row r is not constrained."""
-    from llguidance.torch import apply_token_bitmask_inplace
-
     rows, bitmask = _bitmask(matchers, paths, logits.shape[-1], keys, memo)
     if not rows:
         return logits
+    refused = ~_bits(bitmask, logits.shape[-1]).to(logits.device)
     if len(rows) == len(matchers):  # every row constrained (one lane, one constraint): in place
-        apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
-        return logits
-    sub = logits[rows]
-    apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
-    logits[rows] = sub
+        return logits.masked_fill_(refused, float("-inf"))
+    logits[rows] = logits[rows].masked_fill_(refused, float("-inf"))
     return logits
 
 
 _BITS = torch.arange(32, dtype=torch.int32)
+
+
+def _bits(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, vocab] bool from llguidance's bitmask [R, ceil(vocab / 32)] int32 (token t: bit t % 32 of word t // 32)."""
+    return ((bitmask[:, :, None] >> _BITS) & 1).bool().reshape(len(bitmask), -1)[:, :vocab]
 
 
 def allowed_tokens(matchers: list, paths: list[list[int]], vocab: int, keys: list | None = None,
@@ -136,6 +136,5 @@ def allowed_tokens(matchers: list, paths: list[list[int]], vocab: int, keys: lis
     rows, bitmask = _bitmask(matchers, paths, vocab, keys, memo)
     out = torch.ones(len(matchers), vocab, dtype=torch.bool)
     if rows:
-        bits = ((bitmask[:, :, None] >> _BITS) & 1).bool().reshape(len(rows), -1)[:, :vocab]
-        out[rows] = bits
+        out[rows] = _bits(bitmask, vocab)
     return out

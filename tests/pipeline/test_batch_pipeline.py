@@ -62,7 +62,9 @@ OWN_SAMPLING = [{"id": "max2", "prompt": GOOD[6], "max_tokens": 2},
                 {"id": "bad-max", "prompt": GOOD[1], "max_tokens": "x"},
                 {"id": "bad-temp", "prompt": GOOD[2], "temperature": -1},
                 {"id": "not-yet", "prompt": GOOD[3], "sampling_params": {"n": 2}},
-                {"id": "logprobs", "prompt": GOOD[4], "sampling_params": {"max_tokens": 3, "logprobs": 2}}]
+                {"id": "logprobs", "prompt": GOOD[4], "sampling_params": {"max_tokens": 3, "logprobs": 2}},
+                {"id": "json", "prompt": GOOD[5], "max_tokens": 8, "response_format": {
+                    "type": "json_schema", "json_schema": {"name": "a", "schema": {"enum": ["yes", "no"]}}}}]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +85,7 @@ def test_jsonl_to_parquet_with_error_rows(jsonl_run):
     assert sorted(df.index) == sorted(good + ["not-a-string", "empty", "missing", "too-long", "prompts.jsonl:10"] +
                                       [r["id"] for r in OWN_SAMPLING])
     assert pq.read_schema(next(out.glob("part-*.parquet"))) == OUTPUT_SCHEMA
-    assert len(df) == 18 and sorted(p.name for p in out.iterdir() if not p.name.startswith("part-")) == \
+    assert len(df) == 19 and sorted(p.name for p in out.iterdir() if not p.name.startswith("part-")) == \
         ["_specee_manifest.json", "_summary.json"]  # dense: no schedules; the lock is gone with the job
     ok = df.loc[good]
     assert ok["error"].isna().all() and (ok["completion_tokens"] <= MAX_NEW).all()
@@ -99,7 +101,7 @@ def test_jsonl_to_parquet_with_error_rows(jsonl_run):
     assert df.loc[list(errors.index), "completion"].isna().all()
     assert (df.loc[list(errors.index), "error_kind"] == "input").all() and ok["error_kind"].isna().all()
     assert df["request_hash"].str.fullmatch("[0-9a-f]{32}").all()
-    assert summary["rows"] == summary["rows_this_run"] == 18 and summary["errors"] == 8
+    assert summary["rows"] == summary["rows_this_run"] == 19 and summary["errors"] == 8
     assert summary["error_kinds"] == {"input": 8}
     assert summary["avg_layers"] == 2 and summary["est_speedup_upper_bound"] == 1
     assert summary["completion_tokens"] == int(df["completion_tokens"].sum())
@@ -108,8 +110,9 @@ def test_jsonl_to_parquet_with_error_rows(jsonl_run):
 
 
 def test_rows_with_their_own_sampling_in_the_job(jsonl_run, model_dir):
-    """The job honours each row's own sampling from the input file: a greedy row with max_tokens 2 is the
-    engine's own answer at 2 tokens, ignore_eos runs to its max_tokens, a sampled row stays within its own;
+    """The job (dense, through the processor) honours each row's own sampling from the input file: a greedy row
+    with max_tokens 2 is the engine's own answer at 2 tokens, ignore_eos runs to its max_tokens, a sampled row
+    stays within its own, a JSON schema row answers in its schema;
     a value of the wrong type, out of range, or a parameter the engine lacks costs its row, not the job."""
     from specee_core import SpecEEEngine
 
@@ -126,6 +129,7 @@ def test_rows_with_their_own_sampling_in_the_job(jsonl_run, model_dir):
     lps = df.loc["logprobs", "logprobs"]  # the Parquet column: one struct per generated token
     assert len(lps) == df.loc["logprobs", "completion_tokens"] and all(len(e["top_logprobs"]) == 2 for e in lps)
     assert df.loc["max2", "logprobs"] is None  # not asked
+    assert json.loads(df.loc["json", "completion"]) in ("yes", "no")  # its own response_format, in dense
 
 
 def test_row_metrics_are_the_rows_own(jsonl_run):
@@ -269,13 +273,13 @@ def test_rows_that_kill_or_hang_their_process_become_error_rows_whatever_their_n
     src = write_jsonl(tmp_path / "p.jsonl", rows)
     cfg = config(model_dir, src, tmp_path / "out", num_actors=1,
                  runtime_env={"env_vars": {CRASH_ON_ENV: "POISON", HANG_ON_ENV: "HANG"}})
-    cfg.stage = replace(cfg.stage, batch_timeout_s=5.0, row_attempts=1)  # a tiny model's batch takes < 1 s
+    cfg.stage = replace(cfg.stage, batch_timeout_s=3.0, row_attempts=1)  # a tiny model's batch takes < 1 s
     summary = run(cfg)
     df = read_output(tmp_path / "out").set_index("id")
     assert sorted(df.index) == sorted(r["id"] for r in rows) and df.index.is_unique
     for bad in ("p1", "p2"):
         assert df.loc[bad, "error"].startswith("WorkerDied: the engine process died running 1 row(s)"), bad
-    assert "within 5 s (the per-batch timeout)" in df.loc["h1", "error"]
+    assert "within 3 s (the per-batch timeout)" in df.loc["h1", "error"]
     assert (df.loc[["p1", "p2", "h1"], "error_kind"] == "input").all()
     assert df.loc[[r["id"] for r in good], "error"].isna().all() and summary["errors"] == 3
     # (the errors name a row dying alone: only the quarantine runs a row alone in a process of its own)
@@ -333,7 +337,7 @@ def test_analyze_stats_and_png(jsonl_run, tmp_path):
 
     cfg, summary, out = jsonl_run
     result = analyze.main([str(out), "--png", str(tmp_path / "hist.png")])
-    assert (result["rows"], result["errors"], result["avg_layers"]) == (18, 8, 2.0)
+    assert (result["rows"], result["errors"], result["avg_layers"]) == (19, 8, 2.0)
     assert result["error_kinds"] == {"InputError": 6, "PromptError": 2}
     [run_stats] = result["per_run"]
     assert run_stats["run_id"] == summary["run_id"] and run_stats["tokens"] == summary["completion_tokens"]
@@ -342,7 +346,7 @@ def test_analyze_stats_and_png(jsonl_run, tmp_path):
     png = tmp_path / "hist.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
     default = analyze.main([str(out)])  # the default plot sits beside the rows, hidden from Parquet readers
-    assert Path(default["png"]) == out / "_exit_layers.png" and len(read_output(out)) == 18
+    assert Path(default["png"]) == out / "_exit_layers.png" and len(read_output(out)) == 19
 
 
 def test_specee_retunes_within_one_run_without_new_actors(tmp_path):

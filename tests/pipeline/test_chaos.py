@@ -1,4 +1,4 @@
-"""Chaos run: the batch job over 96 rows on SmolLM2 in SpecEE mode (so there is a schedule store) while a helper
+"""Chaos run: the batch job over 64 rows on SmolLM2 in SpecEE mode (so there is a schedule store) while a helper
 thread kills engine actor processes at random moments, and the schedule store once. The job must end
 by itself with every input id exactly once in the output, none duplicated, no row lost to the kills
 (the processor: Ray Data's actor pool).
@@ -27,7 +27,7 @@ from tests.conftest import REPO
 
 SMOLLM2 = REPO / "models" / "smollm2-135m-instruct"  # with its draft head, predictors and schedule
 
-ROWS = 96  # 12 part files of 8 rows: kills land at the 2nd, 5th and 8th, the store's at the 7th
+ROWS = 64  # 8 part files of 8 rows: kills land at the 1st, 3rd and 5th, the store's at the 4th
 PROMPTS = ["Write a Python function that reverses a string.", "What does os.path.join do?",
            "Name three built-in types.", "How do I open a file for reading?", "Explain list comprehensions."]
 
@@ -87,7 +87,7 @@ def test_chaos_every_id_exactly_once(tmp_path):
                         batch_size=8, engine_options={"threshold": 0.5, "explore_every": 2})
     cfg = BatchConfig(input=[str(src)], output=str(out), stage=stage, num_actors=2, rows_per_file=8,
                       retune_every_tokens=256, show_progress=False)
-    chaos = Chaos(out, "EngineRows", at_parts=[2, 5, 8], store_at_parts=7, seed=7)
+    chaos = Chaos(out, "EngineRows", at_parts=[1, 3, 5], store_at_parts=4, seed=7)
     chaos.start()
     t0 = time.perf_counter()
     try:

@@ -139,15 +139,15 @@ GREEDY = {"max3": dict(max_new_tokens=3), "stop": dict(max_new_tokens=12, stop=[
           "n1": dict(max_new_tokens=4), "chat": dict(max_new_tokens=8)}
 
 
-@pytest.mark.parametrize("mode", ["dense", "auto"])
-def test_rows_with_their_own_sampling(engine, mode):
-    """Each row runs with its own max_tokens, temperature, stop, ignore_eos (one engine call per batch, rows
-    of equal parameters sharing a lane): greedy rows, chat messages among them, equal the engine called
-    directly with the same parameters (auto is lossless), the sampled row stays within its own max_tokens,
-    a bad value, a parameter the engine lacks and bad chat messages each cost their own row. In auto,
-    concurrency is Ray Data's autoscaling pool."""
-    cfg = ProcessorConfig(model_source=str(SMOLLM2), **{**SETTINGS, "mode": mode},
-                          concurrency=(1, 2) if mode == "auto" else 1)
+def test_rows_with_their_own_sampling(engine):
+    """Each row runs with its own max_tokens, temperature, stop, ignore_eos, logprobs and response_format (one
+    engine call per batch, rows of equal parameters sharing a lane), in mode auto: greedy rows, chat messages
+    among them, equal the engine called directly in dense with the same parameters (auto is lossless), the
+    sampled row stays within its own max_tokens, a bad value, a parameter the engine lacks and bad chat
+    messages each cost their own row. concurrency is Ray Data's autoscaling pool. (The same in dense, on the
+    batch job's rows: tests/pipeline/test_batch_pipeline.py::test_rows_with_their_own_sampling_in_the_job.)"""
+    mode = "auto"
+    cfg = ProcessorConfig(model_source=str(SMOLLM2), **{**SETTINGS, "mode": mode}, concurrency=(1, 2))
     # rows, not to_pandas(): Ray Data's to_pandas cannot join a block where a list column (messages) is set
     # and a later one where it is null throughout (ray.data.from_items(OWN_SAMPLING).to_pandas() fails alike)
     df = pd.DataFrame(build_processor(cfg)(ray.data.from_items(OWN_SAMPLING)).take_all()).set_index("id")
