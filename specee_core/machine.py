@@ -2,7 +2,12 @@
 and the facts every speed figure is published with. Below every other module."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import hashlib
+import json
+import os
 import platform
 from pathlib import Path
 
@@ -57,3 +62,29 @@ def machine_facts(device: torch.device | str = "cpu") -> dict:
     if device.type == "cpu":
         facts["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     return facts
+
+
+def cache_path(key: dict, root: str | Path | None = None, folder: str = "plans") -> Path:
+    """Where what was measured under key is kept: $SPECEE_CACHE (or ~/.cache/specee)/folder/<hash of key>.json."""
+    root = Path(root or os.environ.get("SPECEE_CACHE") or Path.home() / ".cache" / "specee").expanduser()
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return root / folder / f"{digest}.json"
+
+
+@contextlib.contextmanager
+def measuring_lock(key: dict, root: str | Path | None = None, folder: str = "plans"):
+    """One process at a time measures a machine (engine actors side by side would time each other's
+    load); the others wait, then read what it saved. No lock where the cache is not writable."""
+    path = cache_path(key, root, folder).with_suffix(".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a")
+    except OSError:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -263,3 +263,29 @@ def test_quantization_error_is_measured_at_load(ee_model_dir):
             for f in ("q8", "q4")}
     assert 0 < errs["q8"] < errs["q4"] < 0.2, errs
     assert SpecEEEngine.from_pretrained(ee_model_dir, dtype="float32").weights_info()["quant_error"] is None
+
+
+def test_the_weight_format_timings_are_measured_once_per_machine_and_shape(tmp_path, monkeypatch):
+    """weights="auto" times a step's linears once per key (machine, shape, dtype, batch, kernel ...) and caches
+    them: a second engine start reads them (timing again would fail here), another batch size measures anew."""
+    from specee_core.model import weight_plan
+    from specee_core.model.config import ModelConfig
+
+    config = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    cpu = torch.device("cpu")
+    first = weight_plan.measured_linears(config, 2, "q4", torch.bfloat16, cpu, root=tmp_path)
+    assert set(first) == {("q4", torch.float32), ("q4", torch.bfloat16), (None, torch.bfloat16)}
+    assert all(t > 0 for t in first.values())
+
+    def timed(*args, **kw):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(weight_plan, "time_step_linears", timed)
+    assert weight_plan.measured_linears(config, 2, "q4", torch.bfloat16, cpu, root=tmp_path) == first
+    with pytest.raises(AssertionError, match="measured again"):
+        weight_plan.measured_linears(config, 4, "q4", torch.bfloat16, cpu, root=tmp_path)
+    [saved] = (tmp_path / weight_plan.CACHE_FOLDER).glob("*.json")
+    saved.write_text("{broken")  # an unreadable cache is measured again, with a warning
+    with pytest.raises(AssertionError, match="measured again"):
+        weight_plan.measured_linears(config, 2, "q4", torch.bfloat16, cpu, root=tmp_path)

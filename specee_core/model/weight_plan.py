@@ -8,13 +8,21 @@ the reason string says it.
 """
 from __future__ import annotations
 
+import json
+import logging
+import os
 import statistics
 import time
 
 import torch
 
+from specee_core.machine import cache_path, machine_name, measuring_lock
 from specee_core.model.model import make_linear
 from specee_core.model.quant import LOW_BIT, QK, cpu_kernel, dtype_name, random_weight
+
+log = logging.getLogger(__name__)
+CACHE_FOLDER = "weight_plans"  # beside the plans' cost tables (specee_core.machine.cache_path)
+VERSION = 1  # a change to what time_step_linears measures bumps it
 
 
 def checkpoint_format(model_dir) -> tuple[str | None, str]:
@@ -61,7 +69,8 @@ def choose_weights(model_dir, config, device: torch.device, dtype: torch.dtype,
     matrices in dtype). Returns (format or None, activation dtype, reason). The low-bit format is timed
     with fp32 activations and, where dtype is bf16, with bf16 activations (bf16 dot products over the
     weights rounded to bf16: what the bf16 engine computes, from a quarter of the bytes). Measured on
-    random weights of the model's shapes (a second or two for a 135M model)."""
+    random weights of the model's shapes (5 s for a 135M model on 2 cores), once per machine, model shape,
+    dtype and batch size (measured_linears)."""
     fmt, source = checkpoint_format(model_dir)
     name = dtype_name(dtype)
     if fmt is None:
@@ -73,9 +82,7 @@ def choose_weights(model_dir, config, device: torch.device, dtype: torch.dtype,
     c = config
     if any(i % QK for i in (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim)):
         return None, dtype, f"{name}: the model's input dims are not multiples of {QK}"
-    acts = [torch.float32] + ([torch.bfloat16] if dtype == torch.bfloat16 else [])
-    ms = {(fmt, a): time_step_linears(c, batch, fmt, a) for a in acts}
-    ms[(None, dtype)] = time_step_linears(c, batch, None, dtype)
+    ms = measured_linears(c, batch, fmt, dtype, device)
     (best_fmt, best_act) = min(ms, key=ms.get)
     measured = ", ".join(f"{f or name}{'' if f is None else ' + ' + dtype_name(a)} {t:.1f}"
                          for (f, a), t in ms.items())
@@ -83,3 +90,49 @@ def choose_weights(model_dir, config, device: torch.device, dtype: torch.dtype,
     if best_fmt is None:
         return None, dtype, f"{name}: faster than the checkpoint's {fmt} ({measured})"
     return best_fmt, best_act, f"{fmt} with {dtype_name(best_act)} activations: the checkpoint's own blocks, {source}; {measured}"
+
+
+def measured_linears(config, batch: int, fmt: str, dtype: torch.dtype, device: torch.device,
+                     root=None) -> dict[tuple[str | None, torch.dtype], float]:
+    """{(fmt or None, activation dtype): ms of a step's linears}: the low-bit format with fp32 activations (and
+    bf16 ones where dtype is bf16), and the dense matrices in dtype. Measured once per machine, torch, thread
+    count, model shape, dtype, batch size and kernel source, under the machine's measuring lock (engines
+    starting side by side would time each other), and cached: every later engine start reads it."""
+    from kernels.cpu_ext import source_digest
+
+    c = config
+    key = {"weight_plan_version": VERSION, "machine": machine_name(device), "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "dtype": dtype_name(dtype), "batch": batch, "format": fmt,
+           "kernel": source_digest(), "model_shape": [c.num_hidden_layers, c.hidden_size, c.intermediate_size,
+                                                      c.num_attention_heads, c.num_key_value_heads, c.vocab_size]}
+    path = cache_path(key, root, CACHE_FOLDER)
+
+    def cached() -> dict | None:
+        try:
+            saved = json.loads(path.read_text())
+            if saved["key"] == key:
+                return {(f, getattr(torch, a)): float(t) for f, a, t in saved["ms"]}
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("%s: unreadable weight timings (%s: %s); measuring again", path, type(e).__name__, e)
+        return None
+
+    ms = cached()
+    if ms is not None:
+        return ms
+    with measuring_lock(key, root, CACHE_FOLDER):
+        ms = cached()  # what another process measured while this one waited
+        if ms is not None:
+            return ms
+        acts = [torch.float32] + ([torch.bfloat16] if dtype == torch.bfloat16 else [])
+        ms = {(fmt, a): time_step_linears(c, batch, fmt, a) for a in acts}
+        ms[(None, dtype)] = time_step_linears(c, batch, None, dtype)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"key": key, "ms": [[f, dtype_name(a), t] for (f, a), t in ms.items()]}))
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("cannot cache the weight timings in %s (%s); this process keeps them", path.parent, e)
+    return ms

@@ -20,9 +20,6 @@ of one batch and `measure_costs` fills a table.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -33,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from specee_core.machine import machine_name
+from specee_core.machine import cache_path, machine_name, measuring_lock
 
 log = logging.getLogger(__name__)
 
@@ -370,12 +367,6 @@ def _weights_key(model) -> dict:
     return {"weights": model.weight_format, "kernel": source_digest()}
 
 
-def cache_path(key: dict, root: str | Path | None = None) -> Path:
-    root = Path(root or os.environ.get("SPECEE_CACHE") or Path.home() / ".cache" / "specee").expanduser()
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return root / "plans" / f"{digest}.json"
-
-
 def load_costs(key: dict, root: str | Path | None = None) -> CostTable:
     """The cached table for key, or an empty one (also when the cache file is unreadable)."""
     path = cache_path(key, root)
@@ -402,25 +393,6 @@ def save_costs(table: CostTable, root: str | Path | None = None) -> Path | None:
     except OSError as e:
         log.warning("cannot cache the cost table in %s (%s); it is kept in memory only", path.parent, e)
         return None
-
-
-@contextlib.contextmanager
-def measuring_lock(key: dict, root: str | Path | None = None):
-    """One process at a time measures a machine's costs (engine actors side by side would time each
-    other's load); the others wait, then read what it saved. No lock where the cache is not writable."""
-    path = cache_path(key, root).with_suffix(".lock")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(path, "a")
-    except OSError:
-        yield
-        return
-    with f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @torch.inference_mode()
