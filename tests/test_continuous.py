@@ -83,6 +83,22 @@ def test_requests_with_different_sampling_run_in_lanes_of_their_own(engine, code
     assert spec.results[0].token_ids == alone(engine, code_ids[2], spec.params, "dense", None).token_ids
 
 
+def test_the_prompts_of_one_call_share_one_lane_whatever_their_lengths(engine, code_ids):
+    """A lane is as long as the longest of the rows waiting for it: a short prompt first and a long one after it
+    (which would not fit the short one's power of two) decode in one lane, one forward per step for both."""
+    short = code_ids[0]
+    long = (code_ids[1] * 20)[:300 - len(short)]
+    new = 256 - len(short) - 8  # the short row alone: a 256-slot lane; the long one needs 512
+    assert len(short) + new <= 256 < len(long) + new <= engine.context_len
+    sch = EngineCore(engine, max_rows=4, prefix_cache=False)
+    req = sch.submit(Request([short, long], SamplingParams(max_new_tokens=new, ignore_eos=True), "dense"))
+    sch.step()
+    assert len(sch.lanes) == 1 and len(sch.lanes[0].rows) == 2
+    while not req.done:
+        sch.step()
+    assert [len(r.token_ids) for r in req.results] == [new, new]
+
+
 def test_cancel_frees_rows_and_a_failing_callback_ends_only_its_request(engine, code_ids):
     sch = EngineCore(engine, max_rows=2)
     long = sch.submit(Request([code_ids[0], code_ids[1]], SamplingParams(max_new_tokens=40, ignore_eos=True), "dense"))

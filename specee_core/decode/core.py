@@ -603,6 +603,12 @@ class EngineCore:
         if len(self.lanes) >= self.max_lanes:
             return None  # its turn comes when a lane empties
         _, headroom = self.stepper_of(req)
+        # long enough for the longest of those rows (up to `want` of them): a row that did not fit would open a
+        # lane of its own and decode beside this one, a forward per step each, the same rows in two batches
+        ctx = self.engine.context_len
+        waiting = sorted((len(r.prompt_ids[i]) + min(r.params.max_new_tokens, ctx - len(r.prompt_ids[i]))
+                          for r in self.requests if r.lane_key == key for i in r.waiting), reverse=True)
+        row_len = max([row_len, *waiting[:want]])
         max_len = self.min_slots
         while max_len < row_len + headroom:
             max_len *= 2
