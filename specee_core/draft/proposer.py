@@ -145,8 +145,12 @@ class Proposer:
 
     # ---- speculative decoding: drafts to verify --------------------------------------------------
     def continuation(self, b: int, batch: Batch, depth: int) -> list[int]:
-        """Prompt lookup's chain after row b's last token, up to depth tokens ([] when nothing matches)."""
-        return self.index.continuation(b, batch.tokens[b], depth) if depth > 0 else []
+        """Prompt lookup's chain after row b's last token, up to depth tokens ([] when nothing matches); under
+        structured output cut before the first token the row's grammar refuses (verification would reject it
+        and every token after it)."""
+        chain = self.index.continuation(b, batch.tokens[b], depth) if depth > 0 else []
+        matcher = batch.matchers[b] if chain and batch.params.structured else None
+        return chain if matcher is None else chain[: matcher.validate_tokens(chain)]
 
     def tree(self, rows: list[int], batch: Batch, depths: list[int], shape: TreeShape,
              params: SamplingParams | None = None, generator: torch.Generator | None = None,
