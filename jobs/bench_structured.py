@@ -1,6 +1,8 @@
 """What a JSON schema costs: decode tokens/s of the same held-out prompts with and without a schema, mode auto
 (or --modes), batch 1 and 8, the variants interleaved round by round; prints (and with --out writes) JSON with
-the commit and the machine.
+the commit and the machine. Two shapes of run per batch size b: b prompts at once (the batch empties as rows
+finish: the schema's shorter, ragged replies empty it sooner than free text does), and a stream of b x --waves
+prompts through an engine of b rows (finished rows are replaced, as in a batch job: tokens/s over the call).
 
     python -m jobs.bench_structured --out docs/bench_structured.json
 """
@@ -52,6 +54,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--weights", default="auto")
+    ap.add_argument("--waves", type=int, default=4, help="the stream: this many prompts per row of the engine")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -79,6 +82,7 @@ def main() -> None:
                     print(f"{mode} b{b} {name} round {rnd}: {tps:.1f} tok/s", flush=True)
             res = engine.generate(ps[:b], mode=mode, sampling_params=variants["json_schema"])
             valid[f"{mode}_b{b}"] = sum(_parses(r.text) for r in res) / b
+            stream(args, b, mode, variants, speeds, valid)
     out = {"git_commit": git_commit(), "machine": machine_facts(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
            "weights": engine.model.weight_format, "dtype": str(engine.model.dtype).removeprefix("torch."),
            "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "schema": SCHEMA,
@@ -92,6 +96,7 @@ def main() -> None:
                k.removesuffix("_plain_same_lengths"): round(
                    statistics.median(speeds[k.replace("_plain_same_lengths", "_json_schema")]) / statistics.median(v), 3)
                for k, v in speeds.items() if k.endswith("_plain_same_lengths")},
+           "waves": args.waves,
            "schema_replies_parsing": valid,
            "note": "decode tokens/s: tokens after each row's first over the call's seconds after its last first "
                    "token; the same prompts with and without the schema, interleaved; plain_same_lengths: free text "
@@ -100,6 +105,24 @@ def main() -> None:
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
+
+
+def stream(args, b: int, mode: str, variants: dict, speeds: dict, valid: dict) -> None:
+    """b x args.waves prompts through an engine of b rows, with and without the schema, interleaved: tokens/s
+    over the whole call (prefill included, the same prompts for both)."""
+    engine = SpecEEEngine.from_pretrained(args.model, max_batch_size=b, weights=args.weights)
+    ps = prompts(engine, args.prompts, b * args.waves)
+    for p in variants.values():  # warm-up: the plan's costs at this batch size, the prefix cache
+        engine.generate(ps, mode=mode, sampling_params=SamplingParams(max_new_tokens=2, structured=p.structured))
+    for rnd in range(args.rounds):
+        for name, p in (list(variants.items()) if rnd % 2 == 0 else reversed(list(variants.items()))):
+            t0 = time.perf_counter()
+            res = engine.generate(ps, mode=mode, sampling_params=p)
+            tps = sum(len(r.token_ids) for r in res) / (time.perf_counter() - t0)
+            speeds.setdefault(f"{mode}_b{b}_stream_{name}", []).append(tps)
+            print(f"{mode} b{b} stream of {len(ps)} {name} round {rnd}: {tps:.1f} tok/s", flush=True)
+            if name == "json_schema":
+                valid[f"{mode}_b{b}_stream"] = sum(_parses(r.text) for r in res) / len(res)
 
 
 def _parses(text: str) -> bool:
