@@ -7,11 +7,14 @@ import fcntl
 import functools
 import hashlib
 import json
+import logging
 import os
 import platform
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -69,6 +72,20 @@ def cache_path(key: dict, root: str | Path | None = None, folder: str = "plans")
     root = Path(root or os.environ.get("SPECEE_CACHE") or Path.home() / ".cache" / "specee").expanduser()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return root / folder / f"{digest}.json"
+
+
+def save_measured(path: Path, data: dict, what: str) -> Path | None:
+    """Write data as JSON at path atomically (a reader never sees half a file); None, with a warning naming what,
+    where the cache cannot be written (the measurement then lives in this process only)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+        return path
+    except OSError as e:
+        log.warning("cannot cache the %s in %s (%s); it is kept in memory only", what, path.parent, e)
+        return None
 
 
 @contextlib.contextmanager

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import statistics
 import time
 
 import torch
 
-from specee_core.machine import cache_path, machine_name, measuring_lock
+from specee_core.machine import cache_path, machine_name, measuring_lock, save_measured
 from specee_core.model.model import make_linear
 from specee_core.model.quant import LOW_BIT, QK, cpu_kernel, dtype_name, random_weight
 
@@ -128,11 +127,5 @@ def measured_linears(config, batch: int, fmt: str, dtype: torch.dtype, device: t
         acts = [torch.float32] + ([torch.bfloat16] if dtype == torch.bfloat16 else [])
         ms = {(fmt, a): time_step_linears(c, batch, fmt, a) for a in acts}
         ms[(None, dtype)] = time_step_linears(c, batch, None, dtype)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"key": key, "ms": [[f, dtype_name(a), t] for (f, a), t in ms.items()]}))
-            os.replace(tmp, path)
-        except OSError as e:
-            log.warning("cannot cache the weight timings in %s (%s); this process keeps them", path.parent, e)
+        save_measured(path, {"key": key, "ms": [[f, dtype_name(a), t] for (f, a), t in ms.items()]}, "weight timings")
     return ms

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from specee_core.machine import cache_path, machine_name, measuring_lock
+from specee_core.machine import cache_path, machine_name, measuring_lock, save_measured
 
 log = logging.getLogger(__name__)
 
@@ -383,16 +382,7 @@ def load_costs(key: dict, root: str | Path | None = None) -> CostTable:
 def save_costs(table: CostTable, root: str | Path | None = None) -> Path | None:
     """Write the table (atomically); None, with a warning, where the cache cannot be written (the plan
     then lives in this process only)."""
-    path = cache_path(table.key, root)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table.to_json(), indent=1))
-        os.replace(tmp, path)
-        return path
-    except OSError as e:
-        log.warning("cannot cache the cost table in %s (%s); it is kept in memory only", path.parent, e)
-        return None
+    return save_measured(cache_path(table.key, root), table.to_json(), "cost table")
 
 
 @torch.inference_mode()

@@ -76,7 +76,7 @@ def _bitmask(matchers: list, paths: list[list[int]], vocab: int, keys: list | No
     if not rows:
         return rows, None
     # all allowed: what a refused path keeps. (llguidance.torch is not imported: it torch.compiles its mask
-    # kernel at import and on first use, ~8 s in each new process, for what two tensor ops do here.)
+    # kernel at import and on first use, ~5 s in each new process, for what two tensor ops do here.)
     bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
     for i, r in enumerate(rows):
         if memo is not None and keys[r] in memo:
