@@ -9,7 +9,7 @@ import torch
 
 from specee_core import SpecEEEngine
 from specee_core.machine import choose_dtype
-from specee_core.spec.plan import (T_GRID, Acceptance, CostTable, Planner, RowView, StepTimes, best_step,
+from specee_core.spec.plan import (FORCED_PRIOR, T_GRID, Acceptance, CostTable, Planner, RowView, StepTimes, best_step,
                                    could_pay, expected_tokens, monotone)
 from tests.conftest import BUNDLED, make_hf_model
 
@@ -56,6 +56,29 @@ def test_a_row_without_room_or_lookup_hit_verifies_its_root_alone():
             RowView(room=4, lookup=4, alpha_lookup=0.9, alpha_draft=0.0)]
     p = best_step(FLAT, rows, max_depth=4, has_draft=True)
     assert p.kinds == ("", "lookup") and p.depths == (0, 4)
+
+
+def test_a_rows_forced_tokens_are_verified_where_its_draft_would_lose_and_learned_like_drafts():
+    """A row whose grammar forces 3 tokens verifies them (no draft forward) even where the table makes the
+    draft head's chains not worth their cost; a row with nothing forced stays as it was; forced tokens that
+    keep failing are tried no more."""
+    a = Acceptance().alpha
+    rows = [RowView(room=4, lookup=0, alpha_lookup=a, alpha_draft=0.3, forced=3, alpha_forced=FORCED_PRIOR),
+            RowView(room=4, lookup=0, alpha_lookup=a, alpha_draft=0.3)]
+    p = best_step(STEEP, rows, max_depth=4, has_draft=True)
+    assert p.kinds[0] == "forced" and p.depths[0] == 3 and p.kinds[1] in ("", "draft"), p
+    assert best_step(STEEP, rows[1:], max_depth=4, has_draft=True).depth == 0
+    planner = Planner(STEEP, rows=1, max_depth=4, has_draft=True)
+    for _ in range(5):
+        plan = planner.choose([0], [0], [4], [3])
+        assert plan.kinds == ("forced",)
+        planner.observe([0], plan, [3], [None])
+    for step in range(1, 20):
+        plan = planner.choose([0], [0], [4], [3])
+        if plan.kinds != ("forced",):
+            break
+        planner.observe([0], plan, [0], [None])
+    assert step <= 5, f"still verifying forced tokens {step} steps after they stopped being accepted"
 
 
 def test_acceptance_collapse_stops_drafting_within_a_few_steps_and_it_probes_again_later():

@@ -143,6 +143,25 @@ def test_the_mask_keeps_exactly_the_tokens_of_llguidances_bitmask(tiny):
     assert sum(allowed[0].tolist()) < vocab  # the schema does refuse tokens
 
 
+def test_forced_tokens_spell_the_bytes_only_the_grammar_allows(tiny):
+    """Grammar.forced: at the start of the schema's object the key and its punctuation are forced; after a
+    string value's closing quote the next key is; inside a free string nothing is; the matcher's state is left
+    as it was; a path the grammar refuses forces nothing."""
+    grammar = tiny.rules.grammar({"type": "json_schema", "schema": SCHEMA})
+    m = grammar.matcher()
+    tok = tiny.tokenizer
+    start = grammar.forced(m, [], 16)
+    assert tok.decode(start) == '{"name":"'
+    assert grammar.forced(m, [], 2) == start[:2]
+    inside = tok.encode('{"name":"ab', add_special_tokens=False)
+    assert grammar.forced(m, inside, 16) == []
+    closed = tok.encode('{"name":"ab"', add_special_tokens=False)
+    assert tok.decode(grammar.forced(m, closed, 16)) == ',"size":'
+    assert grammar.forced(m, tok.encode("[1]", add_special_tokens=False), 16) == []
+    assert m.validate_tokens(start) == len(start)  # nothing was consumed
+    assert grammar.forced(m, [], 0) == []
+
+
 def test_greedy_masks_only_rows_whose_best_token_the_grammar_refuses(tiny):
     """Greedy under a grammar checks each row's best token and masks only the rows the grammar refuses it
     (grammar.only_disallowed_best): the same choices as masking every row, on rows along drafted paths of a
@@ -186,6 +205,7 @@ def test_structured_output_holds_and_keeps_every_lossless_mode_equal_to_dense(ti
                        ("auto", None)):
         got = tiny.generate(CODE, mode=mode, spec=spec, sampling_params=params)
         assert [r.token_ids for r in got] == [r.token_ids for r in dense], (mode, spec)
+    assert sum(r.stats["forced_drafted"] for r in got) > 0  # auto verified the schema's forced keys as drafts
     sampled = tiny.generate(CODE, mode="spec", sampling_params=SamplingParams(
         max_new_tokens=48, temperature=1.0, seed=3, structured={"type": "json_schema", "schema": SCHEMA}))
     for r in sampled:

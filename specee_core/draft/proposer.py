@@ -152,6 +152,12 @@ class Proposer:
         matcher = batch.matchers[b] if chain and batch.params.structured else None
         return chain if matcher is None else chain[: matcher.validate_tokens(chain)]
 
+    def forced(self, b: int, batch: Batch, depth: int, path: list[int] | None = None) -> list[int]:
+        """Up to depth tokens row b's structured output forces after its last token (and path): a chain that
+        needs no draft forward ([] without a grammar, or where the grammar leaves a choice)."""
+        matcher = batch.matchers[b] if batch.params.structured else None
+        return [] if matcher is None else batch.grammar.forced(matcher, path or [], depth)
+
     def tree(self, rows: list[int], batch: Batch, depths: list[int], shape: TreeShape,
              params: SamplingParams | None = None, generator: torch.Generator | None = None,
              max_nodes: int | None = None) -> Draft:

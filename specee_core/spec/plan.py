@@ -173,6 +173,11 @@ class Acceptance:
         self.stops = self.stops * i + (1 - self.prior) * w * (1 - i)
 
 
+# what a structured-output row's forced tokens are expected to be accepted with before any is seen: the
+# grammar leaves the model no other bytes there, only (rarely) another spelling of them in tokens
+FORCED_PRIOR = 0.9
+
+
 def expected_tokens(alpha: float, depth: int) -> float:
     """Tokens a verify step commits from a chain of `depth` drafted tokens: the bonus token plus each
     drafted one while every one before it was accepted (sum of alpha^i, i = 0..depth)."""
@@ -188,12 +193,15 @@ class RowView:
     lookup: int  # length of prompt lookup's continuation found now (0: none)
     alpha_lookup: float
     alpha_draft: float  # 0 without a draft head
+    forced: int = 0  # length of the tokens its structured output forces next (a JSON key, punctuation)
+    alpha_forced: float = 0.0
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """One decode step: depth 0 is a dense step. Per row: "lookup" (its lookup chain), "draft" (the
-    draft head's chain) or "" (the root alone), and the depth it drafts."""
+    draft head's chain), "forced" (the tokens its structured output forces) or "" (the root alone), and
+    the depth it drafts."""
     depth: int
     kinds: tuple[str, ...]
     depths: tuple[int, ...]
@@ -211,8 +219,9 @@ class StepPlan:
 def best_step(costs: CostTable, rows: list[RowView], max_depth: int, has_draft: bool,
               margin: float = 1.1, overhead: float = 1.0) -> StepPlan:
     """The step shape with the most expected tokens per millisecond for these rows: a dense step, or
-    for each depth d <= max_depth, every row's better chain (lookup's or the draft head's, each no
-    longer than the row's room), verified in one forward of 1 + (longest chain) tokens per row, after
+    for each depth d <= max_depth, every row's best chain (lookup's, the draft head's or its grammar's
+    forced tokens, each no longer than the row's room), verified in one forward of 1 + (longest chain)
+    tokens per row, after
     d draft-head levels when any row drafts with it. overhead: what a drafted step really costs over
     the table's estimate, relative to a dense step's (bookkeeping the table does not time). A shape
     must beat dense by `margin`: the model is an estimate, and near a tie a drafted step that misjudged
@@ -227,9 +236,14 @@ def best_step(costs: CostTable, rows: list[RowView], max_depth: int, has_draft: 
             for r in rows:
                 dl = min(d, r.lookup, r.room)
                 dd = min(d, r.room) if use_draft else 0
+                df = min(d, r.forced, r.room)
                 el = expected_tokens(r.alpha_lookup, dl)
                 ed = expected_tokens(r.alpha_draft, dd)
-                if dl > 0 and el >= ed:
+                ef = expected_tokens(r.alpha_forced, df)
+                if df > 0 and ef >= max(el, ed):
+                    kinds.append("forced"), depths.append(df)
+                    tokens += ef
+                elif dl > 0 and el >= ed:
                     kinds.append("lookup"), depths.append(dl)
                     tokens += el
                 elif dd > 0:
@@ -295,17 +309,22 @@ class Planner:
         self.times = times or StepTimes()
         self.lookup = [Acceptance() for _ in range(rows)]
         self.draft = [Acceptance() for _ in range(rows)]
+        self.forced = [Acceptance(prior=FORCED_PRIOR) for _ in range(rows)]
         self.steps: dict[int, int] = {}  # depth chosen -> steps (0: dense)
         self.lookup_hits = self.lookup_tries = 0
 
     def admit(self, rows: list[int]) -> None:
         for b in rows:
             self.lookup[b], self.draft[b] = Acceptance(), Acceptance()
+            self.forced[b] = Acceptance(prior=FORCED_PRIOR)
 
-    def choose(self, alive: list[int], lookup_lens: list[int], rooms: list[int]) -> StepPlan:
+    def choose(self, alive: list[int], lookup_lens: list[int], rooms: list[int],
+               forced_lens: list[int] | None = None) -> StepPlan:
+        forced_lens = forced_lens or [0] * len(alive)
         views = [RowView(room=room, lookup=ln, alpha_lookup=self.lookup[b].alpha,
-                         alpha_draft=self.draft[b].alpha if self.has_draft else 0.0)
-                 for b, ln, room in zip(alive, lookup_lens, rooms)]
+                         alpha_draft=self.draft[b].alpha if self.has_draft else 0.0,
+                         forced=fl, alpha_forced=self.forced[b].alpha)
+                 for b, ln, room, fl in zip(alive, lookup_lens, rooms, forced_lens)]
         plan = best_step(self.costs, views, self.max_depth, self.has_draft, overhead=self.times.overhead(len(alive)))
         self.steps[plan.depth] = self.steps.get(plan.depth, 0) + 1
         return plan
@@ -334,6 +353,8 @@ class Planner:
                 self.draft[b].observe(depth, accepted[r])
             else:
                 self.draft[b].idle()
+            if kind == "forced":  # no idle drift: a grammar forces nothing most steps, and then this is not asked
+                self.forced[b].observe(depth, accepted[r])
             if kind == "lookup" or shadow[r] is not None:
                 self.lookup_tries += 1
                 self.lookup_hits += int(accepted[r] > 0) if kind == "lookup" else shadow[r]

@@ -74,6 +74,7 @@ class SpecStats:
     t_commit: float = 0.0
     per_row_steps: list[int] = field(default_factory=list)
     per_row_accepted: list[int] = field(default_factory=list)  # drafted tokens accepted (not the bonus)
+    per_row_forced: list[int] = field(default_factory=list)  # tokens drafted because a grammar forced them
 
 
 class SpecStepper:
@@ -91,14 +92,14 @@ class SpecStepper:
         self.opts, self.shape, self.depth = opts, opts.tree, opts.depth
         self.t3, self.step_budget, self.planner = t3, opts.step_budget, planner
         n = batch.size
-        self.stats = SpecStats(per_row_steps=[0] * n, per_row_accepted=[0] * n)
+        self.stats = SpecStats(per_row_steps=[0] * n, per_row_accepted=[0] * n, per_row_forced=[0] * n)
 
     def caches(self) -> list:
         return self.proposer.caches()
 
     def admit(self, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
         for b in rows:
-            self.stats.per_row_steps[b] = self.stats.per_row_accepted[b] = 0
+            self.stats.per_row_steps[b] = self.stats.per_row_accepted[b] = self.stats.per_row_forced[b] = 0
         t0 = time.perf_counter()
         self.proposer.admit(self.batch, rows, prefill_hidden, lens)
         self.proposer.push_last(self.batch, rows)
@@ -137,13 +138,18 @@ class SpecStepper:
         use_lookup = self.opts.lookup != "off" and (greedy or self.proposer.draft is None)
         conts = [self.proposer.continuation(b, batch, self.depth) if use_lookup else [] for b in alive]
         rooms = [max(0, min(self.depth, batch.room(b) - 1)) for b in alive]
-        plan = self.planner.choose(alive, [len(c) for c in conts], rooms)
+        # structured output: the tokens a row's grammar forces next, drafted with no draft forward (greedy: a
+        # sampled step's drafts are drawn from the draft head, one distribution per node)
+        forced = [self.proposer.forced(b, batch, room) if greedy and room else [] for b, room in zip(alive, rooms)]
+        plan = self.planner.choose(alive, [len(c) for c in conts], rooms, [len(f) for f in forced])
         if plan.depth == 0:
             draft = Draft.chains([batch.last(b) for b in alive], [[] for _ in alive])
             out = self._dense_step(alive, rows, draft, generator, time.perf_counter() - t0)
             accepted = [0] * len(alive)
         else:
-            draft = self._planned_draft(alive, plan, conts, generator)
+            draft = self._planned_draft(alive, plan, conts, forced, generator)
+            if greedy and batch.params.structured:
+                draft = self._with_forced_tails(alive, draft)
             out = self._verify_step(alive, rows, draft, generator, time.perf_counter() - t0)
             accepted = [len(t) - 1 for t in out.tokens]
         self.planner.timed(plan, time.perf_counter() - t0)
@@ -151,15 +157,20 @@ class SpecStepper:
         self.planner.observe(alive, plan, accepted, shadow)
         return out
 
-    def _planned_draft(self, alive: list[int], plan: StepPlan, conts: list[list[int]], generator) -> Draft:
-        """The plan's draft: lookup rows verify their lookup chain, draft rows the proposer's chain, the
-        others their root alone."""
+    def _planned_draft(self, alive: list[int], plan: StepPlan, conts: list[list[int]], forced: list[list[int]],
+                       generator) -> Draft:
+        """The plan's draft: lookup rows verify their lookup chain, forced rows their grammar's forced tokens,
+        draft rows the proposer's chain, the others their root alone."""
         batch = self.batch
         drafted = [r for r, k in enumerate(plan.kinds) if k == "draft"]
         if len(drafted) == len(alive) or (drafted and not batch.params.greedy):  # sampled drafts carry q: one call
             return self.proposer.tree(alive, batch, list(plan.depths), self.shape, batch.params, generator)
         roots = [batch.last(b) for b in alive]
-        chains = [conts[r][: plan.depths[r]] if k == "lookup" else [] for r, k in enumerate(plan.kinds)]
+        given = {"lookup": conts, "forced": forced}
+        for r, k in enumerate(plan.kinds):
+            if k == "forced":
+                self.stats.per_row_forced[alive[r]] += plan.depths[r]
+        chains = [given[k][r][: plan.depths[r]] if k in given else [] for r, k in enumerate(plan.kinds)]
         if not drafted:
             return Draft.chains(roots, chains)
         rest = sorted(set(range(len(alive))) - set(drafted))
@@ -167,6 +178,25 @@ class SpecStepper:
                                   batch.params, generator)
         return Draft.by_rows(len(alive), [(rest, Draft.chains([roots[r] for r in rest], [chains[r] for r in rest])),
                                           (drafted, tree)])
+
+    def _with_forced_tails(self, alive: list[int], draft: Draft) -> Draft:
+        """The draft with each row's deepest path extended by what its grammar forces after it (a drafted
+        closing quote, then the next key): verified in the same forward, at no draft cost."""
+        toks, parent, valid = draft.tokens.tolist(), draft.parent.tolist(), draft.valid.tolist()
+        tails, longer = [], False
+        for r, b in enumerate(alive):
+            node = max(j for j in range(len(toks[r])) if valid[r][j])  # nodes are ordered by depth
+            path = []
+            while node > 0:
+                path.append(toks[r][node])
+                node = parent[r][node]
+            path.reverse()
+            room = min(self.depth, self.batch.room(b) - 1) - len(path)
+            tail = self.proposer.forced(b, self.batch, room, path) if path else []
+            tails.append(path + tail)
+            longer |= bool(tail)
+            self.stats.per_row_forced[b] += len(tail)
+        return draft.with_chains(tails) if longer else draft
 
     def _dense_step(self, alive: list[int], rows: torch.Tensor | None, draft: Draft, generator,
                     t_draft: float) -> StepOutput:
@@ -216,6 +246,8 @@ class SpecStepper:
         tree = p.tree(alive, batch, depths, self.shape, batch.params, generator, max_nodes)
         if mode == "merge" and tree.q is None:  # lookup's chain joins the tree
             tree = tree.with_chains([p.continuation(b, batch, d) for b, d in zip(alive, depths)])
+        if batch.params.structured and tree.q is None and self.shape.width == 1 and self.step_budget is None:
+            tree = self._with_forced_tails(alive, tree)  # a chain's tail stays within depth (a tree's nodes would not)
         return tree
 
     def verify(self, alive: list[int], draft: Draft, start: torch.Tensor, rows: torch.Tensor | None,
@@ -303,5 +335,6 @@ class SpecStepper:
         plan = {} if self.planner is None else self.planner.summary()
         return {**plan, "spec_steps": s.per_row_steps[b], "mean_accepted": s.per_row_accepted[b] / steps,
                 "mean_tokens_per_step": (s.per_row_accepted[b] + s.per_row_steps[b]) / steps,
+                "forced_drafted": s.per_row_forced[b],
                 "draft_time_share": s.t_draft / total, "verify_time_share": s.t_verify / total,
                 "commit_time_share": s.t_commit / total}

@@ -65,6 +65,26 @@ class Grammar:
 
         return LLMatcher(self.tokenizer, self.text)
 
+    def forced(self, matcher, path: list[int], limit: int) -> list[int]:
+        """Up to limit tokens the constraint forces after path (matcher's state unchanged): the tokenizer's own
+        tokenization of the bytes no other text can take there (a JSON key, the punctuation between values),
+        cut before any token the matcher refuses; [] where nothing is forced or it refuses path. A guess to
+        verify like any draft: the model may spell the same bytes with other tokens."""
+        if limit <= 0:
+            return []
+        consumed = matcher.try_consume_tokens(path) if path else 0
+        try:
+            if consumed < len(path) or matcher.is_stopped():
+                return []
+            forced = matcher.compute_ff_bytes()
+            if not forced:
+                return []
+            toks = self.tokenizer.tokenize_bytes(forced)[:limit]
+            return toks[: matcher.validate_tokens(toks)]
+        finally:
+            if consumed:
+                matcher.rollback(consumed)
+
 
 def _bitmask(matchers: list, paths: list[list[int]], vocab: int, keys: list | None = None,
              memo: dict | None = None) -> tuple[list[int], torch.Tensor | None]:
