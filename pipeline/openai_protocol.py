@@ -8,6 +8,7 @@ import uuid
 from typing import Any, Literal
 
 import numpy as np
+from pipeline.sampling import MAX_CHOICES
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ UNSUPPORTED = {
     "tools": ((None, []), "tools (function calling) are not supported: send the request without them"),
     "functions": ((None, []), "functions (function calling) are not supported"),
 }
-MAX_N = 16  # choices per request (the request limits count every one)
+MAX_N = MAX_CHOICES  # choices per request (the request limits count every one), as the processor takes per row
 
 
 def reject_unsupported(name: str, value):

@@ -31,12 +31,14 @@ SUPPORTED = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_
              "response_format": "structured", "structured_outputs": "structured", "guided_decoding": "structured"}
 # vLLM sampling parameters a row may not set yet, with the values that mean "off": a row may state those; any
 # other value makes it an error row
-NOT_YET = {"n": (1,), "best_of": (1,), "min_p": (0,), "prompt_logprobs": (), "bad_words": ([],),
+NOT_YET = {"best_of": (1,), "min_p": (0,), "prompt_logprobs": (), "bad_words": ([],),
            "allowed_token_ids": (), "include_stop_str_in_output": (False,), "truncate_prompt_tokens": ()}
 STRUCTURED = ("response_format", "structured_outputs", "guided_decoding")
 COLUMN = "sampling_params"  # the column holding all of them at once
-ROW_COLUMNS = (*SUPPORTED, *NOT_YET)  # columns of their own that a row's sampling is read from
-INTS = ("max_tokens", "top_k", "seed", "min_tokens", "logprobs")
+CHOICES = "n"  # completions of the row's prompt (1..MAX_CHOICES): not a SamplingParams field (choices())
+MAX_CHOICES = 16
+ROW_COLUMNS = (*SUPPORTED, CHOICES, *NOT_YET)  # columns of their own that a row's sampling is read from
+INTS = ("max_tokens", "top_k", "seed", "min_tokens", "logprobs", CHOICES)
 
 
 def row_fields(row: dict) -> dict:
@@ -70,13 +72,14 @@ def to_sampling(fields: dict, defaults: SamplingParams) -> SamplingParams:
 
     The one mapping from a row's names to the engine's: a parameter the engine learns goes from NOT_YET to
     SUPPORTED (and SamplingParams), here."""
-    unknown = [k for k in fields if k not in SUPPORTED and k not in NOT_YET]
+    unknown = [k for k in fields if k not in SUPPORTED and k not in NOT_YET and k != CHOICES]
     if unknown:
         raise ValueError(f"sampling parameter {unknown[0]!r} is not supported (supported: {', '.join(SUPPORTED)})")
     for name, value in fields.items():
         if name in NOT_YET and not any(value == off and type(value) is not bool for off in NOT_YET[name]):
             raise ValueError(f"sampling parameter {name}={value!r} is not supported yet"
                              + (f" (only {NOT_YET[name][0]!r})" if NOT_YET[name] else ""))
+    choices(fields)
     changes = {}
     for name, value in fields.items():
         if name not in SUPPORTED:
@@ -106,6 +109,25 @@ def to_sampling(fields: dict, defaults: SamplingParams) -> SamplingParams:
         given = ", ".join(f"{k}={v!r}" for k, v in fields.items() if k in SUPPORTED)
         raise ValueError(f"sampling parameters {given}: {e}") from None
 
+
+
+def choices(fields: dict) -> int:
+    """How many completions a row asks of its prompt (vLLM's and OpenAI's n; 1 when unset). ValueError unless an
+    integer in 1..MAX_CHOICES."""
+    n = fields.get(CHOICES, 1)
+    if isinstance(n, float) and n.is_integer():
+        n = int(n)  # an int column with nulls reaches pandas as floats
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        raise ValueError(f"sampling parameter n={n!r}: expected an integer in 1..{MAX_CHOICES}")
+    return n
+
+
+def choice_params(params: SamplingParams, k: int) -> SamplingParams:
+    """Choice k's sampling among a prompt's n: sampled with a seed, its own seed + k (as vLLM seeds them), so each
+    choice is reproducible whatever runs beside it; otherwise the prompt's."""
+    if k == 0 or params.seed is None or params.greedy:
+        return params
+    return replace(params, seed=params.seed + k)
 
 
 def structured_spec(name: str, value) -> dict | None:

@@ -39,7 +39,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Literal
@@ -64,6 +64,7 @@ from pipeline.openai_protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRe
                                       chat_logprobs, chat_response, completion_chunk, completion_logprobs,
                                       completion_response, error_body, new_id, parse_body, specee_summary, sse, usage,
                                       usage_chunk)
+from pipeline.sampling import choice_params
 from pipeline.serve_access import bearer_ok, check_exposure, read_keys_file, serve_http_host
 from pipeline.serve_metrics import PROMETHEUS_TEXT, EngineMetrics
 from pipeline.stream_text import StreamText
@@ -205,7 +206,7 @@ class Work:
         ids = [list(i) for i in self.ids]
         if params.seed is None or params.greedy or len(ids) == 1:
             return [EngineRequest(ids, params, self.mode, on_token=on_token, **kw)]
-        return [EngineRequest([row], replace(params, seed=params.seed + k), self.mode,
+        return [EngineRequest([row], choice_params(params, k), self.mode,
                               on_token=None if on_token is None else partial(_shifted, on_token, k), **kw)
                 for k, row in enumerate(ids)]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import ray
 
-from pipeline.sampling import to_sampling
+from pipeline.sampling import choice_params, choices, to_sampling
 from specee_core import EngineOptions, PromptError, SamplingParams, SpecEEEngine
 from specee_core.model.config import resolve_dtype
 from specee_core.model.quant import WEIGHT_FORMATS
@@ -24,6 +24,8 @@ from specee_core.spec.spec_decode import SpecOptions
 
 log = logging.getLogger(__name__)
 
+LOGPROBS = pa.list_(pa.struct([("token", pa.int64()), ("logprob", pa.float64()),
+                               ("top_logprobs", pa.list_(pa.struct([("token", pa.int64()), ("logprob", pa.float64())])))]))
 # One output row per input row (GenerateRows). Error rows keep id, prompt, mode, run_id, the batch
 # columns, error and error_kind; the rest is null. Row-level timings are the row's own; batch_* columns
 # describe the engine batch the row ran in (the same on every row of that batch).
@@ -37,9 +39,12 @@ ROW_SCHEMA = pa.schema([
     ("completion_tokens", pa.int32()),
     ("exit_layers", pa.list_(pa.int16())),  # per generated token: decoder layers run (1-based)
     # per generated token, when the row asks (logprobs: k): its log-probability and the k most likely tokens'
-    ("logprobs", pa.list_(pa.struct([("token", pa.int64()), ("logprob", pa.float64()),
-                                     ("top_logprobs", pa.list_(pa.struct([("token", pa.int64()),
-                                                                          ("logprob", pa.float64())])))]))),
+    ("logprobs", LOGPROBS),
+    # when the row asks n > 1 completions: each of them, the first being the row's completion (the columns
+    # above and below describe that one); null otherwise
+    ("choices", pa.list_(pa.struct([("index", pa.int32()), ("completion", pa.string()),
+                                    ("finish_reason", pa.string()), ("completion_tokens", pa.int32()),
+                                    ("logprobs", LOGPROBS)]))),
     ("avg_layers", pa.float64()),
     ("latency_s", pa.float64()),  # this row: its engine batch's start to its own last token
     ("ttft_s", pa.float64()),  # this row: its engine batch's start to its first token (the batch's prefill)
@@ -273,14 +278,21 @@ class GenerateRows:
                 runnable.append(i)
             except PromptError as e:
                 rows[i] = self._error_row(ids[i], prompt, f"PromptError: {e}", "input")
-        params = [self.defaults if sampling[i] is None else to_sampling(json.loads(sampling[i]), self.defaults)
-                  for i in runnable]
-        for i, result in zip(runnable, self._generate([texts[i] for i in runnable], params)):
-            if isinstance(result, Exception):
-                rows[i] = self._error_row(ids[i], prompts[i], f"{type(result).__name__}: {result}",
-                                          error_kind(result))
+        fields = [{} if sampling[i] is None else json.loads(sampling[i]) for i in runnable]
+        params = [to_sampling(f, self.defaults) if f else self.defaults for f in fields]
+        counts = [choices(f) for f in fields]
+        # a row asking n completions runs n times in a row (the copies share its prompt's KV through the prefix
+        # cache), choice k seeded with seed + k
+        results = iter(self._generate([texts[i] for i, n in zip(runnable, counts) for _ in range(n)],
+                                      [choice_params(p, k) for p, n in zip(params, counts) for k in range(n)]))
+        for i, n in zip(runnable, counts):
+            got = [next(results) for _ in range(n)]
+            failed = next((r for r in got if isinstance(r, Exception)), None)
+            if failed is not None:
+                rows[i] = self._error_row(ids[i], prompts[i], f"{type(failed).__name__}: {failed}",
+                                          error_kind(failed))
             else:
-                rows[i] = self._row(ids[i], prompts[i], result)
+                rows[i] = self._row(ids[i], prompts[i], got[0], got if n > 1 else None)
         batch_s = time.perf_counter() - t0
         rows = [{**common, **r, "batch_s": batch_s} for r in rows]
         self._report(rows)
@@ -331,14 +343,16 @@ class GenerateRows:
             log.exception("batch of %d failed; running its rows one by one", len(prompts))
         return [r for p, s in zip(prompts, params) for r in self._generate([p], [s])]
 
-    def _row(self, row_id: str, prompt: str, r) -> dict:
+    def _row(self, row_id: str, prompt: str, r, every: list | None = None) -> dict:
+        """The output row of result r (every: all n > 1 results of the row's prompt, r first)."""
         return {
             "id": row_id, "prompt": prompt, "error": None,
             "completion": r.text, "finish_reason": r.finish_reason, "prompt_tokens": r.prompt_tokens,
             "cached_prompt_tokens": r.cached_prompt_tokens, "completion_tokens": len(r.token_ids), "exit_layers": r.exit_layers,
-            "logprobs": None if r.logprobs is None else [
-                {"token": e["token"], "logprob": e["logprob"],
-                 "top_logprobs": [{"token": t, "logprob": lp} for t, lp in e["top_logprobs"]]} for e in r.logprobs],
+            "logprobs": logprob_rows(r.logprobs),
+            "choices": None if every is None else [
+                {"index": k, "completion": c.text, "finish_reason": c.finish_reason,
+                 "completion_tokens": len(c.token_ids), "logprobs": logprob_rows(c.logprobs)} for k, c in enumerate(every)],
             "avg_layers": r.stats["avg_layers"], "latency_s": r.metrics["e2e_latency_s"],
             "ttft_s": r.metrics["ttft_s"],
             "retune_histogram": r.stats.get("retune_histogram") if self.cfg.mode == "specee" else None,
@@ -348,6 +362,14 @@ class GenerateRows:
     @staticmethod
     def _error_row(row_id: str, prompt: str | None, error: str, kind: str) -> dict:
         return {"id": row_id, "prompt": prompt, "error": error, "error_kind": kind}
+
+
+def logprob_rows(entries: list[dict] | None) -> list[dict] | None:
+    """A result's logprobs as the LOGPROBS column holds them."""
+    if entries is None:
+        return None
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t, "logprob": lp} for t, lp in e["top_logprobs"]]} for e in entries]
 
 
 def error_kind(e: BaseException) -> str:

@@ -58,10 +58,10 @@ def test_ray_listens_on_loopback():
 # rows that set their own sampling (vLLM's names: columns of their own or sampling_params), three of them badly
 OWN_SAMPLING = [{"id": "max2", "prompt": GOOD[6], "max_tokens": 2},
                 {"id": "no-eos", "prompt": GOOD[7], "sampling_params": {"max_tokens": 3, "ignore_eos": True}},
-                {"id": "hot", "prompt": GOOD[0], "sampling_params": {"max_tokens": 3, "temperature": 0.8, "seed": 1}},
+                {"id": "hot", "prompt": GOOD[0], "sampling_params": {"max_tokens": 3, "temperature": 0.8, "seed": 1, "n": 2}},
                 {"id": "bad-max", "prompt": GOOD[1], "max_tokens": "x"},
                 {"id": "bad-temp", "prompt": GOOD[2], "temperature": -1},
-                {"id": "not-yet", "prompt": GOOD[3], "sampling_params": {"n": 2}},
+                {"id": "not-yet", "prompt": GOOD[3], "sampling_params": {"best_of": 2}},
                 {"id": "logprobs", "prompt": GOOD[4], "sampling_params": {"max_tokens": 3, "logprobs": 2}},
                 {"id": "json", "prompt": GOOD[5], "max_tokens": 8, "response_format": {
                     "type": "json_schema", "json_schema": {"name": "a", "schema": {"enum": ["yes", "no"]}}}}]
@@ -123,9 +123,12 @@ def test_rows_with_their_own_sampling_in_the_job(jsonl_run, model_dir):
     assert df.loc["max2", "completion"] == ref.text and df.loc["max2", "completion_tokens"] == len(ref.token_ids) <= 2
     assert df.loc["no-eos", "completion_tokens"] == 3 and df.loc["no-eos", "finish_reason"] == "length"
     assert pd.isna(df.loc["hot", "error"]) and 1 <= df.loc["hot", "completion_tokens"] <= 3
+    hot = df.loc["hot", "choices"]  # n = 2, sampled: both in the Parquet column, the first the row's completion
+    assert [c["index"] for c in hot] == [0, 1] and hot[0]["completion"] == df.loc["hot", "completion"]
+    assert all(1 <= c["completion_tokens"] <= 3 for c in hot) and df.loc["max2", "choices"] is None
     assert df.loc["bad-max", "error"] == "InputError: sampling parameter max_tokens='x': expected a number"
     assert df.loc["bad-temp", "error"].startswith("InputError: sampling parameters temperature=-1: temperature must")
-    assert df.loc["not-yet", "error"] == "InputError: sampling parameter n=2 is not supported yet (only 1)"
+    assert df.loc["not-yet", "error"] == "InputError: sampling parameter best_of=2 is not supported yet (only 1)"
     lps = df.loc["logprobs", "logprobs"]  # the Parquet column: one struct per generated token
     assert len(lps) == df.loc["logprobs", "completion_tokens"] and all(len(e["top_logprobs"]) == 2 for e in lps)
     assert df.loc["max2", "logprobs"] is None  # not asked

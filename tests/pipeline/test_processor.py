@@ -130,7 +130,8 @@ OWN_SAMPLING = [
     {"id": "logprobs", "prompt": QUESTIONS[1], "sampling_params": {"max_tokens": 6, "logprobs": 2}},
     {"id": "json", "prompt": QUESTIONS[2], "max_tokens": 40, "response_format": {
         "type": "json_schema", "json_schema": {"name": "a", "schema": JSON_SCHEMA}}},
-    {"id": "not-yet", "prompt": QUESTIONS[3], "sampling_params": {"n": 2}},
+    {"id": "not-yet", "prompt": QUESTIONS[3], "sampling_params": {"best_of": 2}},
+    {"id": "n2", "prompt": QUESTIONS[5], "n": 2, "max_tokens": 4},  # greedy: both choices are the greedy text
     {"id": "bad-chat", "messages": [{"role": "user", "content": None}]},
 ]
 # what each greedy row must equal: the engine called directly with the same parameters
@@ -163,7 +164,11 @@ def test_rows_with_their_own_sampling(engine):
     assert df.loc["chat", "prompt"] == engine.chat_prompt(chats["chat"])  # messages: the text the engine ran
     assert pd.isna(df.loc["hot", "error"]) and 1 <= df.loc["hot", "num_generated_tokens"] <= 6
     assert df.loc["bad", "error"].startswith("InputError: sampling parameters temperature=-1.0")
-    assert df.loc["not-yet", "error"] == "InputError: sampling parameter n=2 is not supported yet (only 1)"
+    assert df.loc["not-yet", "error"] == "InputError: sampling parameter best_of=2 is not supported yet (only 1)"
+    two = df.loc["n2", "choices"]
+    assert [c["index"] for c in two] == [0, 1] and df.loc["n1", "choices"] is None
+    assert [c["completion"] for c in two] == [df.loc["n1", "generated_text"]] * 2  # the same prompt and max_tokens
+    assert df.loc["n2", "generated_text"] == two[0]["completion"]
     assert "chat messages must be" in df.loc["bad-chat", "error"]
     assert df.loc[["bad", "not-yet", "bad-chat"], "generated_text"].isna().all()
     lps = df.loc["logprobs", "logprobs"]  # asked: one entry per generated token; the others: none

@@ -50,7 +50,10 @@ def test_vllm_names_map_to_the_engines():
     ({"temperature": float("inf")}, "expected a finite number"),
     ({"stop": [1]}, r"stop=\[1\]: expected a string or a list of strings"),
     ({"ignore_eos": "yes"}, "ignore_eos='yes': expected true or false"),
-    ({"sampling_params": {"n": 2}}, r"n=2 is not supported yet \(only 1\)"),
+    ({"sampling_params": {"best_of": 2}}, r"best_of=2 is not supported yet \(only 1\)"),
+    ({"n": 0}, r"n=0: expected an integer in 1..16"),
+    ({"sampling_params": {"n": 17}}, r"n=17: expected an integer in 1..16"),
+    ({"n": 2.5}, r"n=2.5: expected an integer"),
     ({"response_format": {"type": "xml"}}, "response_format type must be"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "takes one of"),
     ({"logit_bias": {"x": 1}}, "expected an object of token id -> number"),
@@ -89,7 +92,7 @@ def test_prepare_rows_checks_each_rows_sampling_and_messages():
     batch = pd.DataFrame({"id": ["a", None, "c", "d", "e"],
                           "prompt": [None, "plain", None, msgs, "x"],
                           "messages": [msgs, None, [{"role": "user", "content": 5}], None, None],
-                          "sampling_params": [{"max_tokens": 2}, None, None, None, '{"n": 2}'],
+                          "sampling_params": [{"max_tokens": 2}, None, None, None, '{"best_of": 2}'],
                           "max_tokens": [None, "x", None, 3, None], "topic": ["t"] * 5})
     out = prep(batch).to_pylist()
     a, b, c, d, e = out
@@ -98,7 +101,7 @@ def test_prepare_rows_checks_each_rows_sampling_and_messages():
     assert b["input_error"] == "sampling parameter max_tokens='x': expected a number" and b["id"]
     assert [r["max_tokens"] for r in out] == [None, "x", None, 3, None]
     assert c["input_error"] == "chat messages must be {'role': str, 'content': str} objects"
-    assert e["input_error"] == "sampling parameter n=2 is not supported yet (only 1)"
+    assert e["input_error"] == "sampling parameter best_of=2 is not supported yet (only 1)"
     assert [r["topic"] for r in out] == ["t"] * 5 and a["sampling_params"] == {"max_tokens": 2}
     with pytest.raises(ValueError, match="needs a 'messages' or a 'prompt' column"):
         prep(pd.DataFrame({"question": ["q"]}))
@@ -114,10 +117,15 @@ def test_one_engine_call_per_batch_with_each_rows_parameters(monkeypatch, tmp_pa
     monkeypatch.setattr("pipeline.stage.SpecEEEngine.from_pretrained", lambda *a, **kw: engine)
     stage = GenerateRows(StageConfig(model=str(tmp_path), mode="dense", max_new_tokens=6), "run-1")
     own = json.dumps({"max_tokens": 3, "temperature": 0.5})  # what the prepare stage writes
-    batch = pa.table({"id": ["a", "b", "c"], "prompt": ["x", "y", "z"], "input_error": [None, "bad", None],
-                      "_sampling": [own, None, None]})
+    three = json.dumps({"n": 3, "temperature": 0.5, "seed": 5})
+    batch = pa.table({"id": ["a", "b", "c", "d"], "prompt": ["x", "y", "z", "w"],
+                      "input_error": [None, "bad", None, None], "_sampling": [own, None, None, three]})
     rows = {r["id"]: r for r in stage(batch).to_pylist()}
     assert rows["b"]["error"] == "InputError: bad" and rows["a"]["completion"] == "X"
     [(prompts, kw)] = engine.calls
-    assert prompts == ["x", "z"] and kw["mode"] == "dense"
-    assert [(p.max_new_tokens, p.temperature) for p in kw["sampling_params"]] == [(3, 0.5), (6, 0.0)]
+    assert prompts == ["x", "z", "w", "w", "w"] and kw["mode"] == "dense"  # n = 3: the prompt three times
+    assert [(p.max_new_tokens, p.temperature, p.seed) for p in kw["sampling_params"]] == \
+        [(3, 0.5, None), (6, 0.0, None), (6, 0.5, 5), (6, 0.5, 6), (6, 0.5, 7)]  # choice k: seed + k
+    assert rows["a"]["choices"] is None
+    assert [(c["index"], c["completion"]) for c in rows["d"]["choices"]] == [(0, "W"), (1, "W"), (2, "W")]
+    assert rows["d"]["completion"] == "W"
