@@ -4,7 +4,11 @@ torch.utils.cpp_extension compiles it with the machine's g++ and ninja (~30 s, o
 $SPECEE_CACHE/torch_extensions, or ~/.cache/specee/torch_extensions, keyed by the source's hash and
 the CPU's capability, so a machine with other SIMD never loads another's build). -march=native: the
 build uses what this CPU has; -ffp-contract=off: dequantize() rounds d*q and then adds m, as gguf's
-reference does, so its values equal transformers' dequantization bit for bit.
+reference does, so its values equal transformers' dequantization bit for bit. The avx2_only build
+also turns off AVX-VNNI and AVX512-VNNI (-mno-avxvnni -mno-avx512vnni; AVX512-VNNI goes with
+-mno-avx512f anyway): the int8-activation kernels then run the vpmaddubsw path of AVX2-only CPUs
+(AMD EPYC before Zen 4), not the VNNI one a newer CPU would compile. The flags are part of the build's
+name, so a change of flags builds anew.
 """
 from __future__ import annotations
 
@@ -38,13 +42,17 @@ def source_digest() -> str:
 
 @lru_cache(maxsize=2)
 def lowbit_cpu(avx2_only: bool = False) -> ModuleType:
-    """The compiled module (q4_linear, q8_linear, dequantize, the fused layer pieces, simd). Raises
+    """The compiled module (q4_linear, q8_linear, their int8-activation twins q4_linear_i8, q8_linear_i8 and
+    quantize_rows_i8, dequantize, the fused layer pieces, simd, simd_i8). Raises
     CpuKernelUnavailable. avx2_only: a build without AVX-512 (tests its AVX2 path on an AVX-512 machine)."""
     from torch.utils import cpp_extension
 
     if not cpp_extension.is_ninja_available():
         raise CpuKernelUnavailable("ninja is not installed (pip install ninja)")
-    digest = source_digest()
+    cflags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+    if avx2_only:
+        cflags += ["-mno-avx512f", "-mno-avx512vnni", "-mno-avxvnni"]
+    digest = hashlib.sha256((source_digest() + " ".join(cflags)).encode()).hexdigest()[:12]
     isa = "avx2" if avx2_only else torch.backends.cpu.get_cpu_capability().lower()
     name = f"specee_lowbit_{isa}_{digest}"
     build = _build_dir() / name
@@ -57,12 +65,11 @@ def lowbit_cpu(avx2_only: bool = False) -> ModuleType:
         build = Path(tempfile.mkdtemp(prefix=f"{name}-"))
     try:
         mod = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build),
-                                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
-                                 + (["-mno-avx512f"] if avx2_only else []),
+                                 extra_cflags=cflags,
                                  extra_ldflags=["-fopenmp"], verbose=False)
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, failed build
         raise CpuKernelUnavailable(f"building {SOURCE.name} failed: {e}") from e
-    log.info("low-bit CPU kernel %s loaded (%s)", name, mod.simd())
+    log.info("low-bit CPU kernel %s loaded (%s, int8 activations: %s)", name, mod.simd(), mod.simd_i8())
     return mod
 
 

@@ -64,3 +64,49 @@ def dequantize_reference(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | No
     packed = qs.view(o, g, QK // 2)
     q = torch.cat((packed & 0x0F, packed >> 4), dim=-1).float()  # [O, G, 32]
     return (q * scale + m.float()[..., None]).reshape(o, i)
+
+
+# The int8-activation kernels' math (kernels/lowbit_cpu.cpp: quantize_rows_i8, q4_linear_i8, q8_linear_i8):
+# llama.cpp's Q8_1 on the activations, its scales kept in fp32. Every fp32 operation below is done in
+# float64 and rounded to fp32 (exactly fp32's own correctly rounded result), so the kernel's qx, dx, sx
+# equal these bit for bit.
+
+
+def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [B, I] (fp32, or bf16 taken as fp32) -> (qx int8 [B, I], dx fp32 [B, I/32], sx fp32 [B, I/32]), per
+    block of 32 as ggml's quantize_row_q8_1_ref: dx = amax / 127, qx = round(x * (1 / dx)) with halves away
+    from zero (C's roundf, not torch.round's halves to even), sx = dx * sum(qx). A block of zeros has
+    dx = 0 and qx = 0 (the inverse is taken as 0, never a division by zero)."""
+    b, i = x.shape
+    if i % QK:
+        raise ValueError(f"x has {i} columns; expected a multiple of {QK}")
+    xb = x.float().reshape(b, i // QK, QK).double()
+    f32 = lambda t: t.float().double()  # noqa: E731 -- round a float64 result to fp32
+    amax = xb.abs().amax(-1)  # [B, G], exact
+    dx = f32(amax / 127)
+    inv = f32(torch.where(dx != 0, 1 / dx.clamp_min(1e-45), torch.zeros_like(dx)))
+    v = f32(xb * inv[..., None])  # [B, G, 32]
+    q = torch.sign(v) * torch.floor(v.abs() + 0.5)  # roundf; exact in float64 for |v| <= 127.5
+    sx = f32(dx * q.sum(-1))
+    return q.to(torch.int8).reshape(b, i), dx.float(), sx.float()
+
+
+def lowbit_linear_i8_reference(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor,
+                               m: torch.Tensor | None) -> torch.Tensor:
+    """y [B, O] fp32 = x [B, I] quantized per block (quantize_activations_reference) dotted with the weight
+    planes (dequantize_reference's formats), per block: d * dx * sum(q_w * q_x) + m * sx (q4), or
+    d * dx * sum(q_w * q_x) (q8, m None). The integer sums are exact (float64 products of small
+    integers); the scaling and the sum over blocks are float64, rounded to fp32 once at the end."""
+    qx, dx, sx = quantize_activations_reference(x)
+    o, g = d.shape
+    b = x.shape[0]
+    if m is None:
+        qw = qs.view(o, g, QK).double()
+    else:
+        packed = qs.view(o, g, QK // 2)
+        qw = torch.cat((packed & 0x0F, packed >> 4), dim=-1).double()  # [O, G, 32]
+    isum = torch.bmm(qx.view(b, g, QK).double().transpose(0, 1), qw.permute(1, 2, 0))  # [G, B, O], exact
+    y = torch.einsum("gbo,og,bg->bo", isum, d.double(), dx.double())
+    if m is not None:
+        y = y + sx.double() @ m.double().T
+    return y.float()

@@ -95,6 +95,72 @@ def test_cpu_kernel_equals_reference(fmt, shape, isa):
     assert torch.equal(ext.dequantize(qw.qs, qw.d, qw.m), dequantize_reference(qw))  # bit for bit
 
 
+def int8_activation_case(b: int, i: int) -> torch.Tensor:
+    """Random activations [B, I] with the blocks the quantizer must get right: a block of zeros (d_x = 0),
+    a block scaled up 1000x, and (I >= 64) a block whose values land exactly on halves (amax 127: d_x = 1)."""
+    x = torch.randn(b, i, generator=torch.Generator().manual_seed(b * 1000 + i))
+    x[0, :32] = 0.0
+    x[-1, -32:] *= 1000.0
+    if i >= 64:
+        x[0, 32:64] = torch.tensor([127.0, 0.5, -0.5, 2.5, -2.5, 126.5] + [0.25] * 26)
+    return x
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("shape", [(1, 64, 96), (5, 131, 160), (11, 40, 32), (16, 576, 576), (17, 576, 1536),
+                                   (16, 1536, 576)], ids=lambda s: "x".join(map(str, s)))
+def test_int8_activation_kernel_equals_reference(fmt, shape, isa):
+    """q4_linear_i8 / q8_linear_i8 (activations quantized per block to int8, integer dot products) against
+    the plain-torch reference: the quantized activations bit for bit, y to fp32 summation order (the
+    integer block sums are exact). Shapes: one row, rows that leave a partial tile (tiles of 8 on AVX-512,
+    4 on 256-bit), O not a multiple of the 16 (8) output lanes, I of one block and not a multiple of 64,
+    SmolLM2-135M's 576 / 1536. Both builds: this CPU's (VNNI here) and the plain AVX2 vpmaddubsw path."""
+    from kernels.cpu_ext import lowbit_cpu
+    from kernels.reference_math import lowbit_linear_i8_reference, quantize_activations_reference
+
+    ext = lowbit_cpu(avx2_only=isa == "avx2")
+    if isa == "avx2":
+        assert ext.simd_i8() in ("avx2", "scalar")
+    b, o, i = shape
+    qw = quantize(random_weight(o, i, seed=b), fmt)
+    x = int8_activation_case(b, i)
+    for got, ref in zip(ext.quantize_rows_i8(x), quantize_activations_reference(x)):
+        assert got.dtype == ref.dtype and torch.equal(got, ref)  # qx int8, dx and sx fp32
+    ref = lowbit_linear_i8_reference(x, qw.qs, qw.d, qw.m)
+    got = ext.q4_linear_i8(x, qw.qs, qw.d, qw.m) if fmt == "q4" else ext.q8_linear_i8(x, qw.qs, qw.d)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    xb = x.bfloat16()  # bf16 activations: quantized from their fp32 values
+    assert torch.equal(ext.quantize_rows_i8(xb)[0], quantize_activations_reference(xb)[0])
+
+
+def test_int8_activations_round_halves_away_from_zero():
+    """The rounding rule (ggml's roundf, not torch.round's halves to even) and a zero block's d_x = 0."""
+    from kernels.cpu_ext import lowbit_cpu
+    from kernels.reference_math import quantize_activations_reference
+
+    x = int8_activation_case(2, 64)
+    for qx, dx, sx in (quantize_activations_reference(x), lowbit_cpu().quantize_rows_i8(x)):
+        assert qx[0, 32:38].tolist() == [127, 1, -1, 3, -3, 127] and dx[0, 1].item() == 1.0
+        assert not qx[0, :32].any() and dx[0, 0].item() == 0.0 and sx[0, 0].item() == 0.0
+        assert sx[0, 1].item() == float(qx[0, 32:64].sum())
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_int8_activations_are_close_to_fp32_activations(fmt):
+    """Quantizing the activations is lossy: on random data (SmolLM2's 576 x 576, 16 rows) the result stays
+    within 1% (relative Frobenius error; about 0.5% measured) of the fp32-activation kernel's."""
+    from kernels.cpu_ext import lowbit_cpu
+
+    ext = lowbit_cpu()
+    qw = quantize(random_weight(576, 576), fmt)
+    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(3))
+    fp32 = ext.q4_linear(x, qw.qs, qw.d, qw.m) if fmt == "q4" else ext.q8_linear(x, qw.qs, qw.d)
+    i8 = ext.q4_linear_i8(x, qw.qs, qw.d, qw.m) if fmt == "q4" else ext.q8_linear_i8(x, qw.qs, qw.d)
+    rel = ((i8 - fp32).norm() / fp32.norm()).item()
+    assert 1e-4 < rel < 0.01, rel  # above 0: the activations really were quantized
+
+
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
 @pytest.mark.parametrize("rows", [2, 5, 11, 16])
 def test_bf16_activation_kernel_equals_its_reference(fmt, rows):

@@ -1,0 +1,153 @@
+"""Microbenchmark of the CPU low-bit linears (kernels/lowbit_cpu.cpp) against dense F.linear.
+
+    python -m jobs.bench_lowbit                        # SmolLM2-135M's layer, rows 1..64, all cores
+    python -m jobs.bench_lowbit --threads 1 --batches 8 32
+
+One "call" is a decoder layer's set of linears at SmolLM2-135M's shapes (hidden 576, intermediate 1536):
+q [576 -> 576], k and v [576 -> 192], o [576 -> 576], gate+up fused [576 -> 3072], down [1536 -> 576],
+with the same random weights (q4 = Q4_1, q8 = Q8_0, quantized from them) and activations [B, in] for each.
+Variants:
+  q4_fp32    q4_linear: fp32 activations, weights dequantized in registers
+  q4_bf16    linear_bf16 on Q4_1: bf16 activations (vdpbf16ps where the CPU has avx512_bf16)
+  q4_i8      q4_linear_i8: activations quantized per block to int8 (Q8_1), integer dot products
+  q8_i8      q8_linear_i8: the same on Q8_0 weights
+  dense_fp32 F.linear, fp32 weights and activations
+  dense_bf16 F.linear, bf16 weights and activations (oneDNN; AMX where the CPU has it)
+Each variant is warmed up, then timed in interleaved rounds (every variant once per round, --iters calls
+each); the median round is reported, in milliseconds per layer set, with ratios to dense_bf16 (below 1:
+faster than dense bf16). Prints one JSON object with the config, git commit and the CPU's capability.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_ext import lowbit_cpu
+from specee_core.model.quant import linear_reference, quantize
+
+# SmolLM2-135M: (out, in) of q, k, v, o, gate+up (fused), down
+SMOLLM2_LINEARS = ((576, 576), (192, 576), (192, 576), (576, 576), (3072, 576), (576, 1536))
+VARIANTS = ("q4_fp32", "q4_bf16", "q4_i8", "q8_i8", "dense_fp32", "dense_bf16")
+
+
+@dataclass
+class BenchConfig:
+    batches: list[int] = field(default_factory=lambda: [1, 4, 8, 16, 32, 64])
+    threads: int = 0  # torch intra-op threads; 0 = all cores
+    rounds: int = 15  # interleaved timing rounds; the median is reported
+    iters: int = 5  # calls per variant per round
+    warmup: int = 3  # calls per variant before timing
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.batches or min(self.batches) < 1:
+            raise ValueError(f"batches {self.batches} must be positive row counts")
+        if self.threads < 0 or self.rounds < 1 or self.iters < 1 or self.warmup < 0:
+            raise ValueError(f"bad counts: threads={self.threads} rounds={self.rounds} iters={self.iters} "
+                             f"warmup={self.warmup}")
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parents[1],
+                             capture_output=True, text=True, timeout=10)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
+
+
+def layer_set(b: int, seed: int) -> tuple[dict[str, Callable[[], object]], tuple[list, list, list]]:
+    """The variants, each a closure running the whole set of linears for b activation rows, and their
+    inputs (activations, q4 and q8 weights)."""
+    ext = lowbit_cpu()
+    g = torch.Generator().manual_seed(seed)
+    ws = [torch.randn(o, i, generator=g) * 0.05 for o, i in SMOLLM2_LINEARS]
+    xs = [torch.randn(b, i, generator=g) for _, i in SMOLLM2_LINEARS]
+    q4 = [quantize(w, "q4") for w in ws]
+    q8 = [quantize(w, "q8") for w in ws]
+    wb = [w.bfloat16() for w in ws]
+    xb = [x.bfloat16() for x in xs]
+    return {
+        "q4_fp32": lambda: [ext.q4_linear(x, q.qs, q.d, q.m) for x, q in zip(xs, q4)],
+        "q4_bf16": lambda: [ext.linear_bf16(x, q.qs, q.d, q.m) for x, q in zip(xb, q4)],
+        "q4_i8": lambda: [ext.q4_linear_i8(x, q.qs, q.d, q.m) for x, q in zip(xs, q4)],
+        "q8_i8": lambda: [ext.q8_linear_i8(x, q.qs, q.d) for x, q in zip(xs, q8)],
+        "dense_fp32": lambda: [F.linear(x, w) for x, w in zip(xs, ws)],
+        "dense_bf16": lambda: [F.linear(x, w) for x, w in zip(xb, wb)],
+    }, (xs, q4, q8)
+
+
+def i8_error(xs: list[torch.Tensor], q4: list, q8: list) -> dict[str, float]:
+    """The int8-activation result's relative error against fp32 activations on the same weights
+    (||y_i8 - y_fp32|| / ||y_fp32|| over the layer set): what quantizing the activations costs."""
+    ext = lowbit_cpu()
+    out = {}
+    for fmt, qws in (("q4", q4), ("q8", q8)):
+        num = den = 0.0
+        for x, q in zip(xs, qws):
+            ref = linear_reference(x, q)
+            got = ext.q4_linear_i8(x, q.qs, q.d, q.m) if fmt == "q4" else ext.q8_linear_i8(x, q.qs, q.d)
+            num += (got - ref).square().sum().item()
+            den += ref.square().sum().item()
+        out[fmt] = (num / den) ** 0.5
+    return out
+
+
+def time_batch(fns: dict[str, Callable[[], object]], cfg: BenchConfig) -> dict[str, float]:
+    """Median over interleaved rounds of the milliseconds per call, per variant."""
+    for fn in fns.values():
+        for _ in range(cfg.warmup):
+            fn()
+    rounds: dict[str, list[float]] = {v: [] for v in fns}
+    for _ in range(cfg.rounds):
+        for v, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(cfg.iters):
+                fn()
+            rounds[v].append((time.perf_counter() - t0) / cfg.iters * 1e3)
+    return {v: statistics.median(ts) for v, ts in rounds.items()}
+
+
+def bench(cfg: BenchConfig) -> dict:
+    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    ext = lowbit_cpu()
+    rows = []
+    for b in cfg.batches:
+        fns, (xs, q4, q8) = layer_set(b, cfg.seed)
+        ms = time_batch(fns, cfg)
+        rows.append({"batch": b, "ms": {v: round(t, 4) for v, t in ms.items()},
+                     "vs_dense_bf16": {v: round(t / ms["dense_bf16"], 3) for v, t in ms.items()},
+                     "q4_i8_vs_q4_bf16": round(ms["q4_i8"] / ms["q4_bf16"], 3),
+                     "i8_rel_error_vs_fp32_activations": {k: round(e, 5) for k, e in i8_error(xs, q4, q8).items()}})
+    return {"config": asdict(cfg), "git_commit": git_commit(), "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "simd": ext.simd(), "simd_i8": ext.simd_i8(),
+            "has_bf16": ext.has_bf16(), "threads": torch.get_num_threads(), "machine": platform.machine(),
+            "processor": platform.processor() or None, "linears": [list(s) for s in SMOLLM2_LINEARS],
+            "unit": "ms per layer set (q, k, v, o, gate+up, down)", "results": rows}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: all cores)")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    print(json.dumps(bench(BenchConfig(**vars(args))), indent=1))
+
+
+if __name__ == "__main__":
+    main()
