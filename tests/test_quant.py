@@ -193,6 +193,28 @@ def test_quant_linear_dispatch_equals_reference(rows, path):
     assert lin(xb).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("fmt", ["q4a8", "q8a8"])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_int8_activation_format_equals_its_reference_at_every_row_count(fmt, rows):
+    """A q4a8 / q8a8 weight's linear is the int8-activation kernel at every row count (prefill too: no switch to
+    dequantize + GEMM, so a row's numbers do not depend on the rows beside it), with a bias, 3-d and bf16 input;
+    the reference quantizes the activations, and differs from fp32 activations' result."""
+    from specee_core.model.quant import planes_of
+
+    planes, act8 = planes_of(fmt)
+    qw = quantize(random_weight(80, 128), planes)
+    qw.act8 = act8
+    bias = torch.randn(80)
+    lin = QuantLinear(qw, bias)
+    x = torch.randn(2, rows, 128)
+    want = linear_reference(x, qw, bias)
+    torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(lin(x[:, :1]), lin(x)[:, :1])  # with fewer rows beside it: the same numbers
+    fp32_acts = QuantWeight(qw.fmt, qw.qs, qw.d, qw.m)
+    assert not torch.allclose(want, linear_reference(x, fp32_acts, bias), rtol=0, atol=1e-6)
+    assert lin(x.bfloat16()).dtype == torch.bfloat16
+
+
 @pytest.fixture(scope="module")
 def ee_model_dir(tmp_path_factory):
     """A tiny tied model whose matrices all have input dims that are multiples of 32, with early-exit files."""
@@ -240,10 +262,11 @@ def test_q4_engine_equals_fp32_on_the_dequantized_weights(fp32_and_q4_dequantize
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8", "bf16", "q4+bf16"])
+@pytest.mark.parametrize("fmt", ["q4", "q8", "q4a8", "bf16", "q4+bf16"])
 def test_every_mode_runs_on_every_format(ee_model_dir, fmt):
-    """dense, spec (chain, tree + T3), specee and auto all run; with fp32 activations the lossless ones
-    equal dense (bf16 activations round differently for one row and several: there they only run)."""
+    """dense, spec (chain, tree + T3), specee and auto all run; with fp32 or int8 activations the lossless ones
+    equal dense (int8: each token's activations quantized on their own, integer products; bf16 activations
+    round differently for one row and several: there they only run)."""
     kw = {"bf16": {"dtype": "bfloat16"}, "q4+bf16": {"dtype": "bfloat16", "weights": "q4"}}.get(
         fmt, {"dtype": "float32", "weights": fmt})
     e = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.5, **kw)

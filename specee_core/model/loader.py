@@ -15,7 +15,7 @@ import torch
 
 from specee_core.model.config import ModelConfig, resolve_dtype
 from specee_core.model.model import LayerWeights, LlamaModel, ModelWeights, Weight
-from specee_core.model.quant import LOW_BIT, QK, quantize
+from specee_core.model.quant import ACT8, LOW_BIT, QK, planes_of, quantize
 
 log = logging.getLogger(__name__)
 
@@ -114,13 +114,15 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin:
         return t.to(device=device, dtype=dtype).contiguous()
 
     def mat(*parts: torch.Tensor, fmt: str | None = weights) -> Weight:
-        if fmt not in LOW_BIT:
+        planes, act8 = planes_of(fmt)
+        if planes is None:
             return put(*parts)
         if parts[0].shape[1] % QK:  # llama.cpp too keeps such a tensor in a float type
             kept_dense.append(f"{tuple(parts[0].shape)}")
             return put(*parts)
         w = torch.cat([p.to(device) for p in parts], dim=0)
-        qw = quantize(w, fmt)
+        qw = quantize(w, planes)
+        qw.act8 = act8
         err[0] += float((qw.dequantize() - w.float()).pow(2).sum())
         err[1] += float(w.float().pow(2).sum())
         return qw
@@ -145,7 +147,8 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin:
             w_down=mat(get(m + "down_proj.weight", (d, inter))),
             b_down=put(get(m + "down_proj.bias", (d,))) if c.mlp_bias else None,
         ))
-    head_fmt = "q8" if weights in LOW_BIT else None  # llama.cpp's choice for this head too: 4 bits hurt it most
+    # llama.cpp's choice for this head too (4 bits hurt it most), with the layers' activations
+    head_fmt = None if planes_of(weights)[0] is None else "q8" + ("a8" if planes_of(weights)[1] else "")
     embed = mat(get("model.embed_tokens.weight", (c.vocab_size, d)), fmt=head_fmt)
     head = tensors.get("lm_head.weight")
     if head is None and not c.tie_word_embeddings:
@@ -165,10 +168,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: str | torch.dtype | None = None, weights: str | None = None) -> LlamaModel:
     """Load config and weights from a local HF-layout directory. dtype None: fp32 on CPU, the
     checkpoint's own dtype on CUDA; "auto": bf16 where the hardware computes it natively, else fp32.
-    weights: None (the matrices in dtype) or a low-bit format of specee_core.model.quant ("q8", "q4"),
-    quantized at load; the activations stay in dtype."""
-    if weights is not None and weights not in LOW_BIT:
-        raise ValueError(f"weights={weights!r}: expected None or one of {LOW_BIT}")
+    weights: None (the matrices in dtype) or a low-bit format of specee_core.model.quant ("q8", "q4"; "q8a8",
+    "q4a8": int8 activations in the linears), quantized at load; the activations stay in dtype elsewhere."""
+    if weights is not None and weights not in (*LOW_BIT, *ACT8):
+        raise ValueError(f"weights={weights!r}: expected None or one of {(*LOW_BIT, *ACT8)}")
     model_dir = find_model_dir(path)
     config = ModelConfig.from_file(model_dir / "config.json")
     device = torch.device(device)

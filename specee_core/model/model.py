@@ -117,8 +117,8 @@ class LayerLinears:
         kv_bias = None if lw.bqkv is None else lw.bqkv[q_size:]
         lins = (make_linear(lw.wqkv, lw.bqkv), make_linear(lw.wo, lw.bo), make_linear(lw.w_gate_up, lw.b_gate_up),
                 make_linear(lw.w_down, lw.b_down), make_linear(_rows(lw.wqkv, q_size), kv_bias))
-        fused = (all(isinstance(lin, QuantLinear) and lin.b is None for lin in lins[:4]) and dtype == torch.float32
-                 and lins[0].qw.device.type == "cpu" and cpu_kernel() is not None)
+        fused = (all(isinstance(lin, QuantLinear) and lin.b is None and not lin.qw.act8 for lin in lins[:4])
+                 and dtype == torch.float32 and lins[0].qw.device.type == "cpu" and cpu_kernel() is not None)
         return (FusedLowbitLinears if fused else LayerLinears)(*lins)
 
     # the three pieces of a layer around attention; FusedLowbitLinears runs each as one kernel call
@@ -205,9 +205,10 @@ class LlamaModel:
 
     @property
     def weight_format(self) -> str:
-        """How the layers' matrices are stored: "q4" / "q8" (specee_core.model.quant) or the dtype ("fp32", "bf16", "fp16")."""
+        """How the layers' matrices are stored and multiplied: "q4" / "q8" / "q4a8" / "q8a8" (specee_core.model.quant)
+        or the dtype ("fp32", "bf16", "fp16")."""
         w = self.w.layers[0].wqkv
-        return w.fmt if isinstance(w, QuantWeight) else {torch.float32: "fp32", torch.bfloat16: "bf16",
+        return w.format if isinstance(w, QuantWeight) else {torch.float32: "fp32", torch.bfloat16: "bf16",
                                                           torch.float16: "fp16"}[w.dtype]
 
     @property

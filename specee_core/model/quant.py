@@ -3,6 +3,9 @@
     fp32, bf16  plain tensors (model.Linear)
     q8          llama.cpp's Q8_0: int8 in blocks of 32 along the input dim, one fp16 scale per block
     q4          llama.cpp's Q4_1: 4-bit in blocks of 32, fp16 scale d and minimum m: w = d * q + m
+    q8a8, q4a8  the same weights with the activations quantized too, per block of 32 to int8 (llama.cpp's
+                Q8_1), multiplied with integer dot products (kernels/lowbit_cpu.cpp's *_linear_i8): as llama.cpp
+                computes; changes outputs (an approximation of the activations, like bf16's)
 
 Quantizing is round-to-nearest exactly as llama.cpp's reference (quantize_row_q4_1_ref /
 quantize_row_q8_0_ref). SmolLM2's GGUF holds Q4_1 layers and a Q8_0 embedding; the converted
@@ -24,12 +27,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.reference_math import dequantize_reference as dequantize_planes
+from kernels.reference_math import dequantize_reference as dequantize_planes, lowbit_linear_i8_reference
 
 log = logging.getLogger(__name__)
 
-WEIGHT_FORMATS = ("fp32", "bf16", "q8", "q4")
-LOW_BIT = ("q8", "q4")
+WEIGHT_FORMATS = ("fp32", "bf16", "q8", "q4", "q8a8", "q4a8")
+LOW_BIT = ("q8", "q4")  # the weight planes' formats
+ACT8 = {"q8a8": "q8", "q4a8": "q4"}  # formats with int8 activations -> their planes'
+
+
+def planes_of(weights: str | None) -> tuple[str | None, bool]:
+    """A weights format -> (its planes' low-bit format or None for a dense one, whether activations are int8)."""
+    if weights in ACT8:
+        return ACT8[weights], True
+    return (weights if weights in LOW_BIT else None), False
 QK = 32  # weights per block
 DENSE_ROW_CANDIDATES = (32, 64, 96, 128, 192)  # where a low-bit linear may switch to dequantize + GEMM
 
@@ -44,6 +55,12 @@ class QuantWeight:
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None = None
+    act8: bool = False  # products with int8-quantized activations (q4a8 / q8a8), not fp32 ones
+
+    @property
+    def format(self) -> str:
+        """The weights format (WEIGHT_FORMATS) this weight computes in: fmt, with "a8" for int8 activations."""
+        return self.fmt + ("a8" if self.act8 else "")
 
     def __post_init__(self):
         if self.fmt not in LOW_BIT:
@@ -68,11 +85,11 @@ class QuantWeight:
     def rows(self, idx: torch.Tensor | slice) -> QuantWeight:
         """The weight of output rows idx (index tensor or slice); blocks run along I so rows split cleanly."""
         pick = (lambda t: t[idx].contiguous())
-        return QuantWeight(self.fmt, pick(self.qs), pick(self.d), None if self.m is None else pick(self.m))
+        return QuantWeight(self.fmt, pick(self.qs), pick(self.d), None if self.m is None else pick(self.m), self.act8)
 
     def to(self, device: torch.device | str) -> QuantWeight:
         move = (lambda t: None if t is None else t.to(device))
-        return QuantWeight(self.fmt, move(self.qs), move(self.d), move(self.m))
+        return QuantWeight(self.fmt, move(self.qs), move(self.d), move(self.m), self.act8)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[O, I] in dtype; the CPU kernel where it builds, else dequantize_reference (equal bit for bit)."""
@@ -118,7 +135,12 @@ def dequantize_reference(qw: QuantWeight) -> torch.Tensor:
 
 
 def linear_reference(x: torch.Tensor, qw: QuantWeight, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., I] @ dequantize(qw).T (+ b) in fp32, returned in x's dtype: what every kernel must equal."""
+    """x [..., I] @ dequantize(qw).T (+ b) in fp32 (act8: x quantized per block, integer products), returned
+    in x's dtype: what every kernel must equal."""
+    if qw.act8:
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        y = lowbit_linear_i8_reference(x2, qw.qs, qw.d, qw.m).reshape(*x.shape[:-1], -1)
+        return (y if b is None else y + b.float()).to(x.dtype)
     y = F.linear(x.float(), dequantize_reference(qw), None if b is None else b.float())
     return y.to(x.dtype)
 
@@ -190,6 +212,15 @@ class QuantLinear:
         x2 = x.reshape(-1, i)
         n = x2.shape[0]
         qw = self.qw
+        if qw.act8:  # int8 activations at every row count: a row's numbers never depend on the others beside it
+            k = cpu_kernel() if qw.device.type == "cpu" else None
+            if k is None:
+                return linear_reference(x, qw, self.b)
+            x2 = x2.float().contiguous()
+            y = k.q4_linear_i8(x2, qw.qs, qw.d, qw.m) if qw.fmt == "q4" else k.q8_linear_i8(x2, qw.qs, qw.d)
+            if self.b is not None:
+                y = y + self.b.float()
+            return y.to(x.dtype).reshape(*lead, self.out_features)
         if (x.dtype == torch.bfloat16 and n > 1 and qw.device.type == "cpu" and (k := cpu_kernel()) is not None
                 and k.has_bf16() and n < (self._dense_rows or DENSE_ROW_CANDIDATES[-1])):
             # bf16 activations, several rows: bf16 dot products (the weights rounded to bf16 as a bf16
@@ -255,15 +286,17 @@ def weight_bytes(weights) -> int:
 
 
 def random_weight(o: int, i: int, fmt: str | None, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor | QuantWeight:
-    """A random [o, i] weight stored as fmt (None: a dense tensor in dtype), for timing only."""
+    """A random [o, i] weight stored as fmt (None: a dense tensor in dtype; q4a8 / q8a8: int8 activations), for
+    timing only."""
     if fmt is None:
         return torch.empty(o, i, dtype=dtype).normal_(0, 0.02, generator=gen)
+    planes, act8 = planes_of(fmt)
     g = i // QK
     d = torch.empty(o, g, dtype=torch.float16).uniform_(0, 0.01, generator=gen)
-    if fmt == "q8":
-        return QuantWeight("q8", torch.randint(-127, 128, (o, i), dtype=torch.int8, generator=gen), d)
+    if planes == "q8":
+        return QuantWeight("q8", torch.randint(-127, 128, (o, i), dtype=torch.int8, generator=gen), d, act8=act8)
     m = torch.empty(o, g, dtype=torch.float16).uniform_(-0.05, 0, generator=gen)
-    return QuantWeight("q4", torch.randint(0, 256, (o, i // 2), dtype=torch.uint8, generator=gen), d, m)
+    return QuantWeight("q4", torch.randint(0, 256, (o, i // 2), dtype=torch.uint8, generator=gen), d, m, act8)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -3,8 +3,10 @@
 The checkpoint's own low-bit format is a candidate only where it has one (a GGUF conversion whose
 matrices were Q4_1 / Q8_0 blocks: quantizing them again gives back exactly those blocks, so nothing is
 approximated). It is chosen when a step's linears, timed here on random weights of the model's shapes
-at the batch size in use, are faster than the dtype's dense ones. Pure functions of what was measured;
-the reason string says it.
+at the batch size in use, are faster than the dtype's dense ones. The same blocks with int8 activations
+(q4a8: llama.cpp's arithmetic) are not a candidate: on SmolLM2 their greedy outputs part from fp32's
+sooner than bf16's do (docs/RESULTS.md, "int8 activations"); ask for them by name. Pure functions of what
+was measured; the reason string says it.
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def time_step_linears(config, batch: int, fmt: str | None, dtype: torch.dtype, r
     layer = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q), (2 * c.intermediate_size, c.hidden_size),
              (c.hidden_size, c.intermediate_size)]
     shapes = layer * c.num_hidden_layers + [(c.vocab_size, c.hidden_size)]
-    fmts = [fmt] * (len(shapes) - 1) + ["q8" if fmt else None]
+    fmts = [fmt] * (len(shapes) - 1) + [None if fmt is None else "q8a8" if fmt.endswith("a8") else "q8"]
     lins = [make_linear(random_weight(o, i, f, dtype, gen)) for (o, i), f in zip(shapes, fmts)]
     xs = {i: torch.randn(batch, i, generator=gen).to(dtype) for _, i in shapes}
     samples = []
@@ -83,12 +85,13 @@ def choose_weights(model_dir, config, device: torch.device, dtype: torch.dtype,
         return None, dtype, f"{name}: the model's input dims are not multiples of {QK}"
     ms = measured_linears(c, batch, fmt, dtype, device)
     (best_fmt, best_act) = min(ms, key=ms.get)
-    measured = ", ".join(f"{f or name}{'' if f is None else ' + ' + dtype_name(a)} {t:.1f}"
+    measured = ", ".join(f"{f or name}{'' if f is None or f.endswith('a8') else ' + ' + dtype_name(a)} {t:.1f}"
                          for (f, a), t in ms.items())
     measured = f"linears ms per step at batch {batch} here: {measured}"
     if best_fmt is None:
         return None, dtype, f"{name}: faster than the checkpoint's {fmt} ({measured})"
-    return best_fmt, best_act, f"{fmt} with {dtype_name(best_act)} activations: the checkpoint's own blocks, {source}; {measured}"
+    acts = "int8" if best_fmt.endswith("a8") else dtype_name(best_act)
+    return best_fmt, best_act, f"{best_fmt} with {acts} activations: the checkpoint's own blocks, {source}; {measured}"
 
 
 def measured_linears(config, batch: int, fmt: str, dtype: torch.dtype, device: torch.device,
