@@ -153,7 +153,8 @@ class SpecEEEngine:
         computes it natively (CUDA, CPUs with avx512_bf16/AMX), else fp32 (specee_core.machine.choose_dtype);
         float32 equals transformers token for token. weights (specee_core.model.quant.WEIGHT_FORMATS): "auto"
         (with dtype "auto": the checkpoint's own low-bit format where it has one and its kernel is
-        faster here at max_batch_size rows; else the matrices in dtype), "fp32" / "bf16" (sets the
+        faster here at max_batch_size rows, or at one row when max_batch_size is not given; else the
+        matrices in dtype), "fp32" / "bf16" (sets the
         dtype), "q8" / "q4" (quantized at load; activations in fp32 unless dtype says otherwise), "q8a8" /
         "q4a8" (the same, the linears' activations quantized to int8 per block: llama.cpp's arithmetic).
         options: EngineOptions fields and early-exit options (see specee_core.early_exit.step.EarlyExitOptions)."""
@@ -177,7 +178,9 @@ class SpecEEEngine:
         if dtype == "auto":
             dtype, reason = choose_dtype(device)
             if weights == "auto":
-                batch = EngineOptions(**engine_opts).max_batch_size
+                # the format is chosen for the batch size the engine is built for: max_batch_size when given
+                # (a job's, Serve's), else one row: an engine built with every default serves one request at a time
+                batch = engine_opts.get("max_batch_size", 1)
                 config = ModelConfig.from_file(find_model_dir(path) / "config.json")
                 chosen, act, weights_reason = choose_weights(find_model_dir(path), config, torch.device(device),
                                                              dtype, batch)

@@ -1,0 +1,144 @@
+"""Batched decoding and prefill beside llama.cpp's own: `llama-batched-bench` (llama.cpp's tool, built from the
+same sources as llama-cpp-python: README, "llama.cpp as a peer") on the same GGUF, and this engine at each batch
+size N, built as a job builds it (`from_pretrained(model, max_batch_size=N)`, every other option its default, or
+--weights). Prints (and with --out writes) JSON with the commit and the machine.
+
+Per N, in one run, the peers alternating round by round:
+- decode: N different held-out chat prompts at once, --tokens new tokens each (ignore_eos), tokens/s over the
+  decode (the call after its last first token); llama.cpp: its text-generation speed S_TG at N parallel
+  sequences of --tokens tokens after a --prompt-tokens prompt (its tokens/s do not depend on the text; ours do,
+  through speculation: mode auto drafts from the prompts);
+- prefill: N prompts of about --prompt-tokens tokens, prefix cache off, max_tokens 1: prompt tokens over the
+  call's time to the last first token; llama.cpp: S_PP, its prompt-processing speed at N sequences.
+
+    python -m jobs.bench_batched --llama-bench /work/llamacpp-src/bb/bin/llama-batched-bench --out docs/bench_batched.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from jobs.bench import git_commit
+from specee_core import SamplingParams, SpecEEEngine
+from specee_core.machine import machine_facts
+from specee_core.model.gguf import default_gguf_path
+
+
+def llama_batched(binary: Path, gguf: Path, sizes: list[int], prompt_tokens: int, tokens: int,
+                  threads: int) -> dict[int, dict]:
+    """{N: {"decode": S_TG, "prefill": S_PP}} from one llama-batched-bench run (its JSONL lines)."""
+    ctx = max(sizes) * (prompt_tokens + tokens) + 64
+    cmd = [str(binary), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512", "-t", str(threads),
+           "-npp", str(prompt_tokens), "-ntg", str(tokens), "-npl", ",".join(map(str, sizes)),
+           "--output-format", "jsonl"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    got = {}
+    for line in out.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            r = json.loads(line)
+            got[int(r["pl"])] = {"decode": float(r["speed_tg"]), "prefill": float(r["speed_pp"])}
+    missing = set(sizes) - set(got)
+    if missing:
+        raise RuntimeError(f"llama-batched-bench printed no result for {sorted(missing)}: {out[-2000:]}")
+    return got
+
+
+def chat_prompts(engine: SpecEEEngine, path: Path, n: int) -> list[str]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()][:n]
+    if len(rows) < n:
+        raise ValueError(f"{path} holds {len(rows)} prompts, {n} needed")
+    return [engine.chat_prompt([{"role": "user", "content": r["prompt"]}]) for r in rows]
+
+
+def long_prompts(engine: SpecEEEngine, path: Path, n: int, tokens: int) -> list[list[int]]:
+    """n different prompts of exactly `tokens` token ids (held-out instructions run together, cut)."""
+    text = " ".join(json.loads(line)["prompt"] for line in path.read_text().splitlines())
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) < n * tokens:
+        raise ValueError(f"{path} holds {len(ids)} tokens, {n * tokens} needed")
+    return [ids[i * tokens : (i + 1) * tokens] for i in range(n)]
+
+
+def ours(engine: SpecEEEngine, decode_prompts: list[str], prefill_ids: list[list[int]], tokens: int,
+         mode: str) -> dict:
+    """{"decode": tokens/s after the last first token, "prefill": prompt tokens/s to the last first token}."""
+    t0 = time.perf_counter()
+    res = engine.generate(decode_prompts, mode=mode,
+                          sampling_params=SamplingParams(max_new_tokens=tokens, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    first = max(r.metrics["ttft_s"] for r in res)
+    decode = sum(len(r.token_ids) - 1 for r in res) / max(wall - first, 1e-9)
+    t0 = time.perf_counter()
+    res = engine.generate([engine.tokenizer.decode(p) for p in prefill_ids], mode=mode,
+                          sampling_params=SamplingParams(max_new_tokens=1))
+    prefill = sum(r.prompt_tokens for r in res) / max(max(r.metrics["ttft_s"] for r in res), 1e-9)
+    return {"decode": decode, "prefill": prefill}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="models/smollm2-135m-instruct")
+    ap.add_argument("--gguf", type=Path, help="default: the GGUF the model was imported from")
+    ap.add_argument("--llama-bench", type=Path, help="llama-batched-bench's binary (none: this engine alone)")
+    ap.add_argument("--sizes", default="1,8,16,32")
+    ap.add_argument("--weights", default="auto", help="comma-separated: each a variant of this engine")
+    ap.add_argument("--mode", default="auto")
+    ap.add_argument("--prompts", type=Path, default=Path("prompts/instructions_heldout.jsonl"))
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    weights = args.weights.split(",")
+    threads = torch.get_num_threads()
+    runs: dict[str, list[float]] = {}
+    chosen: dict[str, dict] = {}
+    for n in sizes:
+        engines = {w: SpecEEEngine.from_pretrained(args.model, max_batch_size=n, weights=w, prefix_cache=False)
+                   for w in weights}
+        first = next(iter(engines.values()))
+        dec, pre = chat_prompts(first, args.prompts, n), long_prompts(first, args.prompts, n, args.prompt_tokens)
+        for w, e in engines.items():
+            chosen[f"{w}@{n}"] = {"weights": e.model.weight_format, "dtype": str(e.model.dtype).removeprefix("torch.")}
+            ours(e, dec[:1], pre[:1], 4, args.mode)  # warm-up: kernels, the plan's costs at this size
+        for rnd in range(args.rounds):
+            if args.llama_bench is not None:
+                got = llama_batched(args.llama_bench, args.gguf or default_gguf_path(), [n], args.prompt_tokens,
+                                    args.tokens, threads)[n]
+                for k, v in got.items():
+                    runs.setdefault(f"llama.cpp_{k}@{n}", []).append(v)
+            for w, e in (engines.items() if rnd % 2 == 0 else reversed(engines.items())):
+                for k, v in ours(e, dec, pre, args.tokens, args.mode).items():
+                    runs.setdefault(f"{w}_{k}@{n}", []).append(v)
+            print(json.dumps({k: round(v[-1], 1) for k, v in runs.items() if k.endswith(f"@{n}")}), flush=True)
+        del engines
+    med = {k: round(statistics.median(v), 1) for k, v in runs.items()}
+    ratios = {}
+    if args.llama_bench is not None:
+        for w in weights:
+            for n in sizes:
+                for k in ("decode", "prefill"):
+                    ratios[f"{w}_{k}@{n}"] = round(med[f"{w}_{k}@{n}"] / med[f"llama.cpp_{k}@{n}"], 3)
+    out = {"git_commit": git_commit(), "machine": machine_facts(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "config": {k: str(v) for k, v in vars(args).items()}, "engines": chosen,
+           "tokens_per_s_median": med, "tokens_per_s_runs": {k: [round(x, 1) for x in v] for k, v in runs.items()},
+           "ratio_to_llama_cpp": ratios,
+           "note": "decode: N different prompts at once, tokens after each row's first over the seconds after the last "
+                   "first token (llama.cpp: S_TG at N parallel sequences); prefill: N prompts of prompt-tokens tokens, "
+                   "prefix cache off, to the last first token (llama.cpp: S_PP)"}
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
