@@ -127,6 +127,14 @@ def git_commit() -> str:
         return "unknown"
 
 
+def emit(result: dict, out: Path | None) -> None:
+    """Print a benchmark's JSON result and, with out, write it there."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+
+
 def load_prompts(cfg: BenchConfig, n: int, engine: SpecEEEngine, offset: int = 0) -> list[str]:
     """n prompts from the prompts file (from row `offset` on; through the chat template when asked),
     else held-out corpus snippets."""

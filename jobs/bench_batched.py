@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from jobs.bench import git_commit
+from jobs.bench import emit, git_commit
 from specee_core import SamplingParams, SpecEEEngine
 from specee_core.machine import machine_facts
 from specee_core.model.gguf import default_gguf_path
@@ -134,10 +134,7 @@ def main() -> None:
            "note": "decode: N different prompts at once, tokens after each row's first over the seconds after the last "
                    "first token (llama.cpp: S_TG at N parallel sequences); prefill: N prompts of prompt-tokens tokens, "
                    "prefix cache off, to the last first token (llama.cpp: S_PP)"}
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(out, args.out)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from jobs.bench_kernels import git_commit
 from kernels.cpu_ext import lowbit_cpu
 from specee_core.model.quant import linear_reference, quantize
 
@@ -56,15 +56,6 @@ class BenchConfig:
         if self.threads < 0 or self.rounds < 1 or self.iters < 1 or self.warmup < 0:
             raise ValueError(f"bad counts: threads={self.threads} rounds={self.rounds} iters={self.iters} "
                              f"warmup={self.warmup}")
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parents[1],
-                             capture_output=True, text=True, timeout=10)
-    except OSError:
-        return None
-    return out.stdout.strip() or None
 
 
 def layer_set(b: int, seed: int) -> tuple[dict[str, Callable[[], object]], tuple[list, list, list]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from jobs.bench import git_commit
+from jobs.bench import emit, git_commit
 from specee_core import SamplingParams, SpecEEEngine
 from specee_core.machine import machine_facts
 
@@ -101,10 +101,7 @@ def main() -> None:
            "note": "decode tokens/s: tokens after each row's first over the call's seconds after its last first "
                    "token; the same prompts with and without the schema, interleaved; plain_same_lengths: free text "
                    "cut per row to its schema reply's length, so only the constraint differs"}
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(out, args.out)
 
 
 def stream(args, b: int, mode: str, variants: dict, speeds: dict, valid: dict) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from jobs.bench import git_commit
+from jobs.bench import emit, git_commit
 from specee_core import SamplingParams, SpecEEEngine
 from specee_core.machine import machine_facts
 from specee_eval import humaneval, metrics
@@ -94,10 +94,7 @@ def main() -> None:
     out = {"git_commit": git_commit(), "machine": machine_facts(torch.device("cpu")),
            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "config": {k: str(v) for k, v in vars(args).items()},
            "reference": f"{args.reference} with fp32 activations", "formats": results}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(out, args.out)
 
 
 if __name__ == "__main__":
