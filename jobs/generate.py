@@ -46,13 +46,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--num-actors", type=int, default=2, help="engine replicas (one GPU each on a GPU cluster)")
+    p.add_argument("--num-actors", type=int, default=None,
+                   help="engine replicas (one GPU each on a GPU cluster); default: on a one-machine CPU cluster the "
+                        "measured layout of its cores (actors x threads: pipeline.actor_plan, cached), else 2")
     p.add_argument("--batch-size", type=int, default=16, help="rows per actor call and engine batch")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda: one GPU per actor)")
-    p.add_argument("--weights", choices=["auto", "fp32", "bf16", "q8", "q4"], default="auto",
+    p.add_argument("--weights", choices=["auto", "fp32", "bf16", "q8", "q4", "q8a8", "q4a8"], default="auto",
                    help="auto (default: with --dtype auto, the checkpoint's own low-bit format, e.g. the Q4_1 of a GGUF, where its "
                         "kernel is faster here at the batch size; else the dtype) | fp32 | bf16 | q8 | q4 (quantized at load: "
-                        "lossy for a float checkpoint)")
+                        "lossy for a float checkpoint) | q8a8 | q4a8 (int8 activations: lossy)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="auto (default: bf16 where the hardware computes it natively, CUDA or CPUs with "
                         "avx512_bf16/AMX, else float32) | float32 (equals transformers token for token) | bfloat16 | "

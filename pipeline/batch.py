@@ -22,7 +22,7 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -48,7 +48,7 @@ class BatchConfig:
     input: list[str]
     output: str
     stage: StageConfig
-    num_actors: int = 2
+    num_actors: int | None = 2  # None: measured (with_measured_layout)
     cpus_per_actor: float | None = None  # None: 1 with a GPU, else the cluster's CPUs shared among actors
     gpus_per_actor: float | None = None  # None: 1 when stage.device is cuda, else 0
     input_format: str | None = None  # jsonl | csv | parquet; None: from the file extensions
@@ -70,7 +70,7 @@ class BatchConfig:
         if not self.input:
             raise ValueError("no input paths given")
         for name in ("num_actors", "rows_per_file", "retune_every_tokens", "retune_min_exits"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.cpus_per_actor is not None and self.cpus_per_actor <= 0:
             raise ValueError(f"cpus_per_actor must be > 0, got {self.cpus_per_actor}")
@@ -120,6 +120,29 @@ class RowStats:
     def tokens_per_s(self, now: float | None = None) -> float | None:
         s = self.generate_s(now)
         return self.completion_tokens / s if s else None
+
+
+DEFAULT_ACTORS = 2  # num_actors None where the layout is not measured (GPUs, several nodes)
+
+
+def with_measured_layout(cfg: BatchConfig) -> BatchConfig:
+    """cfg with num_actors None resolved: on CPU, when the cluster is one machine and nothing else fixes the
+    actors' CPUs, the measured layout of its cores (pipeline.actor_plan: how many engine actors, how many threads
+    each; measured once per machine and workload, cached); elsewhere DEFAULT_ACTORS."""
+    if cfg.num_actors is not None:
+        return cfg
+    st = cfg.stage
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    cpus = int(ray.cluster_resources().get("CPU", 0))
+    if st.device != "cpu" or len(nodes) != 1 or cfg.cpus_per_actor is not None or cpus < 1:
+        return replace(cfg, num_actors=DEFAULT_ACTORS)
+    from pipeline.actor_plan import Workload, plan_layout
+
+    plan = plan_layout(Workload(st.model, mode=st.mode, weights=st.weights, dtype=st.dtype, batch=st.batch_size),
+                       cpus=cpus)
+    log.info("engine actors: %s", plan["reason"])
+    return replace(cfg, num_actors=plan["actors"], cpus_per_actor=cpus / plan["actors"],
+                   stage=replace(st, torch_threads=st.torch_threads or plan["threads"]))
 
 
 def actor_resources(cfg: BatchConfig) -> dict:
@@ -286,6 +309,7 @@ def run(cfg: BatchConfig) -> dict:
     ray.data.DataContext.get_current().enable_progress_bars = False  # ours counts rows and tokens/s
     if not (Path(cfg.stage.model) / "config.json").is_file():
         raise FileNotFoundError(f"model not found: {cfg.stage.model} has no config.json")
+    cfg = with_measured_layout(cfg)
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
     out = OutputDir(cfg.output, tag=run_id)
     out.prepare()
