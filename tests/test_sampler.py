@@ -206,10 +206,12 @@ def test_structured_output_holds_and_keeps_every_lossless_mode_equal_to_dense(ti
         got = tiny.generate(CODE, mode=mode, spec=spec, sampling_params=params)
         assert [r.token_ids for r in got] == [r.token_ids for r in dense], (mode, spec)
     assert sum(r.stats["forced_drafted"] for r in got) > 0  # auto verified the schema's forced keys as drafts
-    sampled = tiny.generate(CODE, mode="spec", sampling_params=SamplingParams(
-        max_new_tokens=48, temperature=1.0, seed=3, structured={"type": "json_schema", "schema": SCHEMA}))
-    for r in sampled:
-        jsonschema.validate(json.loads(r.text), SCHEMA)
+    for mode in ("spec", "auto"):
+        sampled = tiny.generate(CODE, mode=mode, sampling_params=SamplingParams(
+            max_new_tokens=48, temperature=1.0, seed=3, structured={"type": "json_schema", "schema": SCHEMA}))
+        for r in sampled:
+            jsonschema.validate(json.loads(r.text), SCHEMA)
+    assert sum(r.stats["forced_drafted"] for r in sampled) > 0  # sampling too drafts the forced keys (one-hot q)
     anything = tiny.generate(CODE[:1], mode="dense", sampling_params=SamplingParams(
         max_new_tokens=48, structured={"type": "json_object"}))[0]
     assert anything.text.startswith("{")  # any object: it may not close within max_tokens

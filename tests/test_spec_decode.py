@@ -147,24 +147,33 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts[keep] - exp) ** 2 / exp).sum())
 
 
-@pytest.mark.parametrize("with_q", [True, False])
+@pytest.mark.parametrize("with_q", [True, False, "one-hot"])
 def test_rejection_sampling_keeps_the_target_distribution(with_q):
-    """A chain root -> a -> b over a 5-token vocabulary, drafted from q (or deterministically): the
-    committed first and second tokens follow the target p exactly, and always accepting would not."""
+    """A chain root -> a -> b over a 5-token vocabulary, drafted from q (or deterministically, or deterministically
+    and joined by Draft.by_rows to a sampled row, which gives it a one-hot q: a grammar's forced tokens in a
+    sampled step): the committed first and second tokens follow the target p exactly, and always accepting would
+    not."""
     g = torch.Generator().manual_seed(0)
     p = torch.tensor([[0.1, 0.4, 0.3, 0.2, 0.0], [0.5, 0.1, 0.1, 0.1, 0.2], [0.2, 0.2, 0.2, 0.2, 0.2]])
     q_rows = torch.tensor([[0.6, 0.1, 0.1, 0.1, 0.1], [0.05, 0.05, 0.1, 0.1, 0.7]])
     n = 6000
     first, second, naive = torch.zeros(5), torch.zeros(5), torch.zeros(5)
     for _ in range(n):
-        if with_q:
+        if with_q is True:
             a, b = (int(torch.multinomial(q_rows[i], 1, generator=g)) for i in range(2))
             q = torch.cat((torch.zeros(1, 5), q_rows)).unsqueeze(0)
         else:
             a, b, q = 1, 4, None
         draft = Draft(tokens=torch.tensor([[7, a, b]]), parent=torch.tensor([[-1, 0, 1]]),
                       valid=torch.ones(1, 3, dtype=torch.bool), q=q)
-        v = accept_sampled(draft, p.unsqueeze(0), g)
+        if with_q == "one-hot":
+            sampled = Draft(tokens=torch.tensor([[7, 0]]), parent=torch.tensor([[-1, 0]]),
+                            valid=torch.ones(1, 2, dtype=torch.bool), q=torch.full((1, 2, 5), 0.2))
+            draft = Draft.by_rows(2, [([0], draft), ([1], sampled)])
+            assert draft.q[0, 1:].argmax(-1).tolist() == [a, b] and draft.q[0, 1:].sum().item() == 2
+            v = accept_sampled(draft, torch.stack((p, p)), g)
+        else:
+            v = accept_sampled(draft, p.unsqueeze(0), g)
         first[v.tokens[0][0]] += 1
         naive[a] += 1  # what always accepting would commit first
         if v.tokens[0][0] == 1 and len(v.tokens[0]) > 1:

@@ -138,9 +138,9 @@ class SpecStepper:
         use_lookup = self.opts.lookup != "off" and (greedy or self.proposer.draft is None)
         conts = [self.proposer.continuation(b, batch, self.depth) if use_lookup else [] for b in alive]
         rooms = [max(0, min(self.depth, batch.room(b) - 1)) for b in alive]
-        # structured output: the tokens a row's grammar forces next, drafted with no draft forward (greedy: a
-        # sampled step's drafts are drawn from the draft head, one distribution per node)
-        forced = [self.proposer.forced(b, batch, room) if greedy and room else [] for b, room in zip(alive, rooms)]
+        # structured output: the tokens a row's grammar forces next, drafted with no draft forward (sampling: drawn
+        # with probability 1, so rejection sampling keeps the target's distribution)
+        forced = [self.proposer.forced(b, batch, room) if room else [] for b, room in zip(alive, rooms)]
         plan = self.planner.choose(alive, [len(c) for c in conts], rooms, [len(f) for f in forced])
         if plan.depth == 0:
             draft = Draft.chains([batch.last(b) for b in alive], [[] for _ in alive])
@@ -163,7 +163,7 @@ class SpecStepper:
         draft rows the proposer's chain, the others their root alone."""
         batch = self.batch
         drafted = [r for r, k in enumerate(plan.kinds) if k == "draft"]
-        if len(drafted) == len(alive) or (drafted and not batch.params.greedy):  # sampled drafts carry q: one call
+        if len(drafted) == len(alive):
             return self.proposer.tree(alive, batch, list(plan.depths), self.shape, batch.params, generator)
         roots = [batch.last(b) for b in alive]
         given = {"lookup": conts, "forced": forced}
