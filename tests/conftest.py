@@ -119,3 +119,28 @@ def ray_cluster():
 
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: RAY_FIXTURE in item.fixturenames)  # stable: each module's order is kept
+
+
+KERNEL_BUILDS: list = []  # the background builds pytest_sessionstart started
+
+
+def pytest_sessionstart(session):
+    """The two C++ kernel builds (this CPU's and the AVX2 one, ~30 s each on one core) start at once, each in a
+    process of its own: the tests that load them find them built, or wait on torch's build lock. In sequence,
+    on first use, they cost the suite a minute on a clean machine; side by side, half."""
+    import subprocess
+    import sys
+
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        return
+    code = "import sys; from kernels.cpu_ext import lowbit_cpu; lowbit_cpu(avx2_only=sys.argv[1] == 'avx2')"
+    for isa in ("native", "avx2"):
+        KERNEL_BUILDS.append(subprocess.Popen([sys.executable, "-c", code, isa], cwd=REPO,
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+
+def pytest_sessionfinish(session):
+    for p in KERNEL_BUILDS:  # never killed mid-build: that would leave torch's build lock behind
+        p.wait()
