@@ -24,11 +24,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from specee_core.machine import cache_path, machine_name, measuring_lock, save_measured
+from specee_core.machine import machine_name, measured_once
 
 log = logging.getLogger(__name__)
 CACHE_FOLDER = "actor_plans"
-VERSION = 1
+VERSION = 2
 MAX_ACTORS = 8
 # what the workers decode: generic instructions, as a job's rows are (the layout's ranking, not its absolute rate,
 # is what is kept)
@@ -121,25 +121,8 @@ def plan_layout(w: Workload, cpus: int | None = None, root=None, measure=measure
     key = {"actor_plan_version": VERSION, "machine": machine_name(torch.device("cpu")), "torch": torch.__version__,
            "cpus": cpus, "workload": asdict(w), "model_shape": [c.num_hidden_layers, c.hidden_size,
                                                                 c.intermediate_size, c.vocab_size]}
-    path = cache_path(key, root, CACHE_FOLDER)
 
-    def cached() -> dict | None:
-        try:
-            saved = json.loads(path.read_text())
-            return saved["plan"] if saved["key"] == key else None
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("%s: unreadable actor plan (%s: %s); measuring again", path, type(e).__name__, e)
-            return None
-
-    plan = cached()
-    if plan is not None:
-        return plan
-    with measuring_lock(key, root, CACHE_FOLDER):
-        plan = cached()
-        if plan is not None:
-            return plan
+    def measure_all() -> dict:
         options = layouts(cpus)
         if len(options) > 1 and measure is measure_layout:
             before = torch.get_num_threads()
@@ -160,8 +143,9 @@ def plan_layout(w: Workload, cpus: int | None = None, root=None, measure=measure
                           f"(tokens/s, actors x threads: {shown})" if len(options) > 1 else
                           f"one actor of {cpus} thread(s): the only layout"}
         log.info("actor plan: %s (measured in %.0f s)", plan["reason"], time.perf_counter() - t0)
-        save_measured(path, {"key": key, "plan": plan}, "actor plan")
-    return plan
+        return plan
+
+    return measured_once(key, measure_all, "actor plan", root, CACHE_FOLDER)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,12 @@ import logging
 import os
 import platform
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -86,6 +88,35 @@ def save_measured(path: Path, data: dict, what: str) -> Path | None:
     except OSError as e:
         log.warning("cannot cache the %s in %s (%s); it is kept in memory only", what, path.parent, e)
         return None
+
+
+def measured_once(key: dict, measure: Callable[[], T], what: str, root: str | Path | None = None,
+                  folder: str = "plans", encode: Callable[[T], object] = lambda v: v,
+                  decode: Callable[[object], T] = lambda v: v) -> T:
+    """What was measured under key: read from its cache file when the file holds this key; else measured under the
+    machine's measuring lock (reading again first: another process may have measured it meanwhile) and saved
+    (encode: to JSON; decode: back). An unreadable file is measured again, with a warning naming what."""
+    path = cache_path(key, root, folder)
+
+    def cached() -> T | None:
+        try:
+            saved = json.loads(path.read_text())
+            return decode(saved["value"]) if saved["key"] == key else None
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("%s: unreadable %s (%s: %s); measuring again", path, what, type(e).__name__, e)
+            return None
+
+    got = cached()
+    if got is not None:
+        return got
+    with measuring_lock(key, root, folder):
+        got = cached()
+        if got is None:
+            got = measure()
+            save_measured(path, {"key": key, "value": encode(got)}, what)
+    return got
 
 
 @contextlib.contextmanager

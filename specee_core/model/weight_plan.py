@@ -10,20 +10,19 @@ was measured; the reason string says it.
 """
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import time
 
 import torch
 
-from specee_core.machine import cache_path, machine_name, measuring_lock, save_measured
+from specee_core.machine import machine_name, measured_once
 from specee_core.model.model import make_linear
 from specee_core.model.quant import LOW_BIT, QK, cpu_kernel, dtype_name, random_weight
 
 log = logging.getLogger(__name__)
 CACHE_FOLDER = "weight_plans"  # beside the plans' cost tables (specee_core.machine.cache_path)
-VERSION = 1  # a change to what time_step_linears measures bumps it
+VERSION = 2  # a change to what time_step_linears measures, or to its file, bumps it
 
 
 def checkpoint_format(model_dir) -> tuple[str | None, str]:
@@ -107,28 +106,13 @@ def measured_linears(config, batch: int, fmt: str, dtype: torch.dtype, device: t
            "threads": torch.get_num_threads(), "dtype": dtype_name(dtype), "batch": batch, "format": fmt,
            "kernel": source_digest(), "model_shape": [c.num_hidden_layers, c.hidden_size, c.intermediate_size,
                                                       c.num_attention_heads, c.num_key_value_heads, c.vocab_size]}
-    path = cache_path(key, root, CACHE_FOLDER)
 
-    def cached() -> dict | None:
-        try:
-            saved = json.loads(path.read_text())
-            if saved["key"] == key:
-                return {(f, getattr(torch, a)): float(t) for f, a, t in saved["ms"]}
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            log.warning("%s: unreadable weight timings (%s: %s); measuring again", path, type(e).__name__, e)
-        return None
-
-    ms = cached()
-    if ms is not None:
-        return ms
-    with measuring_lock(key, root, CACHE_FOLDER):
-        ms = cached()  # what another process measured while this one waited
-        if ms is not None:
-            return ms
+    def measure() -> dict:
         acts = [torch.float32] + ([torch.bfloat16] if dtype == torch.bfloat16 else [])
         ms = {(fmt, a): time_step_linears(c, batch, fmt, a) for a in acts}
         ms[(None, dtype)] = time_step_linears(c, batch, None, dtype)
-        save_measured(path, {"key": key, "ms": [[f, dtype_name(a), t] for (f, a), t in ms.items()]}, "weight timings")
-    return ms
+        return ms
+
+    return measured_once(key, measure, "weight timings", root, CACHE_FOLDER,
+                         encode=lambda ms: [[f, dtype_name(a), t] for (f, a), t in ms.items()],
+                         decode=lambda rows: {(f, getattr(torch, a)): float(t) for f, a, t in rows})
