@@ -18,7 +18,7 @@ import torch
 
 from specee_core.machine import machine_name, measured_once
 from specee_core.model.model import make_linear
-from specee_core.model.quant import LOW_BIT, QK, cpu_kernel, dtype_name, random_weight
+from specee_core.model.quant import QK, cpu_kernel, dtype_name, random_weight
 
 log = logging.getLogger(__name__)
 CACHE_FOLDER = "weight_plans"  # beside the plans' cost tables (specee_core.machine.cache_path)
