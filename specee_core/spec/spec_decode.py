@@ -140,7 +140,8 @@ class SpecStepper:
         rooms = [max(0, min(self.depth, batch.room(b) - 1)) for b in alive]
         # structured output: the tokens a row's grammar forces next, drafted with no draft forward (sampling: drawn
         # with probability 1, so rejection sampling keeps the target's distribution)
-        forced = [self.proposer.forced(b, batch, room) if room else [] for b, room in zip(alive, rooms)]
+        forced = ([self.proposer.forced(b, batch, room) if room else [] for b, room in zip(alive, rooms)]
+                  if batch.params.structured else [[] for _ in alive])  # nothing to ask a row without a grammar
         plan = self.planner.choose(alive, [len(c) for c in conts], rooms, [len(f) for f in forced])
         if plan.depth == 0:
             draft = Draft.chains([batch.last(b) for b in alive], [[] for _ in alive])
