@@ -4,7 +4,8 @@ size N, built as a job builds it (`from_pretrained(model, max_batch_size=N)`, ev
 --weights). Prints (and with --out writes) JSON with the commit and the machine.
 
 Per N, in one run, the peers alternating round by round:
-- decode: N different held-out chat prompts at once, --tokens new tokens each (ignore_eos), tokens/s over the
+- decode: N different held-out chat prompts at once (N=1: --batch1-prompts of them one after another),
+  --tokens new tokens each (ignore_eos), tokens/s over the
   decode (the call after its last first token); llama.cpp: its text-generation speed S_TG at N parallel
   sequences of --tokens tokens after a --prompt-tokens prompt (its tokens/s do not depend on the text; ours do,
   through speculation: mode auto drafts from the prompts);
@@ -67,14 +68,18 @@ def long_prompts(engine: SpecEEEngine, path: Path, n: int, tokens: int) -> list[
 
 
 def ours(engine: SpecEEEngine, decode_prompts: list[str], prefill_ids: list[list[int]], tokens: int,
-         mode: str) -> dict:
+         mode: str, one_at_a_time: bool = False) -> dict:
     """{"decode": tokens/s after the last first token, "prefill": prompt tokens/s to the last first token}."""
-    t0 = time.perf_counter()
-    res = engine.generate(decode_prompts, mode=mode,
-                          sampling_params=SamplingParams(max_new_tokens=tokens, ignore_eos=True))
-    wall = time.perf_counter() - t0
-    first = max(r.metrics["ttft_s"] for r in res)
-    decode = sum(len(r.token_ids) - 1 for r in res) / max(wall - first, 1e-9)
+    sp = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    # batch 1: the prompts one after another (ours depends on the text through speculation); else all at once
+    groups = [[p] for p in decode_prompts] if one_at_a_time else [decode_prompts]
+    decoded, seconds = 0, 0.0
+    for group in groups:
+        t0 = time.perf_counter()
+        res = engine.generate(group, mode=mode, sampling_params=sp)
+        seconds += time.perf_counter() - t0 - max(r.metrics["ttft_s"] for r in res)
+        decoded += sum(len(r.token_ids) - 1 for r in res)
+    decode = decoded / max(seconds, 1e-9)
     t0 = time.perf_counter()
     res = engine.generate([engine.tokenizer.decode(p) for p in prefill_ids], mode=mode,
                           sampling_params=SamplingParams(max_new_tokens=1))
@@ -93,6 +98,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=Path, default=Path("prompts/instructions_heldout.jsonl"))
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--batch1-prompts", type=int, default=8,
+                    help="at N=1 ours decodes this many held-out prompts one after another")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -105,7 +112,8 @@ def main() -> None:
         engines = {w: SpecEEEngine.from_pretrained(args.model, max_batch_size=n, weights=w, prefix_cache=False)
                    for w in weights}
         first = next(iter(engines.values()))
-        dec, pre = chat_prompts(first, args.prompts, n), long_prompts(first, args.prompts, n, args.prompt_tokens)
+        dec = chat_prompts(first, args.prompts, n if n > 1 else args.batch1_prompts)
+        pre = long_prompts(first, args.prompts, n, args.prompt_tokens)
         for w, e in engines.items():
             chosen[f"{w}@{n}"] = {"weights": e.model.weight_format, "dtype": str(e.model.dtype).removeprefix("torch.")}
             ours(e, dec[:1], pre[:1], 4, args.mode)  # warm-up: kernels, the plan's costs at this size
@@ -116,7 +124,7 @@ def main() -> None:
                 for k, v in got.items():
                     runs.setdefault(f"llama.cpp_{k}@{n}", []).append(v)
             for w, e in (engines.items() if rnd % 2 == 0 else reversed(engines.items())):
-                for k, v in ours(e, dec, pre, args.tokens, args.mode).items():
+                for k, v in ours(e, dec, pre, args.tokens, args.mode, one_at_a_time=n == 1).items():
                     runs.setdefault(f"{w}_{k}@{n}", []).append(v)
             print(json.dumps({k: round(v[-1], 1) for k, v in runs.items() if k.endswith(f"@{n}")}), flush=True)
         del engines
@@ -131,7 +139,7 @@ def main() -> None:
            "config": {k: str(v) for k, v in vars(args).items()}, "engines": chosen,
            "tokens_per_s_median": med, "tokens_per_s_runs": {k: [round(x, 1) for x in v] for k, v in runs.items()},
            "ratio_to_llama_cpp": ratios,
-           "note": "decode: N different prompts at once, tokens after each row's first over the seconds after the last "
+           "note": "decode: N different prompts at once (N=1: batch1-prompts prompts one after another), tokens after each row's first over the seconds after the last "
                    "first token (llama.cpp: S_TG at N parallel sequences); prefill: N prompts of prompt-tokens tokens, "
                    "prefix cache off, to the last first token (llama.cpp: S_PP)"}
     emit(out, args.out)

@@ -23,7 +23,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("lowbit_cpu.cpp")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("lowbit_cpu.cpp", "lowbit_i8.cpp", "layer_cpu.cpp"))
+HEADER = Path(__file__).with_name("lowbit_cpu.h")
 
 
 class CpuKernelUnavailable(RuntimeError):
@@ -37,7 +38,7 @@ def _build_dir() -> Path:
 
 def source_digest() -> str:
     """The kernel source's hash: names the build, and keys measured costs (a new kernel times anew)."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in (HEADER, *SOURCES))).hexdigest()[:12]
 
 
 @lru_cache(maxsize=2)
@@ -67,11 +68,11 @@ def lowbit_cpu(avx2_only: bool = False) -> ModuleType:
         log.warning("cannot create %s (%s); building the kernel in a temporary directory", build, e)
         build = Path(tempfile.mkdtemp(prefix=f"{name}-"))
     try:
-        mod = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build),
+        mod = cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], build_directory=str(build),
                                  extra_cflags=cflags,
                                  extra_ldflags=["-fopenmp"], verbose=False)
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, failed build
-        raise CpuKernelUnavailable(f"building {SOURCE.name} failed: {e}") from e
+        raise CpuKernelUnavailable(f"building {', '.join(p.name for p in SOURCES)} failed: {e}") from e
     log.info("low-bit CPU kernel %s loaded (%s, int8 activations: %s)", name, mod.simd(), mod.simd_i8())
     return mod
 

@@ -327,10 +327,15 @@ def test_smollm2_quantizes_back_into_the_gguf_files_own_blocks():
     assert checked == {"Q4_1": 210, "Q8_0": 1}
 
 
-def test_fused_layer_pieces_equal_the_unfused_ones(ee_model_dir):
-    """norm + qkv, o + residual and the whole MLP as one kernel call each equal the plain pieces."""
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_fused_layer_pieces_equal_the_unfused_ones(ee_model_dir, isa, monkeypatch):
+    """norm + qkv, o + residual and the whole MLP as one kernel call each (hand-written RMSNorm and SiLU)
+    equal the plain pieces (torch's ops), in the native build and the AVX2 one."""
+    from kernels.cpu_ext import lowbit_cpu
+    from specee_core.model import model as model_module
     from specee_core.model.model import FusedLowbitLinears, LayerLinears
 
+    monkeypatch.setattr(model_module, "cpu_kernel", lambda: lowbit_cpu(avx2_only=isa == "avx2"))
     e = SpecEEEngine.from_pretrained(ee_model_dir, dtype="float32", weights="q4")
     m = e.model
     fused = m.linears[1]
@@ -346,6 +351,39 @@ def test_fused_layer_pieces_equal_the_unfused_ones(ee_model_dir):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_fused_decode_layer_equals_the_layer_op_by_op(isa, monkeypatch):
+    """A whole decode layer in one call (RMSNorm, qkv, RoPE, the K/V written into the cache, attention over
+    it, o, the MLP) equals the layer run piece by piece through torch's RoPE and attention, on SmolLM2's
+    layer shapes (9 query heads over 3 K/V heads of 64), for one and three rows, at cache lengths 0 to 300:
+    the same K/V in the cache, the same hidden states up to fp32 rounding."""
+    from kernels.cpu_ext import lowbit_cpu
+    from specee_core.model import model as model_module, weight_plan
+    from specee_core.model.config import ModelConfig
+
+    monkeypatch.setattr(model_module, "cpu_kernel", lambda: lowbit_cpu(avx2_only=isa == "avx2"))
+    config = ModelConfig(vocab_size=256, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=512)
+    m = weight_plan.random_model(config, "q4", torch.float32, torch.Generator().manual_seed(1))
+    assert isinstance(m.linears[0], model_module.FusedLowbitLinears)
+    g = torch.Generator().manual_seed(0)
+    for n, start in ((1, 0), (1, 37), (3, 300)):
+        fused, plain = m.new_cache(n, 320), m.new_cache(n, 320)
+        if start:
+            pre = torch.randn(n, start, config.hidden_size, generator=g)
+            rope = m.rope_for(torch.arange(start).expand(n, start))
+            for cache in (fused, plain):
+                m.layer(0, pre, rope, cache)
+        h = torch.randn(n, 1, config.hidden_size, generator=g)
+        rope = m.rope_for(torch.full((n, 1), start))
+        a = m.layer(0, h, rope, fused)  # one token per row at a uniform length: the fused call
+        assert fused.lengths[0].tolist() == [start + 1] * n
+        b = m.layer(0, h, rope, plain, rows=torch.arange(n))  # explicit rows: torch's ops
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(fused.k, plain.k, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(fused.v, plain.v, rtol=1e-6, atol=1e-6)
+
+
 def test_quantization_error_is_measured_at_load(ee_model_dir):
     """A float checkpoint quantized at load reports its relative error (q4 > q8 > 0); float formats none."""
     errs = {f: SpecEEEngine.from_pretrained(ee_model_dir, dtype="float32", weights=f).weights_info()["quant_error"]
@@ -355,7 +393,7 @@ def test_quantization_error_is_measured_at_load(ee_model_dir):
 
 
 def test_the_weight_format_timings_are_measured_once_per_machine_and_shape(tmp_path, monkeypatch):
-    """weights="auto" times a step's linears once per key (machine, shape, dtype, batch, kernel ...) and caches
+    """weights="auto" times a decode step once per key (machine, shape, dtype, batch, kernel ...) and caches
     them: a second engine start reads them (timing again would fail here), another batch size measures anew."""
     from specee_core.model import weight_plan
     from specee_core.model.config import ModelConfig
@@ -363,18 +401,18 @@ def test_the_weight_format_timings_are_measured_once_per_machine_and_shape(tmp_p
     config = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
     cpu = torch.device("cpu")
-    first = weight_plan.measured_linears(config, 2, "q4", torch.bfloat16, cpu, root=tmp_path)
+    first = weight_plan.measured_steps(config, 2, "q4", torch.bfloat16, cpu, root=tmp_path)
     assert set(first) == {("q4", torch.float32), ("q4", torch.bfloat16), (None, torch.bfloat16)}
     assert all(t > 0 for t in first.values())
 
     def timed(*args, **kw):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(weight_plan, "time_step_linears", timed)
-    assert weight_plan.measured_linears(config, 2, "q4", torch.bfloat16, cpu, root=tmp_path) == first
+    monkeypatch.setattr(weight_plan, "time_step", timed)
+    assert weight_plan.measured_steps(config, 2, "q4", torch.bfloat16, cpu, root=tmp_path) == first
     with pytest.raises(AssertionError, match="measured again"):
-        weight_plan.measured_linears(config, 4, "q4", torch.bfloat16, cpu, root=tmp_path)
+        weight_plan.measured_steps(config, 4, "q4", torch.bfloat16, cpu, root=tmp_path)
     [saved] = (tmp_path / weight_plan.CACHE_FOLDER).glob("*.json")
     saved.write_text("{broken")  # an unreadable cache is measured again, with a warning
     with pytest.raises(AssertionError, match="measured again"):
-        weight_plan.measured_linears(config, 2, "q4", torch.bfloat16, cpu, root=tmp_path)
+        weight_plan.measured_steps(config, 2, "q4", torch.bfloat16, cpu, root=tmp_path)

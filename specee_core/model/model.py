@@ -2,7 +2,7 @@
 API (embed, layer i, final norm, LM head) so a caller can stop after any layer."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -136,11 +136,14 @@ class LayerLinears:
         return h + self.down(F.silu(gate).mul_(up))
 
 
+@dataclass
 class FusedLowbitLinears(LayerLinears):
     """Low-bit linears whose layer pieces (norm + qkv, o + residual, the whole MLP) are one C++ call each
     (kernels/lowbit_cpu.cpp): the norm, SiLU and residual adds between the GEMVs go through ATen from C++
     instead of a dozen Python-dispatched ops. Same math as LayerLinears' (tested against it). From the
     rows where dequantize + GEMM is faster (prefill: QuantLinear.dense_from), the pieces run unfused."""
+
+    _planes: list[list[torch.Tensor]] | None = field(default=None, repr=False)  # decode_layer's, made once
 
     def _prefill(self, x: torch.Tensor) -> bool:
         return self.qkv.dense_from(x.numel() // x.shape[-1])
@@ -167,9 +170,10 @@ class FusedLowbitLinears(LayerLinears):
                      slot: tuple[torch.Tensor, torch.Tensor, int], heads: tuple[int, int], scale: float) -> torch.Tensor:
         """The whole layer for h [N, 1, D], every row at cache length slot[2], in one kernel call (the K/V
         written into slot; the caller advances the cache)."""
-        planes = [[t for t in (lin.qw.qs, lin.qw.d, lin.qw.m) if t is not None]
-                  for lin in (self.qkv, self.o, self.gate_up, self.down)]
-        out = cpu_kernel().decode_layer(_rows2d(h), norms[0].weight, norms[1].weight, norms[0].eps, *planes,
+        if self._planes is None:
+            self._planes = [[t for t in (lin.qw.qs, lin.qw.d, lin.qw.m) if t is not None]
+                            for lin in (self.qkv, self.o, self.gate_up, self.down)]
+        out = cpu_kernel().decode_layer(_rows2d(h), norms[0].weight, norms[1].weight, norms[0].eps, *self._planes,
                                           *rope, *slot, *heads, scale)
         return out.view(h.shape)
 

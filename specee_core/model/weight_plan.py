@@ -2,8 +2,8 @@
 
 The checkpoint's own low-bit format is a candidate only where it has one (a GGUF conversion whose
 matrices were Q4_1 / Q8_0 blocks: quantizing them again gives back exactly those blocks, so nothing is
-approximated). It is chosen when a step's linears, timed here on random weights of the model's shapes
-at the batch size in use, are faster than the dtype's dense ones. The same blocks with int8 activations
+approximated). It is chosen when a decode step, timed here on random weights of the model's shapes
+at the batch size in use, is faster than in the dtype's dense matrices. The same blocks with int8 activations
 (q4a8: llama.cpp's arithmetic) are not a candidate: on SmolLM2 their greedy outputs part from fp32's
 sooner than bf16's do (docs/RESULTS.md, "int8 activations"); ask for them by name. Pure functions of what
 was measured; the reason string says it.
@@ -22,7 +22,7 @@ from specee_core.model.quant import QK, cpu_kernel, dtype_name, random_weight
 
 log = logging.getLogger(__name__)
 CACHE_FOLDER = "weight_plans"  # beside the plans' cost tables (specee_core.machine.cache_path)
-VERSION = 2  # a change to what time_step_linears measures, or to its file, bumps it
+VERSION = 3  # a change to what time_step measures, or to its file, bumps it
 
 
 def checkpoint_format(model_dir) -> tuple[str | None, str]:
@@ -40,37 +40,65 @@ def checkpoint_format(model_dir) -> tuple[str | None, str]:
     return fmt, f"{rec.source} ({', '.join(f'{n} {t}' for t, n in sorted(quant.items()))})"
 
 
-def time_step_linears(config, batch: int, fmt: str | None, dtype: torch.dtype, repeats: int = 3) -> float:
-    """ms of a decode step's linears (every layer's, distinct weights so they stream from memory as in a
-    real step, and the LM head: q8 with a low-bit fmt) over `batch` rows of random weights in fmt (None:
-    dense in dtype), activations in dtype."""
-    c, gen = config, torch.Generator().manual_seed(0)
+def random_model(config, fmt: str | None, dtype: torch.dtype, gen: torch.Generator):
+    """A LlamaModel of config's shapes with random weights in fmt (None: dense in dtype; the LM head q8 with
+    a low-bit fmt, as a GGUF's is), activations in dtype, norms of ones: for timing and kernel tests."""
+    from specee_core.model.model import LayerWeights, LlamaModel, ModelWeights
+
+    c, d = config, config.hidden_size
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    layer = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q), (2 * c.intermediate_size, c.hidden_size),
-             (c.hidden_size, c.intermediate_size)]
-    shapes = layer * c.num_hidden_layers + [(c.vocab_size, c.hidden_size)]
-    fmts = [fmt] * (len(shapes) - 1) + [None if fmt is None else "q8a8" if fmt.endswith("a8") else "q8"]
-    lins = [make_linear(random_weight(o, i, f, dtype, gen)) for (o, i), f in zip(shapes, fmts)]
-    xs = {i: torch.randn(batch, i, generator=gen).to(dtype) for _, i in shapes}
-    samples = []
-    for rnd in range(repeats + 1):
-        t = time.perf_counter()
-        for lin, (_, i) in zip(lins, shapes):
-            lin(xs[i])
-        if rnd:  # round 0 warms up (and packs oneDNN weights)
-            samples.append((time.perf_counter() - t) * 1e3)
+
+    def weight(o: int, i: int, f: str | None = fmt):
+        return random_weight(o, i, f, dtype, gen)
+
+    def norm() -> torch.Tensor:
+        return torch.ones(d, dtype=dtype)
+
+    layers = [LayerWeights(norm(), weight(q + 2 * kv, d), None, weight(d, q), None, norm(),
+                           weight(2 * c.intermediate_size, d), None, weight(d, c.intermediate_size), None)
+              for _ in range(c.num_hidden_layers)]
+    head = weight(c.vocab_size, d, None if fmt is None else "q8a8" if fmt.endswith("a8") else "q8")
+    return LlamaModel(c, ModelWeights(head, layers, norm(), head), "cpu", dtype)
+
+
+def time_step(config, batch: int, fmt: str | None, dtype: torch.dtype, repeats: int = 3, context: int = 64) -> float:
+    """ms of a decode step over `batch` rows, each one token after `context` cached ones: every decoder layer
+    (the linears, norms, RoPE, attention and the K/V write, through the code path the engine takes for
+    that format: the fused C++ layer for low-bit weights with fp32 activations) and the final norm and LM
+    head (q8 with a low-bit fmt), on a model of the config's shapes with random weights in fmt (None: dense
+    in dtype), activations in dtype. Distinct weights per layer stream from memory as in a real step."""
+    c, gen = config, torch.Generator().manual_seed(0)
+    d = c.hidden_size
+    model = random_model(c, fmt, dtype, gen)
+    cache = model.new_cache(batch, context + repeats + 1)
+    with torch.inference_mode():
+        h = torch.randn(batch, context, d, generator=gen).to(dtype)
+        rope = model.rope_for(torch.arange(context).expand(batch, context))
+        for i in range(model.num_layers):  # fill the cache: the prompt's K/V
+            h = model.layer(i, h, rope, cache)
+        x = torch.randn(batch, 1, d, generator=gen).to(dtype)
+        samples = []
+        for rnd in range(repeats + 1):
+            t = time.perf_counter()
+            h = x
+            rope = model.rope_for(torch.full((batch, 1), context + rnd))
+            for i in range(model.num_layers):
+                h = model.layer(i, h, rope, cache)
+            model.logits(h)
+            if rnd:  # round 0 warms up (and packs oneDNN weights)
+                samples.append((time.perf_counter() - t) * 1e3)
     return statistics.median(samples)
 
 
 def choose_weights(model_dir, config, device: torch.device, dtype: torch.dtype,
                    batch: int) -> tuple[str | None, torch.dtype, str]:
     """weights "auto": the checkpoint's own low-bit format when it has one (so nothing is approximated)
-    and its linears run faster here, at `batch` rows, than the same shapes in `dtype`; else None (the
+    and a decode step in it runs faster here, at `batch` rows, than the same shapes in `dtype`; else None (the
     matrices in dtype). Returns (format or None, activation dtype, reason). The low-bit format is timed
     with fp32 activations and, where dtype is bf16, with bf16 activations (bf16 dot products over the
     weights rounded to bf16: what the bf16 engine computes, from a quarter of the bytes). Measured on
     random weights of the model's shapes (5 s for a 135M model on 2 cores), once per machine, model shape,
-    dtype and batch size (measured_linears)."""
+    dtype and batch size (measured_steps)."""
     fmt, source = checkpoint_format(model_dir)
     name = dtype_name(dtype)
     if fmt is None:
@@ -82,20 +110,20 @@ def choose_weights(model_dir, config, device: torch.device, dtype: torch.dtype,
     c = config
     if any(i % QK for i in (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim)):
         return None, dtype, f"{name}: the model's input dims are not multiples of {QK}"
-    ms = measured_linears(c, batch, fmt, dtype, device)
+    ms = measured_steps(c, batch, fmt, dtype, device)
     (best_fmt, best_act) = min(ms, key=ms.get)
     measured = ", ".join(f"{f or name}{'' if f is None or f.endswith('a8') else ' + ' + dtype_name(a)} {t:.1f}"
                          for (f, a), t in ms.items())
-    measured = f"linears ms per step at batch {batch} here: {measured}"
+    measured = f"ms per decode step at batch {batch} here: {measured}"
     if best_fmt is None:
         return None, dtype, f"{name}: faster than the checkpoint's {fmt} ({measured})"
     acts = "int8" if best_fmt.endswith("a8") else dtype_name(best_act)
     return best_fmt, best_act, f"{best_fmt} with {acts} activations: the checkpoint's own blocks, {source}; {measured}"
 
 
-def measured_linears(config, batch: int, fmt: str, dtype: torch.dtype, device: torch.device,
+def measured_steps(config, batch: int, fmt: str, dtype: torch.dtype, device: torch.device,
                      root=None) -> dict[tuple[str | None, torch.dtype], float]:
-    """{(fmt or None, activation dtype): ms of a step's linears}: the low-bit format with fp32 activations (and
+    """{(fmt or None, activation dtype): ms of a decode step}: the low-bit format with fp32 activations (and
     bf16 ones where dtype is bf16), and the dense matrices in dtype. Measured once per machine, torch, thread
     count, model shape, dtype, batch size and kernel source, under the machine's measuring lock (engines
     starting side by side would time each other), and cached: every later engine start reads it."""
@@ -109,8 +137,8 @@ def measured_linears(config, batch: int, fmt: str, dtype: torch.dtype, device: t
 
     def measure() -> dict:
         acts = [torch.float32] + ([torch.bfloat16] if dtype == torch.bfloat16 else [])
-        ms = {(fmt, a): time_step_linears(c, batch, fmt, a) for a in acts}
-        ms[(None, dtype)] = time_step_linears(c, batch, None, dtype)
+        ms = {(fmt, a): time_step(c, batch, fmt, a) for a in acts}
+        ms[(None, dtype)] = time_step(c, batch, None, dtype)
         return ms
 
     return measured_once(key, measure, "weight timings", root, CACHE_FOLDER,

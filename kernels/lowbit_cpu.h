@@ -1,0 +1,78 @@
+// Declarations shared by the CPU kernel's sources (lowbit_cpu.cpp: the fp32 / bf16 GEMV and the module;
+// lowbit_i8.cpp: int8 activations; layer_cpu.cpp: a decoder layer's pieces), and the SIMD level the build has.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define LOWBIT_AVX2 1
+#else
+#define LOWBIT_AVX2 0
+#endif
+#if LOWBIT_AVX2 && defined(__AVX512F__)
+#define LOWBIT_AVX512 1
+#else
+#define LOWBIT_AVX512 0
+#endif
+
+constexpr int64_t QK = 32;  // weights per block
+
+inline float h2f(const at::Half h) {
+#if LOWBIT_AVX2
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+inline void check(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, int64_t bytes_per_block) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous fp32 [B, I]");
+  const int64_t in = x.size(1);
+  TORCH_CHECK(in % QK == 0, "in_features ", in, " is not a multiple of ", QK);
+  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.size(1) == in / QK * bytes_per_block,
+              "qs must be contiguous [O, ", in / QK * bytes_per_block, "], got ", qs.sizes());
+  TORCH_CHECK(d.dim() == 2 && d.scalar_type() == at::kHalf && d.is_contiguous() && d.size(0) == qs.size(0) &&
+                  d.size(1) == in / QK,
+              "scales must be contiguous fp16 [O, I/32]");
+}
+
+#if LOWBIT_AVX2
+inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+#endif
+
+// fp32 activations (lowbit_cpu.cpp)
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
+torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
+                         const c10::optional<torch::Tensor>& m);
+// int8 activations (lowbit_i8.cpp)
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows_i8(torch::Tensor x);
+torch::Tensor q4_linear_i8(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
+torch::Tensor q8_linear_i8(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
+const char* simd_i8();
+// a decoder layer's pieces (layer_cpu.cpp)
+torch::Tensor linear_add(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
+                         torch::Tensor residual);
+torch::Tensor norm_linear(torch::Tensor x, torch::Tensor norm_w, double eps, torch::Tensor qs, torch::Tensor d,
+                          c10::optional<torch::Tensor> m);
+torch::Tensor mlp(torch::Tensor h, torch::Tensor norm_w, double eps, torch::Tensor gu_qs, torch::Tensor gu_d,
+                  c10::optional<torch::Tensor> gu_m, torch::Tensor dn_qs, torch::Tensor dn_d,
+                  c10::optional<torch::Tensor> dn_m);
+torch::Tensor decode_layer(torch::Tensor h, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
+                           std::vector<torch::Tensor> qkv_w, std::vector<torch::Tensor> o_w,
+                           std::vector<torch::Tensor> gu_w, std::vector<torch::Tensor> dn_w, torch::Tensor cos,
+                           torch::Tensor sin, torch::Tensor kc, torch::Tensor vc, int64_t start, int64_t heads,
+                           int64_t kv_heads, double scale);
