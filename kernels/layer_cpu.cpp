@@ -10,31 +10,7 @@
 
 namespace {
 
-// ---- vector helpers: sum(a * b), y += a * x, exp (Cephes' polynomial, within 2 ulp of expf)
-inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float s = 0.f;
-#if LOWBIT_AVX512
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  for (; i + 32 <= n; i += 32) {
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
-  }
-  for (; i + 16 <= n; i += 16) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-  s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-#elif LOWBIT_AVX2
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-  }
-  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  s = hsum(_mm256_add_ps(acc0, acc1));
-#endif
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
+// ---- vector helpers (dot in lowbit_cpu.h): y += a * x, exp (Cephes' polynomial, within 2 ulp of expf)
 inline void axpy(float* y, float a, const float* x, int64_t n) {
   int64_t i = 0;
 #if LOWBIT_AVX512
@@ -156,25 +132,34 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return y;
 }
 
-// One query per (row, head) over keys [0, len) of its KV head (GQA: heads / kv_heads query heads share one):
-// o = softmax(scale * q K^T) V. q, o [N, H, hd]; K, V strided [N, Hkv, S, hd] (s* the strides of N, Hkv, S).
-void attend_one(const float* q, const float* kc, const float* vc, float* o, int64_t n, int64_t heads,
-                int64_t kv_heads, int64_t s_n, int64_t s_h, int64_t s_t, int64_t len, int64_t hd, float scale) {
-  const int64_t group = heads / kv_heads;
+// Attention for T new tokens per row written at slots [start, start + T) of a cache every row fills to `start`:
+// query (row r, token j, head h) sees slots [0, start) and the chunk's slots start + i that tree[r, j, i] marks
+// (nullptr: i <= j, a causal chunk). o = softmax(scale * q K^T) V over what it sees. GQA: heads / kv_heads
+// query heads share a K/V head. q, o [N T, H, hd]; K, V strided [N, Hkv, S, hd] (s_* the strides of N, Hkv, S).
+void attend(const float* q, const float* kc, const float* vc, const bool* tree, float* o, int64_t n, int64_t t,
+            int64_t heads, int64_t kv_heads, int64_t s_n, int64_t s_h, int64_t s_t, int64_t start, int64_t hd,
+            float scale) {
+  const int64_t group = heads / kv_heads, len = start + t;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, len * hd));  // ~32k multiply-adds a task
-  at::parallel_for(0, n * heads, grain, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, n * t * heads, grain, [&](int64_t b0, int64_t b1) {
     std::vector<float> p(len);
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t r = b / heads, kvh = (b % heads) / group;
+      const int64_t row = b / heads, r = row / t, j = row % t, kvh = (b % heads) / group;
       const float* qb = q + b * hd;
       const float* K = kc + r * s_n + kvh * s_h;
       const float* V = vc + r * s_n + kvh * s_h;
+      auto sees = [&](int64_t i) { return tree != nullptr ? tree[row * t + i] : i <= j; };
       float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < len; ++t) mx = std::max(mx, p[t] = dot(qb, K + t * s_t, hd) * scale);
-      const float inv = 1.f / exp_shifted(p.data(), mx, p.data(), len);
+      for (int64_t x = 0; x < start; ++x) mx = std::max(mx, p[x] = dot(qb, K + x * s_t, hd) * scale);
+      for (int64_t i = 0; i < t; ++i)
+        if (sees(i)) mx = std::max(mx, p[start + i] = dot(qb, K + (start + i) * s_t, hd) * scale);
+      float sum = exp_shifted(p.data(), mx, p.data(), start);
+      for (int64_t i = 0; i < t; ++i) sum += (p[start + i] = sees(i) ? exp_scalar(p[start + i] - mx) : 0.f);
+      const float inv = 1.f / sum;
       float* ob = o + b * hd;
       std::fill(ob, ob + hd, 0.f);
-      for (int64_t t = 0; t < len; ++t) axpy(ob, p[t] * inv, V + t * s_t, hd);
+      for (int64_t x = 0; x < len; ++x)
+        if (p[x] != 0.f) axpy(ob, p[x] * inv, V + x * s_t, hd);
     }
   });
 }
@@ -211,40 +196,50 @@ torch::Tensor mlp(torch::Tensor h, torch::Tensor norm_w, double eps, torch::Tens
   return linear_add(act, dn_qs, dn_d, dn_m, h);
 }
 
-// A whole decoder layer for one new token per row, every row at the same cache length `start`:
-// norm + qkv, RoPE on q and k (rotate-half with the sign folded into sin: x*cos + roll(x)*sin), the
-// token's K/V written into slot `start` of kc / vc [N, Hkv, S, hd], attention over slots [0, start],
-// o + residual, the MLP. h [N, D] fp32; cos, sin [N, 1, 1, hd]. The Python layer's math.
+// A whole decoder layer for T new tokens per row (a decode step: T = 1; a drafted chain or tree being
+// verified: T nodes), every row's cache filled to the same length `start`: norm + qkv, RoPE on q and k
+// (rotate-half with the sign folded into sin: x*cos + roll(x)*sin), the tokens' K/V written into slots
+// [start, start + T) of kc / vc [N, Hkv, S, hd], attention (see attend; tree [N, T, T] bool, node j sees
+// node i where tree[r, j, i], none: causal), o + residual, the MLP. h [N T, D] fp32, row-major over (row,
+// token); cos, sin [N, 1, T, hd]. The Python layer's math.
 torch::Tensor decode_layer(torch::Tensor h, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
                            std::vector<torch::Tensor> qkv_w, std::vector<torch::Tensor> o_w,
                            std::vector<torch::Tensor> gu_w, std::vector<torch::Tensor> dn_w, torch::Tensor cos,
                            torch::Tensor sin, torch::Tensor kc, torch::Tensor vc, int64_t start, int64_t heads,
-                           int64_t kv_heads, double scale) {
-  const int64_t n = h.size(0), hd = kc.size(3), half = hd / 2;
+                           int64_t kv_heads, double scale, c10::optional<torch::Tensor> tree) {
+  const int64_t n = kc.size(0), rows = h.size(0), t = rows / std::max<int64_t>(n, 1), hd = kc.size(3), half = hd / 2;
   TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.stride(3) == 1 &&
-                  vc.stride(3) == 1 && kc.strides() == vc.strides() && kc.size(0) == n && kc.size(1) == kv_heads,
+                  vc.stride(3) == 1 && kc.strides() == vc.strides() && kc.sizes() == vc.sizes() && kc.size(1) == kv_heads,
               "the K/V slots must be fp32 [N, Hkv, S, hd] with unit stride over hd");
-  TORCH_CHECK(start < kc.size(2), "slot ", start, " is past the cache's ", kc.size(2));
+  TORCH_CHECK(t >= 1 && rows == n * t, "h has ", rows, " rows: not T tokens for each of the cache's ", n, " rows");
+  TORCH_CHECK(start + t <= kc.size(2), "slots ", start, "..", start + t, " are past the cache's ", kc.size(2));
   cos = cos.contiguous();  // a batch of one may come as a broadcast view
   sin = sin.contiguous();
-  TORCH_CHECK(cos.numel() == n * hd && sin.numel() == n * hd && cos.scalar_type() == at::kFloat &&
+  TORCH_CHECK(cos.numel() == rows * hd && sin.numel() == rows * hd && cos.scalar_type() == at::kFloat &&
                   sin.scalar_type() == at::kFloat,
-              "cos, sin must be fp32 [N, 1, 1, hd]");
+              "cos, sin must be fp32 [N, 1, T, hd]");
   TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  const bool* ptree = nullptr;
+  if (tree.has_value()) {
+    TORCH_CHECK(tree->scalar_type() == at::kBool && tree->is_contiguous() && tree->numel() == n * t * t,
+                "tree must be a contiguous bool [N, T, T]");
+    ptree = tree->data_ptr<bool>();
+  }
   auto [qq, qd, qm] = planes_of(qkv_w);
-  auto qkv = norm_linear(h, in_norm, eps, qq, qd, qm);  // [N, (H + 2 Hkv) hd]
+  auto qkv = norm_linear(h, in_norm, eps, qq, qd, qm);  // [N T, (H + 2 Hkv) hd]
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * hd, "qkv has ", qkv.size(1), " columns");
-  auto q = torch::empty({n, heads, hd}, h.options());
+  auto q = torch::empty({rows, heads, hd}, h.options());
   const float* pqkv = qkv.data_ptr<float>();
   const float *pc = cos.data_ptr<float>(), *ps = sin.data_ptr<float>();
   float *pq = q.data_ptr<float>(), *pk = kc.data_ptr<float>(), *pv = vc.data_ptr<float>();
   const int64_t s_n = kc.stride(0), s_h = kc.stride(1), s_t = kc.stride(2), width = qkv.size(1);
-  for (int64_t r = 0; r < n; ++r) {
-    const float *c = pc + r * hd, *s = ps + r * hd;
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t r = row / t, slot = start + row % t;
+    const float *c = pc + row * hd, *s = ps + row * hd;
     for (int64_t j = 0; j < heads + 2 * kv_heads; ++j) {
-      const float* x = pqkv + r * width + j * hd;
-      float* dst = j < heads ? pq + (r * heads + j) * hd
-                             : (j < heads + kv_heads ? pk : pv) + r * s_n + ((j - heads) % kv_heads) * s_h + start * s_t;
+      const float* x = pqkv + row * width + j * hd;
+      float* dst = j < heads ? pq + (row * heads + j) * hd
+                             : (j < heads + kv_heads ? pk : pv) + r * s_n + ((j - heads) % kv_heads) * s_h + slot * s_t;
       if (j >= heads + kv_heads) {
         std::copy(x, x + hd, dst);
         continue;
@@ -252,9 +247,9 @@ torch::Tensor decode_layer(torch::Tensor h, torch::Tensor in_norm, torch::Tensor
       for (int64_t i = 0; i < hd; ++i) dst[i] = x[i] * c[i] + x[i < half ? i + half : i - half] * s[i];
     }
   }
-  auto o = torch::empty({n, heads * hd}, h.options());
-  attend_one(pq, pk, pv, o.data_ptr<float>(), n, heads, kv_heads, s_n, s_h, s_t, start + 1, hd,
-             static_cast<float>(scale));
+  auto o = torch::empty({rows, heads * hd}, h.options());
+  attend(pq, pk, pv, ptree, o.data_ptr<float>(), n, t, heads, kv_heads, s_n, s_h, s_t, start, hd,
+         static_cast<float>(scale));
   auto [oq, od, om] = planes_of(o_w);
   h = linear_add(o, oq, od, om, h);
   auto [gq, gd, gm] = planes_of(gu_w);

@@ -53,35 +53,11 @@ inline void unpack_q8(const int8_t* blk, __m256 q[4]) {
   q[3] = i8x8_to_ps(_mm_srli_si128(r1, 8));
 }
 
-// A row's block scales d as fp32 into dv [g]; returns the minimum's term sum_k m_k xs_k (q4; 0 for q8).
+// A row's block scales as fp32: d into dv [g] and, for q4, m into mv [g]
 template <bool Q4>
-inline float row_scales(const at::Half* d, const at::Half* m, const float* xs, int64_t g, float* dv) {
-  int64_t k = 0;
-  float accm = 0.f;
-#if LOWBIT_AVX512
-  __m512 vm = _mm512_setzero_ps();
-  for (; k + 16 <= g; k += 16) {
-    _mm512_storeu_ps(dv + k, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + k))));
-    if (Q4)
-      vm = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + k))),
-                           _mm512_loadu_ps(xs + k), vm);
-  }
-  accm = _mm512_reduce_add_ps(vm);
-#else
-  __m256 vm = _mm256_setzero_ps();
-  for (; k + 8 <= g; k += 8) {
-    _mm256_storeu_ps(dv + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + k))));
-    if (Q4)
-      vm = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + k))),
-                           _mm256_loadu_ps(xs + k), vm);
-  }
-  accm = hsum(vm);
-#endif
-  for (; k < g; ++k) {
-    dv[k] = h2f(d[k]);
-    if (Q4) accm += h2f(m[k]) * xs[k];
-  }
-  return accm;
+inline void row_scales(const at::Half* dp, const at::Half* mp, int64_t o, int64_t g, float* dv, float* mv) {
+  halves_to_f32(dp + o * g, g, dv);
+  if (Q4) halves_to_f32(mp + o * g, g, mv);
 }
 
 // Output rows [o0, o1) for NB activation rows x[0..NB) (stride in); accumulators live in registers.
@@ -90,12 +66,12 @@ inline float row_scales(const at::Half* d, const at::Half* m, const float* xs, i
 #if LOWBIT_AVX512
 // a block's 32 weights in fp32, elements 0..15 in w0 and 16..31 in w1: w = d * q + m (q4) or d * q (q8)
 template <bool Q4>
-inline void block_weights_512(const uint8_t* blk, at::Half d, at::Half m, __m512& w0, __m512& w1) {
-  const __m512 vd = _mm512_set1_ps(h2f(d));
+inline void block_weights_512(const uint8_t* blk, float d, float m, __m512& w0, __m512& w1) {
+  const __m512 vd = _mm512_set1_ps(d);
   if (Q4) {
     const __m128i low = _mm_set1_epi8(0x0F);
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
-    const __m512 vm = _mm512_set1_ps(h2f(m));
+    const __m512 vm = _mm512_set1_ps(m);
     w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low))), vd, vm);
     w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low))), vd, vm);
   } else {
@@ -109,13 +85,15 @@ template <int NB, bool Q4>
 void rows_simd(const float* x, int64_t in, const uint8_t* qp, const at::Half* dp, const at::Half* mp, float* y,
                int64_t out, int64_t o0, int64_t o1) {
   const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
+  std::vector<float> dv(g), mv(g);
   for (int64_t o = o0; o < o1; ++o) {
+    row_scales<Q4>(dp, mp, o, g, dv.data(), mv.data());
     __m512 acc[2][NB];
     for (int r = 0; r < NB; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
     const uint8_t* row = qp + o * g * bpb;
     for (int64_t k = 0; k < g; ++k) {
       __m512 w0, w1;
-      block_weights_512<Q4>(row + k * bpb, dp[o * g + k], Q4 ? mp[o * g + k] : at::Half(0.f), w0, w1);
+      block_weights_512<Q4>(row + k * bpb, dv[k], Q4 ? mv[k] : 0.f, w0, w1);
       const int p = k & 1;
       for (int r = 0; r < NB; ++r) {
         const float* xr = x + r * in + k * QK;
@@ -135,9 +113,10 @@ void row1_simd(const float* x, const float* xs, int64_t in, const uint8_t* qp, c
                const at::Half* mp, float* y, int64_t o0, int64_t o1) {
   const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
   const __m128i low = _mm_set1_epi8(0x0F);
-  std::vector<float> dv(g);
+  std::vector<float> dv(g), mv(g);
   for (int64_t o = o0; o < o1; ++o) {
-    const float accm = row_scales<Q4>(dp + o * g, Q4 ? mp + o * g : nullptr, xs, g, dv.data());
+    row_scales<Q4>(dp, mp, o, g, dv.data(), mv.data());
+    const float accm = Q4 ? dot(mv.data(), xs, g) : 0.f;
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     const uint8_t* row = qp + o * g * bpb;
     int64_t k = 0;
@@ -169,15 +148,17 @@ template <int NB, bool Q4>
 void rows_simd(const float* x, int64_t in, const uint8_t* qp, const at::Half* dp, const at::Half* mp, float* y,
                int64_t out, int64_t o0, int64_t o1) {
   const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
+  std::vector<float> dv(g), mv(g);
   for (int64_t o = o0; o < o1; ++o) {
+    row_scales<Q4>(dp, mp, o, g, dv.data(), mv.data());
     __m256 acc[2][NB];
     for (int r = 0; r < NB; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     const uint8_t* row = qp + o * g * bpb;
     for (int64_t k = 0; k < g; ++k) {
       __m256 w[4];
       if (Q4) unpack_q4(row + k * bpb, w); else unpack_q8(reinterpret_cast<const int8_t*>(row + k * bpb), w);
-      const __m256 vd = _mm256_set1_ps(h2f(dp[o * g + k]));
-      const __m256 vm = _mm256_set1_ps(Q4 ? h2f(mp[o * g + k]) : 0.f);
+      const __m256 vd = _mm256_set1_ps(dv[k]);
+      const __m256 vm = _mm256_set1_ps(Q4 ? mv[k] : 0.f);
       for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(w[j], vd, vm);
       const int p = k & 1;
       for (int r = 0; r < NB; ++r) {
@@ -195,9 +176,10 @@ template <bool Q4>
 void row1_simd(const float* x, const float* xs, int64_t in, const uint8_t* qp, const at::Half* dp,
                const at::Half* mp, float* y, int64_t o0, int64_t o1) {
   const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
-  std::vector<float> dv(g);
+  std::vector<float> dv(g), mv(g);
   for (int64_t o = o0; o < o1; ++o) {
-    const float accm = row_scales<Q4>(dp + o * g, Q4 ? mp + o * g : nullptr, xs, g, dv.data());
+    row_scales<Q4>(dp, mp, o, g, dv.data(), mv.data());
+    const float accm = Q4 ? dot(mv.data(), xs, g) : 0.f;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     const uint8_t* row = qp + o * g * bpb;
     auto block = [&](int64_t kk, __m256& acc) {
@@ -259,14 +241,21 @@ torch::Tensor lowbit_linear(const torch::Tensor& x, const torch::Tensor& qs, con
   const std::vector<float> xs = b == 1 ? block_sums(xp, 1, in) : std::vector<float>();
   at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
 #if LOWBIT_AVX2
-    int64_t r = 0;  // activation rows in tiles of 8 (AVX-512: 32 registers) or 4, then the rest
+    int64_t r = 0;  // activation rows in tiles of 8 (AVX-512: 32 registers) or 4, then the rest in one pass
 #if LOWBIT_AVX512
     for (; r + 8 <= b; r += 8) rows_simd<8, Q4>(xp + r * in, in, qp, dp, mp, yp + r * out, out, o0, o1);
-#endif
+#else
     for (; r + 4 <= b; r += 4) rows_simd<4, Q4>(xp + r * in, in, qp, dp, mp, yp + r * out, out, o0, o1);
+#endif
     const float* xr = xp + r * in;
     float* yr = yp + r * out;
     switch (b - r) {
+#if LOWBIT_AVX512
+      case 7: rows_simd<7, Q4>(xr, in, qp, dp, mp, yr, out, o0, o1); break;
+      case 6: rows_simd<6, Q4>(xr, in, qp, dp, mp, yr, out, o0, o1); break;
+      case 5: rows_simd<5, Q4>(xr, in, qp, dp, mp, yr, out, o0, o1); break;
+      case 4: rows_simd<4, Q4>(xr, in, qp, dp, mp, yr, out, o0, o1); break;
+#endif
       case 3: rows_simd<3, Q4>(xr, in, qp, dp, mp, yr, out, o0, o1); break;
       case 2: rows_simd<2, Q4>(xr, in, qp, dp, mp, yr, out, o0, o1); break;
       case 1:
@@ -309,14 +298,16 @@ void rows_bf16(const at::BFloat16* x, int64_t in, const uint8_t* qp, const at::H
                float* y, int64_t out, int64_t o0, int64_t o1) {
   constexpr int P = NB >= 8 ? 1 : 2;  // accumulators per row: few rows need two to hide the latency
   const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
+  std::vector<float> dv(g), mv(g);
   for (int64_t o = o0; o < o1; ++o) {
+    row_scales<Q4>(dp, mp, o, g, dv.data(), mv.data());
     __m512 acc[P][NB];
     for (int p = 0; p < P; ++p)
       for (int r = 0; r < NB; ++r) acc[p][r] = _mm512_setzero_ps();
     const uint8_t* row = qp + o * g * bpb;
     for (int64_t k = 0; k < g; ++k) {
       __m512 w0, w1;
-      block_weights_512<Q4>(row + k * bpb, dp[o * g + k], Q4 ? mp[o * g + k] : at::Half(0.f), w0, w1);
+      block_weights_512<Q4>(row + k * bpb, dv[k], Q4 ? mv[k] : 0.f, w0, w1);
       const __m512bh wb = _mm512_cvtne2ps_pbh(w1, w0);  // elements 0..15 from w0, 16..31 from w1
       const int p = P == 1 ? 0 : int(k & 1);
       for (int r = 0; r < NB; ++r) {
@@ -415,7 +406,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("linear_bf16", &linear_bf16, "x bf16 [B, I] @ dequant(W)^T -> fp32 [B, O] (bf16 dot products where native)");
   mod.def("has_bf16", []() { return bool(LOWBIT_BF16); });
   mod.def("norm_linear", &norm_linear, "rms_norm(x) * norm_w @ dequant(W)^T");
-  mod.def("decode_layer", &decode_layer, "a decoder layer for one token per row at a uniform cache length");
+  mod.def("decode_layer", &decode_layer, "a decoder layer for T new tokens per row (a step, a chain, a tree) at a "
+          "uniform cache length");
   mod.def("mlp", &mlp, "h + down(silu(gate) * up), (gate, up) = gate_up(rms_norm(h) * norm_w)");
   mod.def("quantize_rows_i8", &quantize_rows_i8,
           "x fp32/bf16 [B, I] -> (qx int8 [B, I], dx fp32 [B, I/32], sx fp32 [B, I/32]): Q8_1 blocks, fp32 scales");

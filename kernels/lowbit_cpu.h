@@ -53,6 +53,44 @@ inline float hsum(__m256 v) {
 }
 #endif
 
+// sum(a[i] * b[i])
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#if LOWBIT_AVX512
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (; i + 32 <= n; i += 32) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+  }
+  for (; i + 16 <= n; i += 16) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+  s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#elif LOWBIT_AVX2
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  s = hsum(_mm256_add_ps(acc0, acc1));
+#endif
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// g fp16 numbers into fp32 (sixteen or eight at a time)
+inline void halves_to_f32(const at::Half* h, int64_t g, float* out) {
+  int64_t k = 0;
+#if LOWBIT_AVX512
+  for (; k + 16 <= g; k += 16)
+    _mm512_storeu_ps(out + k, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + k))));
+#elif LOWBIT_AVX2
+  for (; k + 8 <= g; k += 8)
+    _mm256_storeu_ps(out + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + k))));
+#endif
+  for (; k < g; ++k) out[k] = h2f(h[k]);
+}
+
 // fp32 activations (lowbit_cpu.cpp)
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
@@ -75,4 +113,4 @@ torch::Tensor decode_layer(torch::Tensor h, torch::Tensor in_norm, torch::Tensor
                            std::vector<torch::Tensor> qkv_w, std::vector<torch::Tensor> o_w,
                            std::vector<torch::Tensor> gu_w, std::vector<torch::Tensor> dn_w, torch::Tensor cos,
                            torch::Tensor sin, torch::Tensor kc, torch::Tensor vc, int64_t start, int64_t heads,
-                           int64_t kv_heads, double scale);
+                           int64_t kv_heads, double scale, c10::optional<torch::Tensor> tree);

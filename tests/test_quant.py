@@ -355,8 +355,9 @@ def test_fused_layer_pieces_equal_the_unfused_ones(ee_model_dir, isa, monkeypatc
 def test_fused_decode_layer_equals_the_layer_op_by_op(isa, monkeypatch):
     """A whole decode layer in one call (RMSNorm, qkv, RoPE, the K/V written into the cache, attention over
     it, o, the MLP) equals the layer run piece by piece through torch's RoPE and attention, on SmolLM2's
-    layer shapes (9 query heads over 3 K/V heads of 64), for one and three rows, at cache lengths 0 to 300:
-    the same K/V in the cache, the same hidden states up to fp32 rounding."""
+    layer shapes (9 query heads over 3 K/V heads of 64), for one and three rows, at cache lengths 0 to 300,
+    one new token per row or a draft tree of 5 being verified (each node sees its ancestors): the same K/V
+    in the cache, the same hidden states up to fp32 rounding."""
     from kernels.cpu_ext import lowbit_cpu
     from specee_core.model import model as model_module, weight_plan
     from specee_core.model.config import ModelConfig
@@ -367,18 +368,27 @@ def test_fused_decode_layer_equals_the_layer_op_by_op(isa, monkeypatch):
     m = weight_plan.random_model(config, "q4", torch.float32, torch.Generator().manual_seed(1))
     assert isinstance(m.linears[0], model_module.FusedLowbitLinears)
     g = torch.Generator().manual_seed(0)
-    for n, start in ((1, 0), (1, 37), (3, 300)):
+    # a tree of 5: root 0; 1 and 2 its children; 3 under 1; 4 under 2 (row r sees its ancestors and itself)
+    parents = [-1, 0, 0, 1, 2]
+    tree = torch.zeros(5, 5, dtype=torch.bool)
+    for j in range(5):
+        a = j
+        while a >= 0:
+            tree[j, a], a = True, parents[a]
+    for n, start, t in ((1, 0, 1), (1, 37, 1), (3, 300, 1), (1, 0, 5), (2, 45, 5)):
         fused, plain = m.new_cache(n, 320), m.new_cache(n, 320)
         if start:
             pre = torch.randn(n, start, config.hidden_size, generator=g)
             rope = m.rope_for(torch.arange(start).expand(n, start))
             for cache in (fused, plain):
                 m.layer(0, pre, rope, cache)
-        h = torch.randn(n, 1, config.hidden_size, generator=g)
-        rope = m.rope_for(torch.full((n, 1), start))
-        a = m.layer(0, h, rope, fused)  # one token per row at a uniform length: the fused call
-        assert fused.lengths[0].tolist() == [start + 1] * n
-        b = m.layer(0, h, rope, plain, rows=torch.arange(n))  # explicit rows: torch's ops
+        h = torch.randn(n, t, config.hidden_size, generator=g)
+        depth = torch.tensor([0, 1, 1, 2, 2][:t])
+        rope = m.rope_for((start + depth).expand(n, t))
+        trees = None if t == 1 else tree.expand(n, t, t)
+        a = m.layer(0, h, rope, fused, tree=trees)  # every row at a uniform length: the fused call
+        assert fused.lengths[0].tolist() == [start + t] * n
+        b = m.layer(0, h, rope, plain, rows=torch.arange(n), tree=trees)  # explicit rows: torch's ops
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(fused.k, plain.k, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(fused.v, plain.v, rtol=1e-6, atol=1e-6)

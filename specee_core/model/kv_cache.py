@@ -63,20 +63,20 @@ class KVCache:
             return self._append_uniform(layer, start, k, v, n_valid)
         return self._append_rows(layer, rows, k, v, n_valid)
 
-    def decode_slot(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """For a one-token step of every row, when all rows hold the same length: (keys [B, Hkv, S, hd],
-        values, start), the whole slot buffers and the slot the token goes to; else None. A caller that
-        writes slot `start` of every row itself (a fused decode layer) then calls advance(layer)."""
+    def decode_slot(self, layer: int, tokens: int = 1) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """For `tokens` new tokens of every row, when all rows hold the same length: (keys [B, Hkv, S, hd],
+        values, start), the whole slot buffers and the first slot the tokens go to; else None. A caller that
+        writes slots start.. of every row itself (a fused decode layer) then calls advance(layer, tokens)."""
         start = self.uniform[layer]
         if start is None:
             return None
-        self._check_room(layer, start + 1)
+        self._check_room(layer, start + tokens)
         return self._k[layer], self._v[layer], start
 
-    def advance(self, layer: int) -> None:
-        """Every row's slot at the uniform length was written (see decode_slot): count it."""
-        self._lens[layer].add_(1)
-        self.uniform[layer] += 1
+    def advance(self, layer: int, tokens: int = 1) -> None:
+        """Every row's slots from the uniform length on were written (see decode_slot): count them."""
+        self._lens[layer].add_(tokens)
+        self.uniform[layer] += tokens
 
     def _check_room(self, layer: int, end: int) -> None:
         if end > self.max_len:

@@ -167,14 +167,16 @@ class FusedLowbitLinears(LayerLinears):
         return cpu_kernel().mlp(_rows2d(h), norm.weight, norm.eps, gu.qs, gu.d, gu.m, dn.qs, dn.d, dn.m).view(h.shape)
 
     def decode_layer(self, h: torch.Tensor, norms: tuple[RMSNorm, RMSNorm], rope: tuple[torch.Tensor, torch.Tensor],
-                     slot: tuple[torch.Tensor, torch.Tensor, int], heads: tuple[int, int], scale: float) -> torch.Tensor:
-        """The whole layer for h [N, 1, D], every row at cache length slot[2], in one kernel call (the K/V
-        written into slot; the caller advances the cache)."""
+                     slot: tuple[torch.Tensor, torch.Tensor, int], heads: tuple[int, int], scale: float,
+                     tree: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole layer for h [N, T, D], every row at cache length slot[2], in one kernel call (the K/V
+        written into slots slot[2].. ; the caller advances the cache); tree [N, T, T] bool: which of the
+        chunk's tokens each one sees (None: T = 1)."""
         if self._planes is None:
             self._planes = [[t for t in (lin.qw.qs, lin.qw.d, lin.qw.m) if t is not None]
                             for lin in (self.qkv, self.o, self.gate_up, self.down)]
         out = cpu_kernel().decode_layer(_rows2d(h), norms[0].weight, norms[1].weight, norms[0].eps, *self._planes,
-                                          *rope, *slot, *heads, scale)
+                                          *rope, *slot, *heads, scale, tree)
         return out.view(h.shape)
 
 
@@ -244,10 +246,12 @@ class LlamaModel:
         [N, T, T] bool: the chunk is a draft tree, node j attends to the nodes i with tree[:, j, i]."""
         c, lin = self.config, self.linears[i]
         n, t, _ = h.shape
-        if (t == 1 and rows is None and tree is None and n_valid is None and isinstance(lin, FusedLowbitLinears)
-                and self.input_norms[i] is not None and (slot := cache.decode_slot(i)) is not None):
-            h = lin.decode_layer(h, (self.input_norms[i], self.post_norms[i]), rope, slot, self.qk_split, self.scale)
-            cache.advance(i)
+        if (rows is None and n_valid is None and isinstance(lin, FusedLowbitLinears) and self.input_norms[i] is not None
+                and (t == 1 or tree is not None and tree.shape[-1] == t) and not lin._prefill(h)
+                and (slot := cache.decode_slot(i, t)) is not None):  # a step, or a draft verified, in one C++ call
+            h = lin.decode_layer(h, (self.input_norms[i], self.post_norms[i]), rope, slot, self.qk_split, self.scale,
+                                 None if tree is None else tree.to(h.device).contiguous())
+            cache.advance(i, t)
             return h
         qkv = lin.qkv_normed(h, self.input_norms[i]).view(n, t, self.all_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rope(qkv[:, : self.qk_heads], *rope).split(self.qk_split, dim=1)  # one rotation for q and k
