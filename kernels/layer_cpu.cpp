@@ -256,3 +256,15 @@ torch::Tensor decode_layer(torch::Tensor h, torch::Tensor in_norm, torch::Tensor
   auto [dq, dd, dm] = planes_of(dn_w);
   return mlp(h, post_norm, eps, gq, gd, gm, dq, dd, dm);
 }
+
+torch::Tensor LayerStack::forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor k,
+                                  torch::Tensor v, int64_t start, c10::optional<torch::Tensor> tree) const {
+  const int64_t layers = static_cast<int64_t>(in_norms.size());
+  TORCH_CHECK(k.dim() == 5 && k.size(0) == layers && v.sizes() == k.sizes(), "K/V must be [", layers, ", N, Hkv, S, hd]");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  for (int64_t i = 0; i < layers; ++i)
+    h = decode_layer(h, in_norms[i], post_norms[i], eps, qkv[i], o[i], gate_up[i], down[i], cos, sin, k.select(0, i),
+                     v.select(0, i), start, heads, kv_heads, scale, tree);
+  return h;
+}

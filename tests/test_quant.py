@@ -392,6 +392,17 @@ def test_fused_decode_layer_equals_the_layer_op_by_op(isa, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(fused.k, plain.k, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(fused.v, plain.v, rtol=1e-6, atol=1e-6)
+    # a whole pass: every layer in one C++ call (LayerStack) equals the layers one by one
+    ids = torch.randint(0, config.vocab_size, (2, 9), generator=g)
+    fused, plain = m.new_cache(2, 16), m.new_cache(2, 16)
+    for cache in (fused, plain):
+        m.forward(ids[:, :6], torch.arange(6).expand(2, 6), cache)
+    pos = (6 + torch.tensor([0, 1, 1])).expand(2, 3)
+    tree3 = tree[:3, :3].expand(2, 3, 3)
+    a = m.forward(ids[:, 6:], pos, fused, tree=tree3)
+    assert m._stack is not None and fused.uniform == [9]
+    b = m.forward(ids[:, 6:], pos, plain, rows=torch.arange(2), tree=tree3)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
 
 
 def test_quantization_error_is_measured_at_load(ee_model_dir):

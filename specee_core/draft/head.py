@@ -22,7 +22,7 @@ from specee_core.model.config import ModelConfig
 from specee_core.model.kv_cache import KVCache
 from specee_core.model.loader import read_state_dict
 from specee_core.model.model import LayerWeights, Linear, LlamaModel, ModelWeights, make_linear, rms_norm
-from specee_core.model.quant import select_rows
+from specee_core.model.quant import quantize, select_rows
 from specee_core.model.rope import apply_rope
 
 log = logging.getLogger(__name__)
@@ -142,6 +142,9 @@ class DraftHead(nn.Module):
         return head.eval().requires_grad_(False)
 
 
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # a LayerWeights' matrices
+
+
 class DraftModel:
     """The draft head on one engine's model, ready to run: its decoder layer in the model's dtype, the
     base's embedding and LM head shared. use_subset: rank only the head's vocab_subset (frequent tokens)
@@ -155,7 +158,13 @@ class DraftModel:
         dtype, dev = model.dtype, model.device
         lw = head.to(device=dev, dtype=dtype).layer_weights()
         lw = LayerWeights(**{f: (None if t is None else t.detach()) for f, t in vars(lw).items()})
-        self.fc = Linear(head.fc.weight.detach(), head.fc.bias.detach())  # [D, 2D]
+        # a base running low-bit blocks with fp32 activations (CPU kernels): the draft's matrices in q8 too, a
+        # quarter of fp32's bytes read per draft level. Lossless all the same: verification decides every token.
+        self.weight_format = "q8" if model.weight_format in ("q4", "q8") and dtype == torch.float32 else None
+        if self.weight_format is not None:
+            lw = LayerWeights(**{f: quantize(t, "q8") if f in MATRICES else t for f, t in vars(lw).items()})
+        fc = head.fc.weight.detach()
+        self.fc = make_linear(fc if self.weight_format is None else quantize(fc, "q8"), head.fc.bias.detach())  # [D, 2D]
         self.layer = LlamaModel(model.config, ModelWeights(embed=model.w.embed, layers=[lw], norm=model.w.norm,
                                                            lm_head=model.w.lm_head), dev, dtype)
 

@@ -78,6 +78,11 @@ class KVCache:
         self._lens[layer].add_(tokens)
         self.uniform[layer] += tokens
 
+    def advance_all(self, tokens: int) -> None:
+        """Every layer's slots from its uniform length on were written for every row: count them."""
+        self.lengths.add_(tokens)
+        self.uniform = [u + tokens for u in self.uniform]
+
     def _check_room(self, layer: int, end: int) -> None:
         if end > self.max_len:
             raise ValueError(f"KV cache overflow at layer {layer}: need {end} slots, have {self.max_len}")

@@ -166,16 +166,20 @@ class FusedLowbitLinears(LayerLinears):
         gu, dn = self.gate_up.qw, self.down.qw
         return cpu_kernel().mlp(_rows2d(h), norm.weight, norm.eps, gu.qs, gu.d, gu.m, dn.qs, dn.d, dn.m).view(h.shape)
 
+    def planes(self) -> list[list[torch.Tensor]]:
+        """The kernel's arguments for qkv, o, gate_up and down: each (qs, d) or (qs, d, m)."""
+        if self._planes is None:
+            self._planes = [[t for t in (lin.qw.qs, lin.qw.d, lin.qw.m) if t is not None]
+                            for lin in (self.qkv, self.o, self.gate_up, self.down)]
+        return self._planes
+
     def decode_layer(self, h: torch.Tensor, norms: tuple[RMSNorm, RMSNorm], rope: tuple[torch.Tensor, torch.Tensor],
                      slot: tuple[torch.Tensor, torch.Tensor, int], heads: tuple[int, int], scale: float,
                      tree: torch.Tensor | None = None) -> torch.Tensor:
         """The whole layer for h [N, T, D], every row at cache length slot[2], in one kernel call (the K/V
         written into slots slot[2].. ; the caller advances the cache); tree [N, T, T] bool: which of the
         chunk's tokens each one sees (None: T = 1)."""
-        if self._planes is None:
-            self._planes = [[t for t in (lin.qw.qs, lin.qw.d, lin.qw.m) if t is not None]
-                            for lin in (self.qkv, self.o, self.gate_up, self.down)]
-        out = cpu_kernel().decode_layer(_rows2d(h), norms[0].weight, norms[1].weight, norms[0].eps, *self._planes,
+        out = cpu_kernel().decode_layer(_rows2d(h), norms[0].weight, norms[1].weight, norms[0].eps, *self.planes(),
                                           *rope, *slot, *heads, scale, tree)
         return out.view(h.shape)
 
@@ -208,6 +212,9 @@ class LlamaModel:
         self.qk_split = (c.num_attention_heads, c.num_key_value_heads)
         self.scale = c.head_dim ** -0.5
         self.gqa = c.num_attention_heads != c.num_key_value_heads
+        self._stackable = (all(isinstance(lin, FusedLowbitLinears) for lin in self.linears)
+                           and all(n is not None for n in self.input_norms))
+        self._stack = None  # kernels' LayerStack, bound on first use
 
     @property
     def weight_format(self) -> str:
@@ -290,6 +297,32 @@ class LlamaModel:
         tree [N, T, T]: the tokens are a draft tree (see layer)."""
         h = self.embed(input_ids)
         rope = self.rope_for(positions)
+        if (stack := self._fused_stack(h, cache, rows, n_valid, tree)) is not None:  # every layer in one C++ call
+            n, t, _ = h.shape
+            out = stack.forward(_rows2d(h), *rope, cache.k, cache.v, cache.uniform[0],
+                                None if tree is None else tree.to(h.device).contiguous())
+            cache.advance_all(t)
+            return out.view(n, t, -1)
         for i in range(self.num_layers):
             h = self.layer(i, h, rope, cache, rows, n_valid, tree)
         return h
+
+    def _fused_stack(self, h: torch.Tensor, cache: KVCache, rows, n_valid, tree):
+        """The C++ layer stack (kernels LayerStack) when this pass can take it: every layer fused (low-bit, fp32
+        activations, normed), every row of every layer at one cache length with room for the chunk, a step
+        or a drafted chunk (T = 1, or a tree over the T tokens) of decode size; else None."""
+        n, t, _ = h.shape
+        if (rows is not None or n_valid is not None or (t > 1 and (tree is None or tree.shape[-1] != t))
+                or type(cache) is not KVCache or not self._stackable or self.linears[0]._prefill(h)):
+            return None
+        start = cache.uniform[0]
+        if start is None or start + t > cache.max_len or any(u != start for u in cache.uniform):
+            return None
+        if self._stack is None:
+            c = self.config
+            planes = [lin.planes() for lin in self.linears]  # per layer: (qkv, o, gate_up, down) planes
+            self._stack = cpu_kernel().LayerStack(
+                [norm.weight for norm in self.input_norms], [norm.weight for norm in self.post_norms],
+                *([p[j] for p in planes] for j in range(4)),
+                self.input_norms[0].eps, c.num_attention_heads, c.num_key_value_heads, self.scale)
+        return self._stack
