@@ -91,7 +91,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/smollm2-135m-instruct")
     ap.add_argument("--gguf", type=Path, help="default: the GGUF the model was imported from")
-    ap.add_argument("--llama-bench", type=Path, help="llama-batched-bench's binary (none: this engine alone)")
+    ap.add_argument("--llama-bench", type=Path, action="append", default=[],
+                    help="llama-batched-bench's binary (none: this engine alone); repeat it for several builds "
+                         "(e.g. native and AVX2): each is run, and ours is compared with the fastest")
     ap.add_argument("--sizes", default="1,8,16,32")
     ap.add_argument("--weights", default="auto", help="comma-separated: each a variant of this engine")
     ap.add_argument("--mode", default="auto")
@@ -106,6 +108,10 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     weights = args.weights.split(",")
     threads = torch.get_num_threads()
+    # one build: "llama.cpp"; several: "llama.cpp:<its build folder>" each (bin/ is skipped)
+    llama_builds = {("llama.cpp" if len(args.llama_bench) == 1 else
+                     f"llama.cpp:{(b.parent.parent if b.parent.name == 'bin' else b.parent).name}"): b
+                    for b in args.llama_bench}
     runs: dict[str, list[float]] = {}
     chosen: dict[str, dict] = {}
     for n in sizes:
@@ -118,27 +124,28 @@ def main() -> None:
             chosen[f"{w}@{n}"] = {"weights": e.model.weight_format, "dtype": str(e.model.dtype).removeprefix("torch.")}
             ours(e, dec[:1], pre[:1], 4, args.mode)  # warm-up: kernels, the plan's costs at this size
         for rnd in range(args.rounds):
-            if args.llama_bench is not None:
-                got = llama_batched(args.llama_bench, args.gguf or default_gguf_path(), [n], args.prompt_tokens,
+            for build, binary in llama_builds.items():
+                got = llama_batched(binary, args.gguf or default_gguf_path(), [n], args.prompt_tokens,
                                     args.tokens, threads)[n]
                 for k, v in got.items():
-                    runs.setdefault(f"llama.cpp_{k}@{n}", []).append(v)
+                    runs.setdefault(f"{build}_{k}@{n}", []).append(v)
             for w, e in (engines.items() if rnd % 2 == 0 else reversed(engines.items())):
                 for k, v in ours(e, dec, pre, args.tokens, args.mode, one_at_a_time=n == 1).items():
                     runs.setdefault(f"{w}_{k}@{n}", []).append(v)
             print(json.dumps({k: round(v[-1], 1) for k, v in runs.items() if k.endswith(f"@{n}")}), flush=True)
         del engines
     med = {k: round(statistics.median(v), 1) for k, v in runs.items()}
-    ratios = {}
-    if args.llama_bench is not None:
-        for w in weights:
-            for n in sizes:
-                for k in ("decode", "prefill"):
-                    ratios[f"{w}_{k}@{n}"] = round(med[f"{w}_{k}@{n}"] / med[f"llama.cpp_{k}@{n}"], 3)
+    ratios, fastest = {}, {}
+    if llama_builds:
+        for n in sizes:
+            for k in ("decode", "prefill"):
+                fastest[f"{k}@{n}"] = max(llama_builds, key=lambda b: med[f"{b}_{k}@{n}"])
+                for w in weights:  # against llama.cpp's fastest build at this size
+                    ratios[f"{w}_{k}@{n}"] = round(med[f"{w}_{k}@{n}"] / med[f"{fastest[f'{k}@{n}']}_{k}@{n}"], 3)
     out = {"git_commit": git_commit(), "machine": machine_facts(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
            "config": {k: str(v) for k, v in vars(args).items()}, "engines": chosen,
            "tokens_per_s_median": med, "tokens_per_s_runs": {k: [round(x, 1) for x in v] for k, v in runs.items()},
-           "ratio_to_llama_cpp": ratios,
+           "ratio_to_llama_cpp": ratios, "llama_cpp_fastest_build": fastest,
            "note": "decode: N different prompts at once (N=1: batch1-prompts prompts one after another), tokens after each row's first over the seconds after the last "
                    "first token (llama.cpp: S_TG at N parallel sequences); prefill: N prompts of prompt-tokens tokens, "
                    "prefix cache off, to the last first token (llama.cpp: S_PP)"}

@@ -75,16 +75,24 @@ inline void row_scales(const at::Half* dp, const at::Half* mp, int64_t o, int64_
 // A block's weights are formed once (w = q * d + m, one FMA per vector) and shared by the NB rows;
 // even and odd blocks accumulate separately to hide the FMA latency.
 #if LOWBIT_AVX512
+// a q4 block's 32 integers as fp32, elements 0..15 in q0 (low nibbles) and 16..31 in q1 (high nibbles)
+inline void unpack_q4_512(const uint8_t* blk, __m512& q0, __m512& q1) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+  q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low)));
+  q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low)));
+}
+
 // a block's 32 weights in fp32, elements 0..15 in w0 and 16..31 in w1: w = d * q + m (q4) or d * q (q8)
 template <bool Q4>
 inline void block_weights_512(const uint8_t* blk, float d, float m, __m512& w0, __m512& w1) {
   const __m512 vd = _mm512_set1_ps(d);
   if (Q4) {
-    const __m128i low = _mm_set1_epi8(0x0F);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+    __m512 q0, q1;
+    unpack_q4_512(blk, q0, q1);
     const __m512 vm = _mm512_set1_ps(m);
-    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low))), vd, vm);
-    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low))), vd, vm);
+    w0 = _mm512_fmadd_ps(q0, vd, vm);
+    w1 = _mm512_fmadd_ps(q1, vd, vm);
   } else {
     const __m128i* b = reinterpret_cast<const __m128i*>(blk);
     w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b))), vd);
@@ -124,7 +132,6 @@ template <bool Q4>
 void row1_simd(const float* x, const float* xs, int64_t in, const uint8_t* qp, const at::Half* dp,
                const at::Half* mp, float* y, int64_t o0, int64_t o1) {
   const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
-  const __m128i low = _mm_set1_epi8(0x0F);
   std::vector<float> dv(g), mv(g);
   for (int64_t o = o0; o < o1; ++o) {
     row_scales<Q4>(dp, mp, o, g, dv.data(), mv.data());
@@ -136,9 +143,7 @@ void row1_simd(const float* x, const float* xs, int64_t in, const uint8_t* qp, c
     auto block = [&](int64_t kk, __m512& acc) {
       __m512 q0, q1;
       if (Q4) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + kk * bpb));
-        q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low)));
-        q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low)));
+        unpack_q4_512(row + kk * bpb, q0, q1);
       } else {
         const __m128i* b = reinterpret_cast<const __m128i*>(row + kk * bpb);
         q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b)));
