@@ -1,6 +1,7 @@
-"""Builds and loads kernels/lowbit_cpu.cpp, the CPU low-bit GEMV, on first use.
+"""Builds and loads kernels/lowbit_cpu.cpp (the CPU low-bit GEMV; it includes lowbit_i8.cpp and layer_cpu.cpp,
+one translation unit) on first use.
 
-torch.utils.cpp_extension compiles it with the machine's g++ and ninja (~30 s, once; cached under
+torch.utils.cpp_extension compiles it with the machine's g++ and ninja (~35 s, once; cached under
 $SPECEE_CACHE/torch_extensions, or ~/.cache/specee/torch_extensions, keyed by the source's hash and
 the CPU's capability, so a machine with other SIMD never loads another's build). -march=native: the
 build uses what this CPU has; -ffp-contract=off: dequantize() rounds d*q and then adds m, as gguf's
@@ -23,6 +24,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# the module and what it includes (one translation unit: lowbit_cpu.cpp includes the other two sources)
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("lowbit_cpu.cpp", "lowbit_i8.cpp", "layer_cpu.cpp"))
 HEADER = Path(__file__).with_name("lowbit_cpu.h")
 
@@ -68,7 +70,7 @@ def lowbit_cpu(avx2_only: bool = False) -> ModuleType:
         log.warning("cannot create %s (%s); building the kernel in a temporary directory", build, e)
         build = Path(tempfile.mkdtemp(prefix=f"{name}-"))
     try:
-        mod = cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], build_directory=str(build),
+        mod = cpp_extension.load(name=name, sources=[str(SOURCES[0])], build_directory=str(build),
                                  extra_cflags=cflags,
                                  extra_ldflags=["-fopenmp"], verbose=False)
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, failed build

@@ -4,6 +4,7 @@
 // a dispatch, an allocation and often a parallel region, which added up to about 40% of a batch-1 layer.
 // Here they are plain loops over raw pointers, vectorized by hand (AVX-512 / AVX2, a scalar loop elsewhere).
 // The numbers agree with the ATen ops up to fp32 reassociation (tests/test_quant.py compares them).
+#pragma once  // included by lowbit_cpu.cpp, the one translation unit
 #include "lowbit_cpu.h"
 
 #include <limits>
@@ -132,33 +133,33 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return y;
 }
 
-// Attention for T new tokens per row written at slots [start, start + T) of a cache every row fills to `start`:
-// query (row r, token j, head h) sees slots [0, start) and the chunk's slots start + i that tree[r, j, i] marks
+// Attention for T new tokens per row r written at slots [start[r], start[r] + T) of its cache row cr[r]: query
+// (row r, token j, head h) sees slots [0, start[r]) and the chunk's slots start[r] + i that tree[r, j, i] marks
 // (nullptr: i <= j, a causal chunk). o = softmax(scale * q K^T) V over what it sees. GQA: heads / kv_heads
-// query heads share a K/V head. q, o [N T, H, hd]; K, V strided [N, Hkv, S, hd] (s_* the strides of N, Hkv, S).
-void attend(const float* q, const float* kc, const float* vc, const bool* tree, float* o, int64_t n, int64_t t,
-            int64_t heads, int64_t kv_heads, int64_t s_n, int64_t s_h, int64_t s_t, int64_t start, int64_t hd,
-            float scale) {
-  const int64_t group = heads / kv_heads, len = start + t;
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, len * hd));  // ~32k multiply-adds a task
+// query heads share a K/V head. q, o [N T, H, hd]; K, V strided [B, Hkv, S, hd] (s_* the strides of B, Hkv, S).
+void attend(const float* q, const float* kc, const float* vc, const bool* tree, float* o, const int64_t* start,
+            const int64_t* cr, int64_t n, int64_t t, int64_t heads, int64_t kv_heads, int64_t s_n, int64_t s_h,
+            int64_t s_t, int64_t hd, float scale) {
+  const int64_t group = heads / kv_heads, longest = *std::max_element(start, start + n) + t;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, longest * hd));  // ~32k multiply-adds a task
   at::parallel_for(0, n * t * heads, grain, [&](int64_t b0, int64_t b1) {
-    std::vector<float> p(len);
+    std::vector<float> p(longest);
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t row = b / heads, r = row / t, j = row % t, kvh = (b % heads) / group;
+      const int64_t row = b / heads, r = row / t, j = row % t, kvh = (b % heads) / group, s0 = start[r];
       const float* qb = q + b * hd;
-      const float* K = kc + r * s_n + kvh * s_h;
-      const float* V = vc + r * s_n + kvh * s_h;
+      const float* K = kc + cr[r] * s_n + kvh * s_h;
+      const float* V = vc + cr[r] * s_n + kvh * s_h;
       auto sees = [&](int64_t i) { return tree != nullptr ? tree[row * t + i] : i <= j; };
       float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t x = 0; x < start; ++x) mx = std::max(mx, p[x] = dot(qb, K + x * s_t, hd) * scale);
+      for (int64_t x = 0; x < s0; ++x) mx = std::max(mx, p[x] = dot(qb, K + x * s_t, hd) * scale);
       for (int64_t i = 0; i < t; ++i)
-        if (sees(i)) mx = std::max(mx, p[start + i] = dot(qb, K + (start + i) * s_t, hd) * scale);
-      float sum = exp_shifted(p.data(), mx, p.data(), start);
-      for (int64_t i = 0; i < t; ++i) sum += (p[start + i] = sees(i) ? exp_scalar(p[start + i] - mx) : 0.f);
+        if (sees(i)) mx = std::max(mx, p[s0 + i] = dot(qb, K + (s0 + i) * s_t, hd) * scale);
+      float sum = exp_shifted(p.data(), mx, p.data(), s0);
+      for (int64_t i = 0; i < t; ++i) sum += (p[s0 + i] = sees(i) ? exp_scalar(p[s0 + i] - mx) : 0.f);
       const float inv = 1.f / sum;
       float* ob = o + b * hd;
       std::fill(ob, ob + hd, 0.f);
-      for (int64_t x = 0; x < len; ++x)
+      for (int64_t x = 0; x < s0 + t; ++x)
         if (p[x] != 0.f) axpy(ob, p[x] * inv, V + x * s_t, hd);
     }
   });
@@ -197,25 +198,40 @@ torch::Tensor mlp(torch::Tensor h, torch::Tensor norm_w, double eps, torch::Tens
 }
 
 // A whole decoder layer for T new tokens per row (a decode step: T = 1; a drafted chain or tree being
-// verified: T nodes), every row's cache filled to the same length `start`: norm + qkv, RoPE on q and k
-// (rotate-half with the sign folded into sin: x*cos + roll(x)*sin), the tokens' K/V written into slots
-// [start, start + T) of kc / vc [N, Hkv, S, hd], attention (see attend; tree [N, T, T] bool, node j sees
-// node i where tree[r, j, i], none: causal), o + residual, the MLP. h [N T, D] fp32, row-major over (row,
-// token); cos, sin [N, 1, T, hd]. The Python layer's math.
+// verified: T nodes): norm + qkv, RoPE on q and k (rotate-half with the sign folded into sin: x*cos +
+// roll(x)*sin), row r's tokens' K/V written into slots [starts[r], starts[r] + T) of cache row rows[r] (rows
+// absent: r) of kc / vc [B, Hkv, S, hd], attention (see attend; tree [N, T, T] bool, node j sees node i
+// where tree[r, j, i], none: causal), o + residual, the MLP. h [N T, D] fp32, row-major over (row, token);
+// cos, sin [N, 1, T, hd]; starts, rows int64 [N] on the CPU. The Python layer's math.
 torch::Tensor decode_layer(torch::Tensor h, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
                            std::vector<torch::Tensor> qkv_w, std::vector<torch::Tensor> o_w,
                            std::vector<torch::Tensor> gu_w, std::vector<torch::Tensor> dn_w, torch::Tensor cos,
-                           torch::Tensor sin, torch::Tensor kc, torch::Tensor vc, int64_t start, int64_t heads,
-                           int64_t kv_heads, double scale, c10::optional<torch::Tensor> tree) {
-  const int64_t n = kc.size(0), rows = h.size(0), t = rows / std::max<int64_t>(n, 1), hd = kc.size(3), half = hd / 2;
+                           torch::Tensor sin, torch::Tensor kc, torch::Tensor vc, torch::Tensor starts,
+                           c10::optional<torch::Tensor> rows, int64_t heads, int64_t kv_heads, double scale,
+                           c10::optional<torch::Tensor> tree) {
+  TORCH_CHECK(starts.dim() == 1 && starts.scalar_type() == at::kLong && starts.is_contiguous() && starts.is_cpu(),
+              "starts must be a contiguous int64 [N] on the CPU");
+  const int64_t n = starts.size(0), m = h.size(0), t = m / std::max<int64_t>(n, 1), hd = kc.size(3), half = hd / 2;
   TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.stride(3) == 1 &&
                   vc.stride(3) == 1 && kc.strides() == vc.strides() && kc.sizes() == vc.sizes() && kc.size(1) == kv_heads,
-              "the K/V slots must be fp32 [N, Hkv, S, hd] with unit stride over hd");
-  TORCH_CHECK(t >= 1 && rows == n * t, "h has ", rows, " rows: not T tokens for each of the cache's ", n, " rows");
-  TORCH_CHECK(start + t <= kc.size(2), "slots ", start, "..", start + t, " are past the cache's ", kc.size(2));
+              "the K/V slots must be fp32 [B, Hkv, S, hd] with unit stride over hd");
+  TORCH_CHECK(n >= 1 && t >= 1 && m == n * t, "h has ", m, " rows: not T tokens for each of ", n, " rows");
+  std::vector<int64_t> cache_rows(n);
+  for (int64_t r = 0; r < n; ++r) cache_rows[r] = r;
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->dim() == 1 && rows->size(0) == n && rows->scalar_type() == at::kLong && rows->is_cpu(),
+                "rows must be int64 [N] on the CPU");
+    std::copy(rows->data_ptr<int64_t>(), rows->data_ptr<int64_t>() + n, cache_rows.begin());
+  }
+  const int64_t* ps0 = starts.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(cache_rows[r] >= 0 && cache_rows[r] < kc.size(0), "cache row ", cache_rows[r], " is out of range");
+    TORCH_CHECK(ps0[r] >= 0 && ps0[r] + t <= kc.size(2), "slots ", ps0[r], "..", ps0[r] + t, " are past the cache's ",
+                kc.size(2));
+  }
   cos = cos.contiguous();  // a batch of one may come as a broadcast view
   sin = sin.contiguous();
-  TORCH_CHECK(cos.numel() == rows * hd && sin.numel() == rows * hd && cos.scalar_type() == at::kFloat &&
+  TORCH_CHECK(cos.numel() == m * hd && sin.numel() == m * hd && cos.scalar_type() == at::kFloat &&
                   sin.scalar_type() == at::kFloat,
               "cos, sin must be fp32 [N, 1, T, hd]");
   TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
@@ -228,18 +244,18 @@ torch::Tensor decode_layer(torch::Tensor h, torch::Tensor in_norm, torch::Tensor
   auto [qq, qd, qm] = planes_of(qkv_w);
   auto qkv = norm_linear(h, in_norm, eps, qq, qd, qm);  // [N T, (H + 2 Hkv) hd]
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * hd, "qkv has ", qkv.size(1), " columns");
-  auto q = torch::empty({rows, heads, hd}, h.options());
+  auto q = torch::empty({m, heads, hd}, h.options());
   const float* pqkv = qkv.data_ptr<float>();
   const float *pc = cos.data_ptr<float>(), *ps = sin.data_ptr<float>();
   float *pq = q.data_ptr<float>(), *pk = kc.data_ptr<float>(), *pv = vc.data_ptr<float>();
   const int64_t s_n = kc.stride(0), s_h = kc.stride(1), s_t = kc.stride(2), width = qkv.size(1);
-  for (int64_t row = 0; row < rows; ++row) {
-    const int64_t r = row / t, slot = start + row % t;
+  for (int64_t row = 0; row < m; ++row) {
+    const int64_t r = row / t, at = cache_rows[r] * s_n + (ps0[r] + row % t) * s_t;
     const float *c = pc + row * hd, *s = ps + row * hd;
     for (int64_t j = 0; j < heads + 2 * kv_heads; ++j) {
       const float* x = pqkv + row * width + j * hd;
       float* dst = j < heads ? pq + (row * heads + j) * hd
-                             : (j < heads + kv_heads ? pk : pv) + r * s_n + ((j - heads) % kv_heads) * s_h + slot * s_t;
+                             : (j < heads + kv_heads ? pk : pv) + at + ((j - heads) % kv_heads) * s_h;
       if (j >= heads + kv_heads) {
         std::copy(x, x + hd, dst);
         continue;
@@ -247,8 +263,8 @@ torch::Tensor decode_layer(torch::Tensor h, torch::Tensor in_norm, torch::Tensor
       for (int64_t i = 0; i < hd; ++i) dst[i] = x[i] * c[i] + x[i < half ? i + half : i - half] * s[i];
     }
   }
-  auto o = torch::empty({rows, heads * hd}, h.options());
-  attend(pq, pk, pv, ptree, o.data_ptr<float>(), n, t, heads, kv_heads, s_n, s_h, s_t, start, hd,
+  auto o = torch::empty({m, heads * hd}, h.options());
+  attend(pq, pk, pv, ptree, o.data_ptr<float>(), ps0, cache_rows.data(), n, t, heads, kv_heads, s_n, s_h, s_t, hd,
          static_cast<float>(scale));
   auto [oq, od, om] = planes_of(o_w);
   h = linear_add(o, oq, od, om, h);
@@ -258,13 +274,14 @@ torch::Tensor decode_layer(torch::Tensor h, torch::Tensor in_norm, torch::Tensor
 }
 
 torch::Tensor LayerStack::forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor k,
-                                  torch::Tensor v, int64_t start, c10::optional<torch::Tensor> tree) const {
+                                  torch::Tensor v, torch::Tensor starts, c10::optional<torch::Tensor> rows,
+                                  c10::optional<torch::Tensor> tree) const {
   const int64_t layers = static_cast<int64_t>(in_norms.size());
   TORCH_CHECK(k.dim() == 5 && k.size(0) == layers && v.sizes() == k.sizes(), "K/V must be [", layers, ", N, Hkv, S, hd]");
   cos = cos.contiguous();
   sin = sin.contiguous();
   for (int64_t i = 0; i < layers; ++i)
     h = decode_layer(h, in_norms[i], post_norms[i], eps, qkv[i], o[i], gate_up[i], down[i], cos, sin, k.select(0, i),
-                     v.select(0, i), start, heads, kv_heads, scale, tree);
+                     v.select(0, i), starts, rows, heads, kv_heads, scale, tree);
   return h;
 }

@@ -112,16 +112,19 @@ torch::Tensor mlp(torch::Tensor h, torch::Tensor norm_w, double eps, torch::Tens
 torch::Tensor decode_layer(torch::Tensor h, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
                            std::vector<torch::Tensor> qkv_w, std::vector<torch::Tensor> o_w,
                            std::vector<torch::Tensor> gu_w, std::vector<torch::Tensor> dn_w, torch::Tensor cos,
-                           torch::Tensor sin, torch::Tensor kc, torch::Tensor vc, int64_t start, int64_t heads,
-                           int64_t kv_heads, double scale, c10::optional<torch::Tensor> tree);
+                           torch::Tensor sin, torch::Tensor kc, torch::Tensor vc, torch::Tensor starts,
+                           c10::optional<torch::Tensor> rows, int64_t heads, int64_t kv_heads, double scale,
+                           c10::optional<torch::Tensor> tree);
 
 // Every decoder layer of a model in one call (decode_layer for each, no return to Python between layers):
-// the layers' norms and weight planes bound once, the cache's K/V as [L, N, Hkv, S, hd].
+// the layers' norms and weight planes bound once, the cache's K/V as [L, B, Hkv, S, hd], every layer of a row
+// at the same length (starts [N]; rows [N]: the batch rows' cache rows).
 struct LayerStack {
   std::vector<torch::Tensor> in_norms, post_norms;
   std::vector<std::vector<torch::Tensor>> qkv, o, gate_up, down;
   double eps, scale;
   int64_t heads, kv_heads;
   torch::Tensor forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
-                        int64_t start, c10::optional<torch::Tensor> tree) const;
+                        torch::Tensor starts, c10::optional<torch::Tensor> rows,
+                        c10::optional<torch::Tensor> tree) const;
 };

@@ -1,3 +1,4 @@
+#pragma once  // included by lowbit_cpu.cpp, the one translation unit
 #include "lowbit_cpu.h"
 
 namespace {

@@ -354,19 +354,26 @@ def test_fused_layer_pieces_equal_the_unfused_ones(ee_model_dir, isa, monkeypatc
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 def test_fused_decode_layer_equals_the_layer_op_by_op(isa, monkeypatch):
     """A whole decode layer in one call (RMSNorm, qkv, RoPE, the K/V written into the cache, attention over
-    it, o, the MLP) equals the layer run piece by piece through torch's RoPE and attention, on SmolLM2's
-    layer shapes (9 query heads over 3 K/V heads of 64), for one and three rows, at cache lengths 0 to 300,
-    one new token per row or a draft tree of 5 being verified (each node sees its ancestors): the same K/V
-    in the cache, the same hidden states up to fp32 rounding."""
+    it, o, the MLP) equals the layer run op by op through torch's RoPE and attention, on SmolLM2's layer
+    shapes (9 query heads over 3 K/V heads of 64): one and three rows, at cache lengths 0 to 300, the same for
+    every row or not, every cache row or a subset in another order, one new token per row or a draft tree of
+    5 being verified (each node sees its ancestors): the same K/V in the cache, the same hidden states up to
+    fp32 rounding; and a whole pass with every layer in one call (LayerStack) equals the layers op by op."""
+    import copy
+
     from kernels.cpu_ext import lowbit_cpu
     from specee_core.model import model as model_module, weight_plan
     from specee_core.model.config import ModelConfig
+    from specee_core.model.model import LayerLinears
 
     monkeypatch.setattr(model_module, "cpu_kernel", lambda: lowbit_cpu(avx2_only=isa == "avx2"))
-    config = ModelConfig(vocab_size=256, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
+    config = ModelConfig(vocab_size=256, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=512)
     m = weight_plan.random_model(config, "q4", torch.float32, torch.Generator().manual_seed(1))
     assert isinstance(m.linears[0], model_module.FusedLowbitLinears)
+    plain = copy.copy(m)  # the same weights, every op through torch (no fused layer, no stack)
+    plain.linears = [LayerLinears(lin.qkv, lin.o, lin.gate_up, lin.down, lin.kv) for lin in m.linears]
+    plain._stackable = False
     g = torch.Generator().manual_seed(0)
     # a tree of 5: root 0; 1 and 2 its children; 3 under 1; 4 under 2 (row r sees its ancestors and itself)
     parents = [-1, 0, 0, 1, 2]
@@ -375,34 +382,46 @@ def test_fused_decode_layer_equals_the_layer_op_by_op(isa, monkeypatch):
         a = j
         while a >= 0:
             tree[j, a], a = True, parents[a]
-    for n, start, t in ((1, 0, 1), (1, 37, 1), (3, 300, 1), (1, 0, 5), (2, 45, 5)):
-        fused, plain = m.new_cache(n, 320), m.new_cache(n, 320)
-        if start:
-            pre = torch.randn(n, start, config.hidden_size, generator=g)
-            rope = m.rope_for(torch.arange(start).expand(n, start))
-            for cache in (fused, plain):
-                m.layer(0, pre, rope, cache)
+    # (cache rows, lengths before the step, rows stepped (None: all), tokens per row)
+    cases = [(1, [0], None, 1), (1, [37], None, 1), (3, [300, 300, 300], None, 1), (3, [300, 120, 7], None, 1),
+             (1, [0], None, 5), (2, [45, 45], None, 5), (2, [45, 10], None, 5), (4, [9, 30, 2, 17], [3, 1], 1),
+             (4, [9, 30, 2, 17], [2, 0], 5)]
+    for rows_in_cache, lens, rows, t in cases:
+        caches = [model.new_cache(rows_in_cache, 320) for model in (m, plain)]
+        longest = max(lens)
+        if longest:
+            pre = torch.randn(rows_in_cache, longest, config.hidden_size, generator=g)
+            rope = m.rope_for(torch.arange(longest).expand(rows_in_cache, longest))
+            for cache in caches:  # the same prompt K/V in both, then each row cut to its length
+                plain.layer(0, pre, rope, cache)
+                cache.truncate(torch.arange(rows_in_cache), torch.tensor(lens))
+        sel = torch.arange(rows_in_cache) if rows is None else torch.tensor(rows)
+        n = len(sel)
         h = torch.randn(n, t, config.hidden_size, generator=g)
         depth = torch.tensor([0, 1, 1, 2, 2][:t])
-        rope = m.rope_for((start + depth).expand(n, t))
+        rope = m.rope_for(torch.tensor(lens)[sel][:, None] + depth)
         trees = None if t == 1 else tree.expand(n, t, t)
-        a = m.layer(0, h, rope, fused, tree=trees)  # every row at a uniform length: the fused call
-        assert fused.lengths[0].tolist() == [start + t] * n
-        b = m.layer(0, h, rope, plain, rows=torch.arange(n), tree=trees)  # explicit rows: torch's ops
+        rows_arg = None if rows is None else sel
+        a = m.layer(0, h, rope, caches[0], rows=rows_arg, tree=trees)  # the fused call
+        b = plain.layer(0, h, rope, caches[1], rows=rows_arg, tree=trees)  # torch's ops
+        assert caches[0].lengths[0].tolist() == caches[1].lengths[0].tolist()
+        assert caches[0].lengths[0][sel].tolist() == (torch.tensor(lens)[sel] + t).tolist()
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
-        torch.testing.assert_close(fused.k, plain.k, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(fused.v, plain.v, rtol=1e-6, atol=1e-6)
-    # a whole pass: every layer in one C++ call (LayerStack) equals the layers one by one
+        torch.testing.assert_close(caches[0].k[0], caches[1].k[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(caches[0].v[0], caches[1].v[0], rtol=1e-6, atol=1e-6)
+    # a whole pass: every layer in one C++ call (LayerStack) equals the layers op by op, rows at different lengths
     ids = torch.randint(0, config.vocab_size, (2, 9), generator=g)
-    fused, plain = m.new_cache(2, 16), m.new_cache(2, 16)
-    for cache in (fused, plain):
-        m.forward(ids[:, :6], torch.arange(6).expand(2, 6), cache)
-    pos = (6 + torch.tensor([0, 1, 1])).expand(2, 3)
+    caches = [model.new_cache(2, 16) for model in (m, plain)]
+    for cache in caches:
+        plain.forward(ids[:, :6], torch.arange(6).expand(2, 6), cache)
+        cache.truncate(torch.arange(2), torch.tensor([6, 4]))
+    pos = torch.tensor([[6], [4]]) + torch.tensor([0, 1, 1])
     tree3 = tree[:3, :3].expand(2, 3, 3)
-    a = m.forward(ids[:, 6:], pos, fused, tree=tree3)
-    assert m._stack is not None and fused.uniform == [9]
-    b = m.forward(ids[:, 6:], pos, plain, rows=torch.arange(2), tree=tree3)
+    a = m.forward(ids[:, 6:], pos, caches[0], tree=tree3)
+    assert m._stack is not None and caches[0].lengths[:, 0].tolist() == [9, 9]
+    b = plain.forward(ids[:, 6:], pos, caches[1], tree=tree3)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(caches[0].k, caches[1].k, rtol=1e-6, atol=1e-6)
 
 
 def test_quantization_error_is_measured_at_load(ee_model_dir):

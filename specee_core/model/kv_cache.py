@@ -63,25 +63,39 @@ class KVCache:
             return self._append_uniform(layer, start, k, v, n_valid)
         return self._append_rows(layer, rows, k, v, n_valid)
 
-    def decode_slot(self, layer: int, tokens: int = 1) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """For `tokens` new tokens of every row, when all rows hold the same length: (keys [B, Hkv, S, hd],
-        values, start), the whole slot buffers and the first slot the tokens go to; else None. A caller that
-        writes slots start.. of every row itself (a fused decode layer) then calls advance(layer, tokens)."""
-        start = self.uniform[layer]
-        if start is None:
-            return None
-        self._check_room(layer, start + tokens)
-        return self._k[layer], self._v[layer], start
+    def decode_slots(self, layer: int, rows: torch.Tensor | None, tokens: int = 1
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For `tokens` new tokens of each of `rows` (host int64 [N]; None = all): (keys [B, Hkv, S, hd], values,
+        starts [N] host int64), the layer's whole slot buffers and the first slot each row's tokens go to. A
+        caller that writes them itself (a fused decode layer) then calls advance(layer, rows, tokens)."""
+        starts = (self._lens[layer] if rows is None else self._lens[layer][rows]).clone()
+        self._check_room(layer, int(starts.max()) + tokens)
+        return self._k[layer], self._v[layer], starts
 
-    def advance(self, layer: int, tokens: int = 1) -> None:
-        """Every row's slots from the uniform length on were written (see decode_slot): count them."""
-        self._lens[layer].add_(tokens)
-        self.uniform[layer] += tokens
+    def advance(self, layer: int, rows: torch.Tensor | None, tokens: int = 1) -> None:
+        """`tokens` slots of each of rows (None = all) were written from its length on (see decode_slots): count them."""
+        if rows is None:
+            self._lens[layer].add_(tokens)
+            if self.uniform[layer] is not None:
+                self.uniform[layer] += tokens
+        else:
+            self.lengths[layer, rows] += tokens
+            self._set_uniform(layer)
 
-    def advance_all(self, tokens: int) -> None:
-        """Every layer's slots from its uniform length on were written for every row: count them."""
-        self.lengths.add_(tokens)
-        self.uniform = [u + tokens for u in self.uniform]
+    def advance_all(self, rows: torch.Tensor | None, tokens: int) -> None:
+        """advance() for every layer."""
+        if rows is None:
+            self.lengths.add_(tokens)
+            self.uniform = [None if u is None else u + tokens for u in self.uniform]
+        else:
+            self.lengths[:, rows] += tokens
+            for layer in range(len(self.uniform)):
+                self._set_uniform(layer)
+
+    def row_lengths(self, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """Each of rows' (None = all) length when every layer holds the same for it (host int64 [N]), else None."""
+        lens = self.lengths if rows is None else self.lengths[:, rows]
+        return lens[0].clone() if bool((lens == lens[:1]).all()) else None
 
     def _check_room(self, layer: int, end: int) -> None:
         if end > self.max_len:

@@ -174,11 +174,11 @@ class FusedLowbitLinears(LayerLinears):
         return self._planes
 
     def decode_layer(self, h: torch.Tensor, norms: tuple[RMSNorm, RMSNorm], rope: tuple[torch.Tensor, torch.Tensor],
-                     slot: tuple[torch.Tensor, torch.Tensor, int], heads: tuple[int, int], scale: float,
-                     tree: torch.Tensor | None = None) -> torch.Tensor:
-        """The whole layer for h [N, T, D], every row at cache length slot[2], in one kernel call (the K/V
-        written into slots slot[2].. ; the caller advances the cache); tree [N, T, T] bool: which of the
-        chunk's tokens each one sees (None: T = 1)."""
+                     slot: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], heads: tuple[int, int],
+                     scale: float, tree: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole layer for h [N, T, D] in one kernel call: slot (keys, values, starts, cache rows or None),
+        row r's K/V written from slot starts[r] on (the caller advances the cache); tree [N, T, T] bool: which
+        of the chunk's tokens each one sees (None: causal)."""
         out = cpu_kernel().decode_layer(_rows2d(h), norms[0].weight, norms[1].weight, norms[0].eps, *self.planes(),
                                           *rope, *slot, *heads, scale, tree)
         return out.view(h.shape)
@@ -253,12 +253,13 @@ class LlamaModel:
         [N, T, T] bool: the chunk is a draft tree, node j attends to the nodes i with tree[:, j, i]."""
         c, lin = self.config, self.linears[i]
         n, t, _ = h.shape
-        if (rows is None and n_valid is None and isinstance(lin, FusedLowbitLinears) and self.input_norms[i] is not None
-                and (t == 1 or tree is not None and tree.shape[-1] == t) and not lin._prefill(h)
-                and (slot := cache.decode_slot(i, t)) is not None):  # a step, or a draft verified, in one C++ call
-            h = lin.decode_layer(h, (self.input_norms[i], self.post_norms[i]), rope, slot, self.qk_split, self.scale,
-                                 None if tree is None else tree.to(h.device).contiguous())
-            cache.advance(i, t)
+        if (n_valid is None and isinstance(lin, FusedLowbitLinears) and self.input_norms[i] is not None
+                and (t == 1 or tree is not None and tree.shape[-1] == t) and not lin._prefill(h)):
+            host_rows = None if rows is None else rows.cpu()  # a step, or a draft verified, in one C++ call
+            k, v, starts = cache.decode_slots(i, host_rows, t)
+            h = lin.decode_layer(h, (self.input_norms[i], self.post_norms[i]), rope, (k, v, starts, host_rows),
+                                 self.qk_split, self.scale, None if tree is None else tree.to(h.device).contiguous())
+            cache.advance(i, host_rows, t)
             return h
         qkv = lin.qkv_normed(h, self.input_norms[i]).view(n, t, self.all_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rope(qkv[:, : self.qk_heads], *rope).split(self.qk_split, dim=1)  # one rotation for q and k
@@ -297,26 +298,28 @@ class LlamaModel:
         tree [N, T, T]: the tokens are a draft tree (see layer)."""
         h = self.embed(input_ids)
         rope = self.rope_for(positions)
-        if (stack := self._fused_stack(h, cache, rows, n_valid, tree)) is not None:  # every layer in one C++ call
+        host_rows = None if rows is None else rows.cpu()
+        if (fused := self._fused_stack(h, cache, host_rows, n_valid, tree)) is not None:  # every layer in one C++ call
+            stack, starts = fused
             n, t, _ = h.shape
-            out = stack.forward(_rows2d(h), *rope, cache.k, cache.v, cache.uniform[0],
+            out = stack.forward(_rows2d(h), *rope, cache.k, cache.v, starts, host_rows,
                                 None if tree is None else tree.to(h.device).contiguous())
-            cache.advance_all(t)
+            cache.advance_all(host_rows, t)
             return out.view(n, t, -1)
         for i in range(self.num_layers):
             h = self.layer(i, h, rope, cache, rows, n_valid, tree)
         return h
 
-    def _fused_stack(self, h: torch.Tensor, cache: KVCache, rows, n_valid, tree):
-        """The C++ layer stack (kernels LayerStack) when this pass can take it: every layer fused (low-bit, fp32
-        activations, normed), every row of every layer at one cache length with room for the chunk, a step
-        or a drafted chunk (T = 1, or a tree over the T tokens) of decode size; else None."""
+    def _fused_stack(self, h: torch.Tensor, cache: KVCache, rows: torch.Tensor | None, n_valid, tree):
+        """(the C++ layer stack, each row's cache length) when this pass can take the stack: every layer fused
+        (low-bit, fp32 activations, normed), a step or a drafted chunk (T = 1, or a tree over the T tokens) of
+        decode size, each row at one length in every layer with room for the chunk; else None."""
         n, t, _ = h.shape
-        if (rows is not None or n_valid is not None or (t > 1 and (tree is None or tree.shape[-1] != t))
+        if (n_valid is not None or (t > 1 and (tree is None or tree.shape[-1] != t))
                 or type(cache) is not KVCache or not self._stackable or self.linears[0]._prefill(h)):
             return None
-        start = cache.uniform[0]
-        if start is None or start + t > cache.max_len or any(u != start for u in cache.uniform):
+        starts = cache.row_lengths(rows)
+        if starts is None or int(starts.max()) + t > cache.max_len:  # (the layers' own path says what overflowed)
             return None
         if self._stack is None:
             c = self.config
@@ -325,4 +328,4 @@ class LlamaModel:
                 [norm.weight for norm in self.input_norms], [norm.weight for norm in self.post_norms],
                 *([p[j] for p in planes] for j in range(4)),
                 self.input_norms[0].eps, c.num_attention_heads, c.num_key_value_heads, self.scale)
-        return self._stack
+        return self._stack, starts
