@@ -448,7 +448,7 @@ def test_the_weight_format_timings_are_measured_once_per_machine_and_shape(tmp_p
     def timed(*args, **kw):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(weight_plan, "time_step", timed)
+    monkeypatch.setattr(weight_plan, "time_steps", timed)
     assert weight_plan.measured_steps(config, 2, "q4", torch.bfloat16, cpu, root=tmp_path) == first
     with pytest.raises(AssertionError, match="measured again"):
         weight_plan.measured_steps(config, 4, "q4", torch.bfloat16, cpu, root=tmp_path)

@@ -296,8 +296,13 @@ class LlamaModel:
                 tree: torch.Tensor | None = None) -> torch.Tensor:
         """All layers over input_ids [N, T]; returns the last hidden state [N, T, D] (before the final norm).
         tree [N, T, T]: the tokens are a draft tree (see layer)."""
-        h = self.embed(input_ids)
-        rope = self.rope_for(positions)
+        return self.layers(self.embed(input_ids), self.rope_for(positions), cache, rows, n_valid, tree)
+
+    def layers(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+               rows: torch.Tensor | None = None, n_valid: torch.Tensor | None = None,
+               tree: torch.Tensor | None = None) -> torch.Tensor:
+        """Every decoder layer over hidden h [N, T, D] (forward without the embedding): in one C++ call where
+        the pass allows it (_fused_stack), else layer by layer."""
         host_rows = None if rows is None else rows.cpu()
         if (fused := self._fused_stack(h, cache, host_rows, n_valid, tree)) is not None:  # every layer in one C++ call
             stack, starts = fused

@@ -2,9 +2,9 @@
 
 The checkpoint's own low-bit format is a candidate only where it has one (a GGUF conversion whose
 matrices were Q4_1 / Q8_0 blocks: quantizing them again gives back exactly those blocks, so nothing is
-approximated). It is chosen when a decode step, timed here on random weights of the model's shapes
-at the batch size in use, is faster than in the dtype's dense matrices. The same blocks with int8 activations
-(q4a8: llama.cpp's arithmetic) are not a candidate: on SmolLM2 their greedy outputs part from fp32's
+approximated). It is chosen when decode steps (one token per row, and a drafted chain of 4 verified),
+timed here on random weights of the model's shapes at the batch size in use, are faster than in the dtype's
+dense matrices. The same blocks with int8 activations (q4a8: llama.cpp's arithmetic) are not a candidate: on SmolLM2 their greedy outputs part from fp32's
 sooner than bf16's do (docs/RESULTS.md, "int8 activations"); ask for them by name. Pure functions of what
 was measured; the reason string says it.
 """
@@ -22,7 +22,7 @@ from specee_core.model.quant import QK, cpu_kernel, dtype_name, random_weight
 
 log = logging.getLogger(__name__)
 CACHE_FOLDER = "weight_plans"  # beside the plans' cost tables (specee_core.machine.cache_path)
-VERSION = 3  # a change to what time_step measures, or to its file, bumps it
+VERSION = 3  # a change to what time_steps measures, or to its file, bumps it
 
 
 def checkpoint_format(model_dir) -> tuple[str | None, str]:
@@ -61,33 +61,40 @@ def random_model(config, fmt: str | None, dtype: torch.dtype, gen: torch.Generat
     return LlamaModel(c, ModelWeights(head, layers, norm(), head), "cpu", dtype)
 
 
-def time_step(config, batch: int, fmt: str | None, dtype: torch.dtype, repeats: int = 3, context: int = 64) -> float:
-    """ms of a decode step over `batch` rows, each one token after `context` cached ones: every decoder layer
-    (the linears, norms, RoPE, attention and the K/V write, through the code path the engine takes for
-    that format: the fused C++ layer for low-bit weights with fp32 activations) and the final norm and LM
-    head (q8 with a low-bit fmt), on a model of the config's shapes with random weights in fmt (None: dense
-    in dtype), activations in dtype. Distinct weights per layer stream from memory as in a real step."""
-    c, gen = config, torch.Generator().manual_seed(0)
-    d = c.hidden_size
-    model = random_model(c, fmt, dtype, gen)
-    cache = model.new_cache(batch, context + repeats + 1)
+def time_steps(config, batch: int, variants: list[tuple[str | None, torch.dtype]], repeats: int = 3,
+               context: int = 64, tokens: tuple[int, ...] = (1, 4)) -> dict[tuple[str | None, torch.dtype], float]:
+    """{variant: ms} of decode steps over `batch` rows after `context` cached tokens each, one step of each
+    length in `tokens` per round (1: a dense step; 4: a drafted chain verified, as mode auto runs), summed:
+    every decoder layer (the linears, norms, RoPE, attention and the K/V write, through the code path the
+    engine takes for that format: the fused C++ layers for low-bit weights with fp32 activations) and the final
+    norm and LM head (q8 with a low-bit fmt). Each variant (fmt or None: dense in its dtype; the activation
+    dtype) is a model of the config's shapes with random weights; the rounds alternate over the variants so
+    the machine's drift hits each alike. Distinct weights per layer stream from memory as in a real step."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.arange(batch)
+    base = torch.full((batch,), context)
+    runs = {}
+    for fmt, dtype in variants:
+        model = random_model(config, fmt, dtype, gen)
+        cache = model.new_cache(batch, context + max(tokens))
+        cache.k.normal_(generator=gen), cache.v.normal_(generator=gen)  # a prompt's K/V: random, no prefill to run
+        cache.truncate(rows, base)
+        x = {t: torch.randn(batch, t, config.hidden_size, generator=gen).to(dtype) for t in tokens}
+        chain = {t: torch.tril(torch.ones(t, t, dtype=torch.bool)).expand(batch, t, t) for t in tokens}
+        runs[(fmt, dtype)] = (model, cache, x, chain)
+    samples: dict[tuple[str | None, torch.dtype], list[float]] = {v: [] for v in variants}
     with torch.inference_mode():
-        h = torch.randn(batch, context, d, generator=gen).to(dtype)
-        rope = model.rope_for(torch.arange(context).expand(batch, context))
-        for i in range(model.num_layers):  # fill the cache: the prompt's K/V
-            h = model.layer(i, h, rope, cache)
-        x = torch.randn(batch, 1, d, generator=gen).to(dtype)
-        samples = []
         for rnd in range(repeats + 1):
-            t = time.perf_counter()
-            h = x
-            rope = model.rope_for(torch.full((batch, 1), context + rnd))
-            for i in range(model.num_layers):
-                h = model.layer(i, h, rope, cache)
-            model.logits(h)
-            if rnd:  # round 0 warms up (and packs oneDNN weights)
-                samples.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(samples)
+            for v in (variants if rnd % 2 else variants[::-1]):
+                model, cache, x, chain = runs[v]
+                t0 = time.perf_counter()
+                for t in tokens:
+                    rope = model.rope_for(context + torch.arange(t).expand(batch, t))
+                    model.logits(model.layers(x[t], rope, cache, tree=None if t == 1 else chain[t]))
+                    cache.truncate(rows, base)
+                if rnd:  # round 0 warms up (and packs oneDNN weights)
+                    samples[v].append((time.perf_counter() - t0) * 1e3)
+    return {v: statistics.median(ms) for v, ms in samples.items()}
 
 
 def choose_weights(model_dir, config, device: torch.device, dtype: torch.dtype,
@@ -114,7 +121,7 @@ def choose_weights(model_dir, config, device: torch.device, dtype: torch.dtype,
     (best_fmt, best_act) = min(ms, key=ms.get)
     measured = ", ".join(f"{f or name}{'' if f is None or f.endswith('a8') else ' + ' + dtype_name(a)} {t:.1f}"
                          for (f, a), t in ms.items())
-    measured = f"ms per decode step at batch {batch} here: {measured}"
+    measured = f"ms per decode step + verify of 4 at batch {batch} here: {measured}"
     if best_fmt is None:
         return None, dtype, f"{name}: faster than the checkpoint's {fmt} ({measured})"
     acts = "int8" if best_fmt.endswith("a8") else dtype_name(best_act)
@@ -137,9 +144,7 @@ def measured_steps(config, batch: int, fmt: str, dtype: torch.dtype, device: tor
 
     def measure() -> dict:
         acts = [torch.float32] + ([torch.bfloat16] if dtype == torch.bfloat16 else [])
-        ms = {(fmt, a): time_step(c, batch, fmt, a) for a in acts}
-        ms[(None, dtype)] = time_step(c, batch, None, dtype)
-        return ms
+        return time_steps(c, batch, [(fmt, a) for a in acts] + [(None, dtype)])
 
     return measured_once(key, measure, "weight timings", root, CACHE_FOLDER,
                          encode=lambda ms: [[f, dtype_name(a), t] for (f, a), t in ms.items()],

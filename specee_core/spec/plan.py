@@ -419,9 +419,11 @@ def measure_costs(table: CostTable, model, draft, batch: int, max_tokens: int, p
     cache = model.new_cache(batch, prefix + tokens[-1])
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (batch, prefix + tokens[-1]), generator=gen)
-    model.forward(ids[:, :prefix].to(dev), torch.arange(prefix).expand(batch, prefix).to(dev), cache)
     rows = torch.arange(batch)
     base = torch.full((batch,), prefix)
+    kv_gen = torch.Generator(device=dev).manual_seed(0)
+    cache.k.normal_(generator=kv_gen), cache.v.normal_(generator=kv_gen)  # a prompt's K/V (random: no prefill to run)
+    cache.truncate(rows, base)
 
     def verify(t: int) -> None:
         x = ids[:, prefix : prefix + t].to(dev)
