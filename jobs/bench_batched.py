@@ -146,9 +146,10 @@ def main() -> None:
            "config": {k: str(v) for k, v in vars(args).items()}, "engines": chosen,
            "tokens_per_s_median": med, "tokens_per_s_runs": {k: [round(x, 1) for x in v] for k, v in runs.items()},
            "ratio_to_llama_cpp": ratios, "llama_cpp_fastest_build": fastest,
-           "note": "decode: N different prompts at once (N=1: batch1-prompts prompts one after another), tokens after each row's first over the seconds after the last "
-                   "first token (llama.cpp: S_TG at N parallel sequences); prefill: N prompts of prompt-tokens tokens, "
-                   "prefix cache off, to the last first token (llama.cpp: S_PP)"}
+           "note": "decode: N different prompts at once (N=1: batch1-prompts prompts one after another), tokens "
+                   "after each row's first over the seconds after the last first token (llama.cpp: S_TG at N "
+                   "parallel sequences); prefill: N prompts of prompt-tokens tokens, prefix cache off, to the last "
+                   "first token (llama.cpp: S_PP); ratios against llama.cpp's fastest build at each size"}
     emit(out, args.out)
 
 

@@ -16,10 +16,12 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {
   int64_t i = 0;
 #if LOWBIT_AVX512
   const __m512 va = _mm512_set1_ps(a);
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
 #elif LOWBIT_AVX2
   const __m256 va = _mm256_set1_ps(a);
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
 #endif
   for (; i < n; ++i) y[i] += a * x[i];
 }
@@ -43,8 +45,10 @@ inline float exp_scalar(float x) {
 #if LOWBIT_AVX512
 inline __m512 exp512(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(LN2_HI))), _mm512_mul_ps(k, _mm512_set1_ps(LN2_LO)));
+  const __m512 k =
+      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(LN2_HI))),
+                                 _mm512_mul_ps(k, _mm512_set1_ps(LN2_LO)));
   __m512 p = _mm512_set1_ps(P0);
   for (float c : {P1, P2, P3, P4, P5}) p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
   p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.f));
@@ -53,8 +57,10 @@ inline __m512 exp512(__m512 x) {
 #elif LOWBIT_AVX2
 inline __m256 exp256(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(k, _mm256_set1_ps(LN2_HI))), _mm256_mul_ps(k, _mm256_set1_ps(LN2_LO)));
+  const __m256 k =
+      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(k, _mm256_set1_ps(LN2_HI))),
+                                 _mm256_mul_ps(k, _mm256_set1_ps(LN2_LO)));
   __m256 p = _mm256_set1_ps(P0);
   for (float c : {P1, P2, P3, P4, P5}) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
   p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.f));
@@ -126,7 +132,8 @@ void rms_norm_rows(const float* x, const float* w, float eps, float* y, int64_t 
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous fp32 [B, D]");
-  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == x.size(1), "norm weight must be fp32 [D]");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == x.size(1),
+              "norm weight must be fp32 [D]");
   auto y = torch::empty_like(x);
   rms_norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), static_cast<float>(eps), y.data_ptr<float>(), x.size(0),
                 x.size(1));
@@ -213,7 +220,8 @@ torch::Tensor decode_layer(torch::Tensor h, torch::Tensor in_norm, torch::Tensor
               "starts must be a contiguous int64 [N] on the CPU");
   const int64_t n = starts.size(0), m = h.size(0), t = m / std::max<int64_t>(n, 1), hd = kc.size(3), half = hd / 2;
   TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.stride(3) == 1 &&
-                  vc.stride(3) == 1 && kc.strides() == vc.strides() && kc.sizes() == vc.sizes() && kc.size(1) == kv_heads,
+                  vc.stride(3) == 1 && kc.strides() == vc.strides() && kc.sizes() == vc.sizes() &&
+                  kc.size(1) == kv_heads,
               "the K/V slots must be fp32 [B, Hkv, S, hd] with unit stride over hd");
   TORCH_CHECK(n >= 1 && t >= 1 && m == n * t, "h has ", m, " rows: not T tokens for each of ", n, " rows");
   std::vector<int64_t> cache_rows(n);
@@ -277,7 +285,8 @@ torch::Tensor LayerStack::forward(torch::Tensor h, torch::Tensor cos, torch::Ten
                                   torch::Tensor v, torch::Tensor starts, c10::optional<torch::Tensor> rows,
                                   c10::optional<torch::Tensor> tree) const {
   const int64_t layers = static_cast<int64_t>(in_norms.size());
-  TORCH_CHECK(k.dim() == 5 && k.size(0) == layers && v.sizes() == k.sizes(), "K/V must be [", layers, ", N, Hkv, S, hd]");
+  TORCH_CHECK(k.dim() == 5 && k.size(0) == layers && v.sizes() == k.sizes(),
+              "K/V must be [", layers, ", B, Hkv, S, hd]");
   cos = cos.contiguous();
   sin = sin.contiguous();
   for (int64_t i = 0; i < layers; ++i)

@@ -21,7 +21,7 @@ from torch import nn
 from specee_core.model.config import ModelConfig
 from specee_core.model.kv_cache import KVCache
 from specee_core.model.loader import read_state_dict
-from specee_core.model.model import LayerWeights, Linear, LlamaModel, ModelWeights, make_linear, rms_norm
+from specee_core.model.model import LayerWeights, LlamaModel, ModelWeights, make_linear, rms_norm
 from specee_core.model.quant import quantize, select_rows
 from specee_core.model.rope import apply_rope
 

@@ -73,7 +73,8 @@ class KVCache:
         return self._k[layer], self._v[layer], starts
 
     def advance(self, layer: int, rows: torch.Tensor | None, tokens: int = 1) -> None:
-        """`tokens` slots of each of rows (None = all) were written from its length on (see decode_slots): count them."""
+        """`tokens` slots of each of rows (None = all) were written from its length on (see decode_slots): count
+        them."""
         if rows is None:
             self._lens[layer].add_(tokens)
             if self.uniform[layer] is not None:

@@ -4,9 +4,9 @@ The checkpoint's own low-bit format is a candidate only where it has one (a GGUF
 matrices were Q4_1 / Q8_0 blocks: quantizing them again gives back exactly those blocks, so nothing is
 approximated). It is chosen when decode steps (one token per row, and a drafted chain of 4 verified),
 timed here on random weights of the model's shapes at the batch size in use, are faster than in the dtype's
-dense matrices. The same blocks with int8 activations (q4a8: llama.cpp's arithmetic) are not a candidate: on SmolLM2 their greedy outputs part from fp32's
-sooner than bf16's do (docs/RESULTS.md, "int8 activations"); ask for them by name. Pure functions of what
-was measured; the reason string says it.
+dense matrices. The same blocks with int8 activations (q4a8: llama.cpp's arithmetic) are not a candidate: on
+SmolLM2 their greedy outputs part from fp32's sooner than bf16's do (docs/RESULTS.md, "int8 activations");
+ask for them by name. Pure functions of what was measured; the reason string says it.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import time
 import torch
 
 from specee_core.machine import machine_name, measured_once
-from specee_core.model.model import make_linear
 from specee_core.model.quant import QK, cpu_kernel, dtype_name, random_weight
 
 log = logging.getLogger(__name__)
