@@ -1,19 +1,24 @@
-"""The engine on a CUDA GPU: exactness against transformers and between modes, then timings.
+"""The engine on a CUDA GPU with SmolLM2: exactness against transformers and between modes, then every mode
+and weight format beside transformers' `generate`, batch 1 to 64.
 
-    python -m jobs.gpu_check --model models/specee-tiny --out gpu_check.json
+    python -m jobs.gpu_check --model models/smollm2-135m-instruct --out gpu_check.json
 
-Greedy, fp32 (no TF32): dense against transformers' generate token for token; every lossless mode
-(spec: draft chain, draft tree, prompt lookup, T3 with exits off; auto) against dense; SpecEE with exits
-switched off against dense, and SpecEE's fused Triton predictor (the CUDA default) against the torch
-scorer on the same steps; the low-bit formats (q8, q4: Triton GEMV on CUDA) against fp32. Then tokens/s
-of each mode at batch 1 and 8, the modes interleaved over rounds (the order rotating), after a warm-up.
-Every check is recorded, a failing one with its error, so one run shows everything; JSON with the commit
-and the GPU. The CPU suite (`make test`) is the project's test command; this runs where a GPU is lent.
+Greedy, fp32 (no TF32), on held-out chat prompts: dense against transformers' generate token for token, and
+dense batched against each prompt alone; every lossless mode (spec: draft chain, draft tree, prompt lookup,
+T3 and SpecEE with exits off; auto) against dense; SpecEE's fused Triton predictor (the CUDA default)
+against the torch scorer on the same steps; the low-bit formats (q8, q4: Triton GEMV on CUDA) against fp32;
+bf16 against transformers in bf16 (agreement, measured, not required). Then tokens/s of every mode and
+weight format and of transformers (fp32 and bf16) at each batch size, the variants interleaved over rounds
+(the order rotating) after a warm-up; batch 1 decodes two prompts one after another. Every check is
+recorded, a failing one with its error, so one run shows everything; the JSON (with the commit and the
+GPU) is rewritten after every section, so a run cut short keeps what it measured. The CPU suite (`make
+test`) is the project's test command; this runs where a GPU is lent.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 import traceback
@@ -21,13 +26,11 @@ from pathlib import Path
 
 import torch
 
-PROMPTS = ["def add(a, b):\n", "import os\n\ndef main():\n", "class Stack:\n    def push(self, x):\n",
-           "for i in range(10):\n", "The quick brown fox", "Once upon a time", "x = [1, 2, 3]\ny =",
-           "# sort a list\ndef sort("]
 SPEC = {"spec_chain": {"proposer": "draft", "depth": 4, "width": 1, "lookup": "off"},
         "spec_tree": {"proposer": "draft", "depth": 5, "width": 4, "nodes": 12, "lookup": "merge"},
         "spec_lookup": {"proposer": "lookup", "depth": 4},
         "spec_t3": {"proposer": "draft", "depth": 5, "width": 4, "nodes": 12, "t3": True}}
+LOSSY = ("specee", "spec_t3")  # early exit: may change tokens (stated, off by default)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -54,12 +57,6 @@ def hit_bank(k: int, layers: list[int]):
                              for l in layers}, features="zpdqh", exit_token="draft")
 
 
-def outcome(engine, mode: str, n: int) -> tuple[list[list[int]], list[list[int]]]:
-    """The tokens and exit layers of every prompt."""
-    res = run_mode(engine, mode, PROMPTS, n)
-    return [r.token_ids for r in res], [r.exit_layers for r in res]
-
-
 def check(results: dict, name: str, fn) -> None:
     t0 = time.perf_counter()
     try:
@@ -71,59 +68,118 @@ def check(results: dict, name: str, fn) -> None:
     print(name, json.dumps({k: v for k, v in results[name].items() if k != "trace"})[:600], flush=True)
 
 
+class HF:
+    """transformers' generate, greedy, every row exactly n new tokens (left padding for batches)."""
+
+    def __init__(self, model: Path, dtype: torch.dtype, device: str):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+        self.tok = AutoTokenizer.from_pretrained(model, padding_side="left")
+        if self.tok.pad_token is None:
+            self.tok.pad_token = self.tok.eos_token
+        self.device = device
+
+    def generate_ids(self, ids: list[list[int]], n: int) -> list[list[int]]:
+        width = max(map(len, ids))
+        pad = self.tok.pad_token_id
+        x = torch.tensor([[pad] * (width - len(r)) + r for r in ids], device=self.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids], device=self.device)
+        with torch.inference_mode():
+            out = self.model.generate(x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                      top_p=None, top_k=None, temperature=None, pad_token_id=pad)
+        return out[:, width:].tolist()
+
+    def top2_margin(self, ids: list[int]) -> float:
+        """The gap between the two highest next-token logits after ids (a near tie flips on rounding)."""
+        with torch.inference_mode():
+            logits = self.model(torch.tensor([ids], device=self.device)).logits[0, -1].float()
+        top = logits.topk(2).values
+        return round(float(top[0] - top[1]), 5)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="models/specee-tiny")
-    p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--model", default="models/smollm2-135m-instruct")
+    p.add_argument("--prompts", default="prompts/instructions_heldout.jsonl", help="held-out chat prompts")
+    p.add_argument("--tokens", type=int, default=32, help="new tokens per prompt in the exactness checks")
+    p.add_argument("--speed-tokens", type=int, default=64, help="new tokens per row in the timings")
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--deadline", type=float, default=0, help="seconds: batch sizes not started by then are skipped")
     p.add_argument("--out", default="")
     p.add_argument("--device", default="cuda", help="cuda; cpu only to try the script itself")
     args = p.parse_args(argv)
+    start = time.perf_counter()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = args.device
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    import transformers
+
     from jobs.bench import git_commit
     from specee_core import SpecEEEngine
 
     n, model = args.tokens, Path(args.model)
-    report: dict = {"git_commit": git_commit(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if dev == "cuda" else None,
-                    "model": str(model), "tokens": n, "checks": {}}
+    report: dict = {"git_commit": os.environ.get("SPECEE_COMMIT") or git_commit(), "torch": torch.__version__,
+                    "transformers": transformers.__version__,
+                    "gpu": torch.cuda.get_device_name(0) if dev == "cuda" else None, "model": str(model),
+                    "tokens": n, "speed_tokens": args.speed_tokens, "checks": {}, "agreement": {}}
     try:
         import triton
 
         report["triton"] = triton.__version__
     except ImportError:
         report["triton"] = None
+
+    def save() -> None:
+        report["all_ok"] = all(c["ok"] for c in report["checks"].values())
+        report["seconds"] = round(time.perf_counter() - start, 1)
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=2))
+
     checks = report["checks"]
     engine = SpecEEEngine.from_pretrained(model, device=dev, dtype="float32", weights="fp32")
-    dense = [r.token_ids for r in run_mode(engine, "dense", PROMPTS, n)]
+    rows = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines()]
+    batches = [int(b) for b in args.batches.split(",")]
+    prompts = [engine.chat_prompt([{"role": "user", "content": r}]) for r in rows[: max(batches + [8])]]
+    few = prompts[:8]
+    dense = [r.token_ids for r in run_mode(engine, "dense", few, n)]
+    hf32 = HF(model, torch.float32, dev)
 
     def vs_transformers():
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(dev).eval()
-        firsts = []
-        for prompt, ours in zip(PROMPTS, dense):
-            ids = torch.tensor([engine.encode_prompt(prompt)], device=dev)
-            with torch.inference_mode():
-                ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                                  min_new_tokens=n, top_p=None, top_k=None, temperature=None)[0, ids.shape[1]:].tolist()
-            firsts.append(first_divergence(ours, ref))
-        return {"ok": all(f is None for f in firsts), "first_divergence": firsts}
+        ids = [engine.encode_prompt(q) for q in few]
+        firsts, margins = [], []
+        for x, ours in zip(ids, dense):
+            ref = hf32.generate_ids([x], n)[0]
+            f = first_divergence(ours, ref)
+            firsts.append(f)
+            margins.append(None if f is None else hf32.top2_margin(x + ref[:f]))
+        return {"ok": all(f is None for f in firsts), "first_divergence": firsts, "top2_margin_there": margins}
 
     check(checks, "dense_equals_transformers_fp32", vs_transformers)
 
+    def batched_equals_alone():
+        alone = [run_mode(engine, "dense", [q], n)[0].token_ids for q in few]
+        firsts = [first_divergence(a, b) for a, b in zip(dense, alone)]
+        return {"ok": all(f is None for f in firsts), "first_divergence": firsts}
+
+    check(checks, "dense_batch_of_8_equals_each_alone", batched_equals_alone)
+
     def equals_dense(mode: str, **exit_options):
         def fn():
-            got = outcome(engine.with_options(**exit_options) if exit_options else engine, mode, n)[0]
+            e = engine.with_options(**exit_options) if exit_options else engine
+            got = [r.token_ids for r in run_mode(e, mode, few, n)]
             firsts = [first_divergence(a, b) for a, b in zip(got, dense)]
             return {"ok": all(f is None for f in firsts), "first_divergence": firsts}
         return fn
 
     def same_exits(engines_by_backend: dict) -> dict:
         """SpecEE through the fused Triton predictor and through the torch scorer: the same tokens and exits."""
-        outs = {backend: outcome(e, "specee", n) for backend, e in engines_by_backend.items()}
+        outs = {}
+        for backend, e in engines_by_backend.items():
+            res = run_mode(e, "specee", few, n)
+            outs[backend] = ([r.token_ids for r in res], [r.exit_layers for r in res])
         exits = sum(l < engine.config.num_hidden_layers for ls in outs["torch"][1] for l in ls)
         same_tokens, same_layers = (outs["triton"][i] == outs["torch"][i] for i in (0, 1))
         return {"ok": same_tokens and same_layers and exits > 0, "exits": exits, "same_tokens": same_tokens,
@@ -151,51 +207,101 @@ def main(argv: list[str] | None = None) -> dict:
                                                                   predictor_backend=b) for b in ("triton", "torch")})
 
         check(checks, "specee_zpdqh_triton_predictor_decides_like_torch", zpdqh_bank)
+    save()
     engines = {"fp32": engine}
     for fmt in ("q8", "q4"):
         def lowbit(fmt=fmt):
             e = SpecEEEngine.from_pretrained(model, device=dev, dtype="float32", weights=fmt)
             engines[fmt] = e
-            got = [r.token_ids for r in run_mode(e, "dense", PROMPTS, n)]
+            got = [r.token_ids for r in run_mode(e, "dense", few, n)]
             firsts = [first_divergence(a, b) for a, b in zip(got, dense)]
             # a different rounding of the same model: greedy paths may part after a near tie, not at once
             return {"ok": e.model.weight_format == fmt and all(f is None or f >= 4 for f in firsts),
                     "weight_format": e.model.weight_format, "first_divergence": firsts}
 
         check(checks, f"{fmt}_greedy_against_fp32", lowbit)
-    # timings: every mode and weight format, batch 1 and 8, interleaved rounds after a warm-up
-    variants = [("fp32", m) for m in ("dense", "auto", "spec_chain", "spec_tree", "spec_lookup", "specee")] + \
-               [(f, "dense") for f in ("q8", "q4") if f in engines]
+    hf16 = HF(model, torch.bfloat16, dev)
+    engines["bf16"] = SpecEEEngine.from_pretrained(model, device=dev, weights="bf16")
+    engines["default"] = SpecEEEngine.from_pretrained(model, device=dev)  # every option left alone
+    d = engines["default"]
+    report["default_engine"] = {"dtype": str(d.model.dtype).removeprefix("torch."),
+                                "weights": d.model.weight_format, "dtype_reason": d.dtype_reason,
+                                "weights_reason": d.weights_reason}
+    ids = [engine.encode_prompt(q) for q in few]
+    for name, e, ref_model in (("bf16", engines["bf16"], hf16), ("q8", engines.get("q8"), hf32),
+                               ("q4", engines.get("q4"), hf32)):
+        try:  # measured, not required: how far each format's greedy text follows transformers'
+            ours = [r.token_ids for r in run_mode(e, "dense", few, n)]
+            ref = [ref_model.generate_ids([x], n)[0] for x in ids]
+            firsts = [first_divergence(a, b) for a, b in zip(ours, ref)]
+            report["agreement"][f"{name}_vs_transformers_{'bf16' if name == 'bf16' else 'fp32'}"] = {
+                "identical": sum(f is None for f in firsts), "of": len(firsts), "first_divergence": firsts}
+        except Exception as e:  # noqa: BLE001 - recorded
+            report["agreement"][name] = {"error": f"{type(e).__name__}: {e}"}
+    print("agreement", json.dumps(report["agreement"]), flush=True)
+    save()
+
+    # timings: every mode and weight format, and transformers, at each batch size
+    variants = [("hf", "fp32"), ("hf", "bf16")] + \
+               [("fp32", m) for m in ("dense", "auto", "spec_chain", "spec_tree", "spec_lookup", "specee",
+                                      "spec_t3")] + \
+               [(w, m) for w in ("bf16", "default") for m in ("dense", "auto")] + \
+               [(f, m) for f in ("q8", "q4") if f in engines for m in ("dense", "auto")]
     if engine.early_exit is None:
-        variants = [v for v in variants if v[1] != "specee"]
+        variants = [v for v in variants if v[1] not in LOSSY]
+    hf = {"fp32": hf32, "bf16": hf16}
+
+    def run(variant, group: list[str], tokens: int) -> int:
+        w, m = variant
+        if w == "hf":
+            return sum(map(len, hf[m].generate_ids([engines["fp32"].encode_prompt(q) for q in group], tokens)))
+        return sum(len(r.token_ids) for r in run_mode(engines[w], m, group, tokens))
+
     speed: dict = {}
-    for batch in (1, 8):
-        prompts = (PROMPTS * 2)[:batch]
+    report["speed"] = speed
+    report["lossy_modes"] = list(LOSSY)
+    for batch in batches:
+        if args.deadline and time.perf_counter() - start > args.deadline:
+            speed[f"batch_{batch}"] = {"skipped": "past --deadline"}
+            continue
+        groups = [[q] for q in prompts[:2]] if batch == 1 else [prompts[:batch]]
         times: dict = {f"{w}/{m}": [] for w, m in variants}
-        for w, m in variants:  # warm-up (kernel compiles, plans)
-            run_mode(engines[w], m, prompts, 8)
+        errors: dict = {}
+        for v in variants:  # warm-up (kernel compiles, plans)
+            try:
+                run(v, groups[0], 8)
+            except Exception as e:  # noqa: BLE001 - a variant that fails is dropped from this batch
+                errors[f"{v[0]}/{v[1]}"] = f"{type(e).__name__}: {e}"[:300]
+        live = [v for v in variants if f"{v[0]}/{v[1]}" not in errors]
         for r in range(args.rounds):
-            order = variants[r % len(variants):] + variants[: r % len(variants)]
-            for w, m in order:
+            order = live[r % len(live):] + live[: r % len(live)]
+            for v in order:
                 sync()
                 t0 = time.perf_counter()
-                res = run_mode(engines[w], m, prompts, n)
+                made = sum(run(v, g, args.speed_tokens) for g in groups)
                 sync()
-                times[f"{w}/{m}"].append(sum(len(x.token_ids) for x in res) / (time.perf_counter() - t0))
-        base = statistics.median(times["fp32/dense"])
+                times[f"{v[0]}/{v[1]}"].append(made / (time.perf_counter() - t0))
+        base, ref = (statistics.median(times[k]) for k in ("fp32/dense", "hf/fp32"))
         speed[f"batch_{batch}"] = {k: {"tokens_per_s": round(statistics.median(v), 1),
-                                       "vs_dense": round(statistics.median(v) / base, 3)} for k, v in times.items()}
-        print("speed", batch, json.dumps(speed[f"batch_{batch}"]), flush=True)
-    report["speed"] = speed
+                                       "vs_dense_fp32": round(statistics.median(v) / base, 3),
+                                       "vs_transformers_fp32": round(statistics.median(v) / ref, 3),
+                                       "rounds": [round(x, 1) for x in v]}
+                                   for k, v in times.items() if v}
+        if errors:
+            speed[f"batch_{batch}"]["errors"] = errors
+        print("speed", batch, json.dumps({k: v.get("tokens_per_s") if isinstance(v, dict) else v
+                                          for k, v in speed[f"batch_{batch}"].items()}), flush=True)
+        save()
     # what mode="auto" planned here: its steps and tokens per step at batch 8, and the cost table it used
-    res = run_mode(engine, "auto", (PROMPTS * 2)[:8], n)
-    report["auto_plan"] = {"stats": {k: v for k, v in res[0].stats.items() if k in ("plan_steps", "mean_tokens_per_step")},
-                           "costs": [p.costs.to_json() for p in engine._plans.values()]}
-    print("auto plan", json.dumps(report["auto_plan"])[:1500], flush=True)
-    report["all_ok"] = all(c["ok"] for c in checks.values())
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: v for k, v in report.items() if k != "checks"}, indent=1))
+    try:
+        res = run_mode(engine, "auto", prompts[:8], args.speed_tokens)
+        report["auto_plan"] = {"stats": {k: v for k, v in res[0].stats.items()
+                                         if k in ("plan_steps", "mean_tokens_per_step")},
+                               "costs": [p.costs.to_json() for p in engine._plans.values()]}
+    except Exception as e:  # noqa: BLE001 - recorded
+        report["auto_plan"] = {"error": f"{type(e).__name__}: {e}"}
+    save()
+    print(json.dumps({k: v for k, v in report.items() if k not in ("checks", "speed")}, indent=1)[:3000])
     return report
 
 
