@@ -96,7 +96,8 @@ def main() -> None:
                          "(e.g. native and AVX2): each is run, and ours is compared with the fastest")
     ap.add_argument("--sizes", default="1,8,16,32")
     ap.add_argument("--weights", default="auto", help="comma-separated: each a variant of this engine")
-    ap.add_argument("--mode", default="auto")
+    ap.add_argument("--mode", default="auto", help="comma-separated: each a variant (auto,dense: the default "
+                    "mode beside dense decoding, interleaved)")
     ap.add_argument("--prompts", type=Path, default=Path("prompts/instructions_heldout.jsonl"))
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=64)
@@ -107,6 +108,9 @@ def main() -> None:
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     weights = args.weights.split(",")
+    modes = args.mode.split(",")
+    # the variants: each weight format in each mode ("<weights>" with one mode, "<weights>/<mode>" with several)
+    variants = [(w, m, w if len(modes) == 1 else f"{w}/{m}") for w in weights for m in modes]
     threads = torch.get_num_threads()
     # one build: "llama.cpp"; several: "llama.cpp:<its build folder>" each (bin/ is skipped)
     llama_builds = {("llama.cpp" if len(args.llama_bench) == 1 else
@@ -122,16 +126,17 @@ def main() -> None:
         pre = long_prompts(first, args.prompts, n, args.prompt_tokens)
         for w, e in engines.items():
             chosen[f"{w}@{n}"] = {"weights": e.model.weight_format, "dtype": str(e.model.dtype).removeprefix("torch.")}
-            ours(e, dec[:1], pre[:1], 4, args.mode)  # warm-up: kernels, the plan's costs at this size
+        for w, m, _ in variants:
+            ours(engines[w], dec[:1], pre[:1], 4, m)  # warm-up: kernels, the plan's costs at this size
         for rnd in range(args.rounds):
             for build, binary in llama_builds.items():
                 got = llama_batched(binary, args.gguf or default_gguf_path(), [n], args.prompt_tokens,
                                     args.tokens, threads)[n]
                 for k, v in got.items():
                     runs.setdefault(f"{build}_{k}@{n}", []).append(v)
-            for w, e in (engines.items() if rnd % 2 == 0 else reversed(engines.items())):
-                for k, v in ours(e, dec, pre, args.tokens, args.mode, one_at_a_time=n == 1).items():
-                    runs.setdefault(f"{w}_{k}@{n}", []).append(v)
+            for w, m, name in (variants if rnd % 2 == 0 else reversed(variants)):
+                for k, v in ours(engines[w], dec, pre, args.tokens, m, one_at_a_time=n == 1).items():
+                    runs.setdefault(f"{name}_{k}@{n}", []).append(v)
             print(json.dumps({k: round(v[-1], 1) for k, v in runs.items() if k.endswith(f"@{n}")}), flush=True)
         del engines
     med = {k: round(statistics.median(v), 1) for k, v in runs.items()}
@@ -140,8 +145,8 @@ def main() -> None:
         for n in sizes:
             for k in ("decode", "prefill"):
                 fastest[f"{k}@{n}"] = max(llama_builds, key=lambda b: med[f"{b}_{k}@{n}"])
-                for w in weights:  # against llama.cpp's fastest build at this size
-                    ratios[f"{w}_{k}@{n}"] = round(med[f"{w}_{k}@{n}"] / med[f"{fastest[f'{k}@{n}']}_{k}@{n}"], 3)
+                for _, _, name in variants:  # against llama.cpp's fastest build at this size
+                    ratios[f"{name}_{k}@{n}"] = round(med[f"{name}_{k}@{n}"] / med[f"{fastest[f'{k}@{n}']}_{k}@{n}"], 3)
     out = {"git_commit": git_commit(), "machine": machine_facts(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
            "config": {k: str(v) for k, v in vars(args).items()}, "engines": chosen,
            "tokens_per_s_median": med, "tokens_per_s_runs": {k: [round(x, 1) for x in v] for k, v in runs.items()},

@@ -98,6 +98,37 @@ class HF:
         return round(float(top[0] - top[1]), 5)
 
 
+def plot_speed(reports: list[Path], out: Path) -> None:
+    """Tokens/s of every variant at each batch size (bars, log scale), from one or more reports of one GPU."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    speed: dict = {}
+    gpu = None
+    for path in reports:
+        report = json.loads(path.read_text())
+        gpu = gpu or report.get("gpu")
+        for batch, table in report.get("speed", {}).items():
+            if "skipped" not in table:
+                speed[int(batch.removeprefix("batch_"))] = {k: v["tokens_per_s"] for k, v in table.items()
+                                                            if isinstance(v, dict) and "tokens_per_s" in v}
+    names = list(dict.fromkeys(k for table in speed.values() for k in table))
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    width = 0.8 / max(len(speed), 1)
+    for i, batch in enumerate(sorted(speed)):
+        xs = [j + i * width for j in range(len(names))]
+        ax.bar(xs, [speed[batch].get(k, 0) for k in names], width, label=f"batch {batch}")
+    ax.set_xticks([j + width * (len(speed) - 1) / 2 for j in range(len(names))], names, rotation=40, ha="right")
+    ax.set_yscale("log")
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title(f"SmolLM2-135M-Instruct on {gpu}: every mode and weight format beside transformers (hf/...)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="models/smollm2-135m-instruct")
@@ -107,9 +138,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--deadline", type=float, default=0, help="seconds: batch sizes not started by then are skipped")
+    p.add_argument("--timings-only", action="store_true", help="skip the checks (a rerun of the timings)")
     p.add_argument("--out", default="")
     p.add_argument("--device", default="cuda", help="cuda; cpu only to try the script itself")
+    p.add_argument("--plot", nargs="+", type=Path, default=None, help="reports to plot into --out (a PNG); no run")
     args = p.parse_args(argv)
+    if args.plot:
+        plot_speed(args.plot, Path(args.out))
+        return {}
     start = time.perf_counter()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -139,6 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
             Path(args.out).write_text(json.dumps(report, indent=2))
 
     checks = report["checks"]
+    if args.timings_only:  # a rerun of the timings alone
+        check = lambda results, name, fn: None  # noqa: E731
     engine = SpecEEEngine.from_pretrained(model, device=dev, dtype="float32", weights="fp32")
     rows = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines()]
     batches = [int(b) for b in args.batches.split(",")]
@@ -210,9 +248,9 @@ def main(argv: list[str] | None = None) -> dict:
     save()
     engines = {"fp32": engine}
     for fmt in ("q8", "q4"):
-        def lowbit(fmt=fmt):
-            e = SpecEEEngine.from_pretrained(model, device=dev, dtype="float32", weights=fmt)
-            engines[fmt] = e
+        engines[fmt] = SpecEEEngine.from_pretrained(model, device=dev, dtype="float32", weights=fmt)
+
+        def lowbit(e=engines[fmt], fmt=fmt):
             got = [r.token_ids for r in run_mode(e, "dense", few, n)]
             firsts = [first_divergence(a, b) for a, b in zip(got, dense)]
             # a different rounding of the same model: greedy paths may part after a near tie, not at once
@@ -276,9 +314,15 @@ def main(argv: list[str] | None = None) -> dict:
         for r in range(args.rounds):
             order = live[r % len(live):] + live[: r % len(live)]
             for v in order:
+                if f"{v[0]}/{v[1]}" in errors:
+                    continue
                 sync()
                 t0 = time.perf_counter()
-                made = sum(run(v, g, args.speed_tokens) for g in groups)
+                try:
+                    made = sum(run(v, g, args.speed_tokens) for g in groups)
+                except Exception as e:  # noqa: BLE001 - recorded; the variant is dropped from this batch
+                    errors[f"{v[0]}/{v[1]}"] = f"{type(e).__name__}: {e}"[:300]
+                    continue
                 sync()
                 times[f"{v[0]}/{v[1]}"].append(made / (time.perf_counter() - t0))
         base, ref = (statistics.median(times[k]) for k in ("fp32/dense", "hf/fp32"))

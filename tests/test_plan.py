@@ -102,6 +102,38 @@ def test_acceptance_collapse_stops_drafting_within_a_few_steps_and_it_probes_aga
     assert 1 <= probes <= 5, probes
 
 
+def run_steps(planner: Planner, steps: int, spec_ms, dense_ms: float = 10.0) -> list[int]:
+    """Steps of one row whose drafts are always accepted, each taking the given wall time (spec_ms(depth) for
+    a drafted step): the depths chosen. The table says drafting pays; these times say what it made."""
+    depths = []
+    for _ in range(steps):
+        plan = planner.choose([0], [0], [4])
+        made = plan.depth + 1
+        planner.timed(plan, (spec_ms(plan.depth) if plan.depth else dense_ms) / 1e3, made)
+        planner.observe([0], plan, [plan.depth], [None])
+        depths.append(plan.depth)
+    return depths
+
+
+def test_drafted_steps_that_make_less_than_dense_steps_turn_dense_and_are_tried_again_at_doubling_intervals():
+    """The table (flat: drafting is nearly free) is wrong here: a drafted step takes 60 ms for 5 tokens, a
+    dense one 10 ms for 1. Measured against a dense step (probed, as none was taken), drafting stops; it is
+    tried again after 16 steps, then 32, 64; once a try makes more than dense, drafting is back."""
+    planner = Planner(FLAT, rows=1, max_depth=4, has_draft=True)
+    first = run_steps(planner, 100, lambda d: 60.0)
+    assert first[:16] == [4] * 16 and first[16] == 0, first[:20]  # 16 drafted steps measured, then dense
+    assert [i for i, d in enumerate(first[16:], 16) if d] == [32, 64]  # tried 16 steps on, then 32 more
+    again = run_steps(planner, 200, lambda d: 10.0)  # now a drafted step makes 5 tokens in a dense step's time
+    assert again[-100:] == [4] * 100, again
+    back = next(i for i, d in enumerate(again) if d)
+    assert back <= 64, back  # the next try, at most the interval reached
+
+
+def test_drafting_that_makes_well_over_the_tables_dense_rate_is_never_stopped_to_measure_dense():
+    planner = Planner(FLAT, rows=1, max_depth=4, has_draft=True)
+    assert run_steps(planner, 100, lambda d: 12.0) == [4] * 100  # 5 tokens in 12 ms against dense's 1 in 10
+
+
 def test_lookup_is_scored_during_dense_steps():
     planner = Planner(STEEP, rows=1, max_depth=4, has_draft=False)
     before = planner.lookup[0].alpha

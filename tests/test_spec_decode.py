@@ -48,6 +48,26 @@ def test_greedy_spec_equals_dense_on_the_bundled_model(tiny, proposer, shape):
     assert all(r.stats["mode"] == "spec" and r.stats["spec_steps"] < 40 for r in spec)
 
 
+@pytest.mark.parametrize("shape", [{"depth": 5, "width": 8, "nodes": 12, "lookup": "off"},
+                                   {"depth": 5, "width": 4, "nodes": 12, "lookup": "first"}], ids=["wide", "t3-shape"])
+def test_a_row_at_the_end_of_a_full_lane_has_room_for_the_draft_heads_whole_expansion(tiny, shape):
+    """The lane is sized to the row's prompt + max_tokens + the stepper's headroom exactly (256 slots): the
+    draft head's expansion ((depth - 1) * width nodes past the root, every row to the batch's deepest level)
+    must fit in it, as the verify chunk must. Guards a KV overflow that failed a whole lane (H100, batch 64)."""
+    m = 24
+    spec = {"proposer": "draft", **shape, "step_budget": None}
+    headroom = tiny.stepper_factory("spec", spec, None)[1]
+    words = " ".join(["import os", "x = [1, 2, 3]", "def main(argv=None):", "class Point:"] * 60)
+    ids = tiny.tokenizer(words, add_special_tokens=False)["input_ids"]
+    length = tiny.core.min_slots - headroom - m  # prompt + max_tokens + headroom = the lane's 256 slots
+    prompt = tiny.tokenizer.decode(ids[: length - 1])
+    prompts = [prompt, *CODE[:2]]  # other rows keep drafting at full depth while the long one ends
+    assert len(tiny.encode_prompt(prompt)) <= length
+    dense = tiny.generate(prompts, max_new_tokens=m, ignore_eos=True, mode="dense")
+    got = tiny.generate(prompts, max_new_tokens=m, ignore_eos=True, mode="spec", spec=spec)
+    assert [r.token_ids for r in got] == [r.token_ids for r in dense]
+
+
 def test_greedy_spec_equals_dense_on_a_position_sensitive_random_model(sharp_model_dir):
     engine = SpecEEEngine.from_pretrained(sharp_model_dir, dtype="float32")
     prompts = [p * 3 for p in CODE]  # repetitive: prompt lookup finds continuations

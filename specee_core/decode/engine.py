@@ -396,7 +396,11 @@ class SpecEEEngine:
             return SpecStepper(draft, opts, engine, batch, cache, prefill_hidden, lens,
                                planner=Planner(plan.costs, n, opts.depth, use_draft, plan.times))
 
-        return factory, opts.nodes + (opts.depth if use_draft and opts.lookup == "merge" else 0) + 1
+        verify = opts.nodes + (opts.depth if use_draft and opts.lookup == "merge" else 0)
+        # the draft head's expansion writes `width` nodes per level below the root into its cache, every row to
+        # the batch's deepest level (a row at its last token too): more than a verify chunk when width is wide
+        drafted = (opts.depth - 1) * opts.width if use_draft else 0
+        return factory, max(verify, drafted) + 1
 
     def run(self, prompt_ids: list[list[int]], params: SamplingParams, new_stepper: StepperFactory | None = None,
             on_token: Callable[[int, int], None] | None = None, mode: str | None = None,

@@ -34,6 +34,9 @@ from specee_core.machine import cache_path, machine_name, measuring_lock, save_m
 log = logging.getLogger(__name__)
 
 T_GRID = (1, 2, 3, 4, 5, 7, 9, 13, 17)  # verify rows per sequence that are measured; others interpolated
+PROBE_EVERY = 16  # StepTimes.check: steps between a measured check of dense (or of drafting, once behind)
+PROBE_MARGIN = 1.25  # drafting's measured rate over the table's dense rate below which dense is measured too
+TRY_EVERY_MAX = 256
 PLAN_VERSION = 1  # bump when what is measured changes: older cache files are then measured again
 
 
@@ -278,6 +281,12 @@ class StepTimes:
     def __init__(self, decay: float = 0.8, idle_decay: float = 0.98):  # decay 1: never learns (tests)
         self.decay, self.idle_decay = decay, idle_decay
         self.ratio: dict[tuple[str, int], float] = {}
+        # the check on the table's choices: tokens per row per ms that drafted and dense steps really made
+        self.rate: dict[tuple[str, int], float] = {}
+        self.since_probe: dict[int, int] = {}  # steps since a dense step was measured
+        self.since_try: dict[int, int] = {}  # steps since drafting was last tried while dense was ahead
+        self.try_every: dict[int, int] = {}  # the interval of those tries: doubles while dense stays ahead
+        self.trying: set[int] = set()  # buckets whose next drafted step is such a try
 
     def record(self, kind: str, b: int, est_ms: float, ms: float) -> None:
         """One step's wall time against its estimate. A sample counts at most 3x the estimate (a step that
@@ -292,13 +301,59 @@ class StepTimes:
             i = self.idle_decay
             self.ratio["spec", bucket] = self.ratio["spec", bucket] * i + self.ratio[key] * (1 - i)
 
+    def made(self, kind: str, b: int, tokens: int, ms: float) -> None:
+        """The tokens one step of b rows committed per row over its wall time. A try (a drafted step while
+        dense steps made more) counts alone: one step of fresh evidence decides whether drafting is back."""
+        bucket, r = batch_bucket(b), tokens / b / max(ms, 1e-6)
+        key = (kind, bucket)
+        if kind == "dense":
+            self.since_probe[bucket] = 0
+        if key not in self.rate or (kind == "spec" and bucket in self.trying):
+            self.rate[key] = r
+        else:
+            self.rate[key] = self.rate[key] * self.decay + r * (1 - self.decay)
+        if kind == "spec":
+            self.trying.discard(bucket)
+
+    def check(self, plan: StepPlan) -> StepPlan:
+        """The table's choice held against what steps really made here: a drafted step becomes a dense step
+        while dense steps have made more tokens per ms than drafted ones at this batch size (drafting is
+        tried again after PROBE_EVERY steps, then at doubling intervals while dense stays ahead); while no
+        dense step has been measured and drafting made less than 1.25x the table's dense rate, one step in
+        PROBE_EVERY is dense, to measure it. What this guards: a table measured on a bad minute, or host work
+        a table cannot see (on a GPU, launches), that would make auto slower than dense."""
+        if self.decay >= 1.0 or plan.depth == 0:
+            return plan
+        n = len(plan.kinds)
+        k = batch_bucket(n)
+        spec, dense = self.rate.get(("spec", k)), self.rate.get(("dense", k))
+        if spec is None:
+            return plan
+        as_dense = StepPlan(0, ("",) * n, (0,) * n, float(n), plan.dense_ms, plan.dense_ms)
+        if dense is None:
+            self.since_probe[k] = self.since_probe.get(k, 0) + 1
+            if spec < PROBE_MARGIN / plan.dense_ms and self.since_probe[k] >= PROBE_EVERY:
+                return as_dense
+            return plan
+        if spec >= dense:
+            self.try_every[k] = PROBE_EVERY
+            return plan
+        self.since_try[k] = self.since_try.get(k, 0) + 1
+        if self.since_try[k] >= self.try_every.get(k, PROBE_EVERY):
+            self.since_try[k] = 0
+            self.try_every[k] = min(2 * self.try_every.get(k, PROBE_EVERY), TRY_EVERY_MAX)
+            self.trying.add(k)
+            return plan
+        return as_dense
+
     def overhead(self, b: int) -> float:
         k = batch_bucket(b)
         return self.ratio.get(("spec", k), 1.0) / self.ratio.get(("dense", k), 1.0)
 
     def to_json(self) -> dict:
-        return {f"{kind}@{b}": round(r, 3) for (kind, b), r in sorted(dict(self.ratio).items())}  # a copy:
-        # the engine thread may add keys while /healthz reads
+        # copies: the engine thread may add keys while /healthz reads
+        return {**{f"{kind}@{b}": round(r, 3) for (kind, b), r in sorted(dict(self.ratio).items())},
+                **{f"{kind}_tokens_per_row_ms@{b}": round(r, 4) for (kind, b), r in sorted(dict(self.rate).items())}}
 
 
 class Planner:
@@ -326,16 +381,18 @@ class Planner:
                          forced=fl, alpha_forced=self.forced[b].alpha)
                  for b, ln, room, fl in zip(alive, lookup_lens, rooms, forced_lens)]
         plan = best_step(self.costs, views, self.max_depth, self.has_draft, overhead=self.times.overhead(len(alive)))
+        plan = self.times.check(plan)
         self.steps[plan.depth] = self.steps.get(plan.depth, 0) + 1
         return plan
 
-    def timed(self, plan: StepPlan, seconds: float) -> None:
-        """The wall time the planned step took, drafting and commit included."""
+    def timed(self, plan: StepPlan, seconds: float, tokens: int) -> None:
+        """The wall time the planned step took, drafting and commit included, and the tokens it committed."""
         n = len(plan.kinds)
         if plan.depth == 0:
             self.times.record("dense", n, plan.dense_ms, seconds * 1e3)
         else:  # against the table's own estimate, before the overhead was applied
             self.times.record("spec", n, plan.est_ms / self.times.overhead(n), seconds * 1e3)
+        self.times.made("dense" if plan.depth == 0 else "spec", n, tokens, seconds * 1e3)
 
     def observe(self, alive: list[int], plan: StepPlan, accepted: list[int], shadow: list[int | None]) -> None:
         """After a step: accepted[r] of row r's drafted tokens were accepted. shadow[r]: for a row that did

@@ -153,7 +153,7 @@ class SpecStepper:
                 draft = self._with_forced_tails(alive, draft)
             out = self._verify_step(alive, rows, draft, generator, time.perf_counter() - t0)
             accepted = [len(t) - 1 for t in out.tokens]
-        self.planner.timed(plan, time.perf_counter() - t0)
+        self.planner.timed(plan, time.perf_counter() - t0, sum(map(len, out.tokens)))
         shadow = [None if not c or k == "lookup" else int(c[0] == t[0]) for c, k, t in zip(conts, plan.kinds, out.tokens)]
         self.planner.observe(alive, plan, accepted, shadow)
         return out
