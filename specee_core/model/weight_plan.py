@@ -21,7 +21,7 @@ from specee_core.model.quant import QK, cpu_kernel, dtype_name, random_weight
 
 log = logging.getLogger(__name__)
 CACHE_FOLDER = "weight_plans"  # beside the plans' cost tables (specee_core.machine.cache_path)
-VERSION = 3  # a change to what time_steps measures, or to its file, bumps it
+VERSION = 4  # a change to what time_steps measures, or to its file, bumps it
 
 
 def checkpoint_format(model_dir) -> tuple[str | None, str]:
@@ -61,14 +61,16 @@ def random_model(config, fmt: str | None, dtype: torch.dtype, gen: torch.Generat
 
 
 def time_steps(config, batch: int, variants: list[tuple[str | None, torch.dtype]], repeats: int = 3,
-               context: int = 64, tokens: tuple[int, ...] = (1, 4)) -> dict[tuple[str | None, torch.dtype], float]:
+               context: int = 64, tokens: tuple[int, ...] = (1, 4),
+               drop_over: float = 1.5) -> dict[tuple[str | None, torch.dtype], float]:
     """{variant: ms} of decode steps over `batch` rows after `context` cached tokens each, one step of each
     length in `tokens` per round (1: a dense step; 4: a drafted chain verified, as mode auto runs), summed:
     every decoder layer (the linears, norms, RoPE, attention and the K/V write, through the code path the
     engine takes for that format: the fused C++ layers for low-bit weights with fp32 activations) and the final
     norm and LM head (q8 with a low-bit fmt). Each variant (fmt or None: dense in its dtype; the activation
     dtype) is a model of the config's shapes with random weights; the rounds alternate over the variants so
-    the machine's drift hits each alike. Distinct weights per layer stream from memory as in a real step."""
+    the machine's drift hits each alike. Distinct weights per layer stream from memory as in a real step. A
+    variant over drop_over x the fastest after the first timed round is out of the race: its one time stands."""
     gen = torch.Generator().manual_seed(0)
     rows = torch.arange(batch)
     base = torch.full((batch,), context)
@@ -82,9 +84,13 @@ def time_steps(config, batch: int, variants: list[tuple[str | None, torch.dtype]
         chain = {t: torch.tril(torch.ones(t, t, dtype=torch.bool)).expand(batch, t, t) for t in tokens}
         runs[(fmt, dtype)] = (model, cache, x, chain)
     samples: dict[tuple[str | None, torch.dtype], list[float]] = {v: [] for v in variants}
+    racing = list(variants)
     with torch.inference_mode():
         for rnd in range(repeats + 1):
-            for v in (variants if rnd % 2 else variants[::-1]):
+            if rnd == 2:  # one timed round each: a variant far behind cannot win, it is timed no more
+                fastest = min(samples[v][0] for v in racing)
+                racing = [v for v in racing if samples[v][0] <= drop_over * fastest]
+            for v in (racing if rnd % 2 else racing[::-1]):
                 model, cache, x, chain = runs[v]
                 t0 = time.perf_counter()
                 for t in tokens:

@@ -33,11 +33,11 @@ from specee_core.machine import cache_path, machine_name, measuring_lock, save_m
 
 log = logging.getLogger(__name__)
 
-T_GRID = (1, 2, 3, 4, 5, 7, 9, 13, 17)  # verify rows per sequence that are measured; others interpolated
+T_GRID = (1, 2, 3, 5, 9, 17)  # verify rows per sequence that are measured; others interpolated (near-linear in T)
 PROBE_EVERY = 16  # StepTimes.check: steps between a measured check of dense (or of drafting, once behind)
 PROBE_MARGIN = 1.25  # drafting's measured rate over the table's dense rate below which dense is measured too
 TRY_EVERY_MAX = 256
-PLAN_VERSION = 1  # bump when what is measured changes: older cache files are then measured again
+PLAN_VERSION = 2  # bump when what is measured changes: older cache files are then measured again
 
 
 # ---- the cost table ---------------------------------------------------------------------------
@@ -465,7 +465,7 @@ def save_costs(table: CostTable, root: str | Path | None = None) -> Path | None:
 
 @torch.inference_mode()
 def measure_costs(table: CostTable, model, draft, batch: int, max_tokens: int, prefix: int = 192,
-                  repeats: int = 3) -> None:
+                  repeats: int = 2) -> None:
     """Measure verify forwards of `batch` rows for T_GRID up to max_tokens (rounds interleaved over T so
     drift hits every T alike; the median of each, made non-decreasing in T) and one draft-head level,
     into table. Seconds on a CPU."""
@@ -553,10 +553,12 @@ class SpecPlan:
     times: StepTimes = field(default_factory=StepTimes)  # learned while decoding, not cached
 
     def ensure(self, model, draft, batch: int) -> None:
-        """Measure the power-of-two batch sizes up to batch's that the table lacks (verify forwards up to
-        the deepest chain + 1, a draft level with a draft head), under the machine's lock, and save."""
+        """Measure the batch sizes that stand for batch's and those below it (1, 4, 16, ...: powers of four, and
+        batch's bucket; the sizes between are interpolated) that the table lacks (verify forwards up to the
+        deepest chain + 1, a draft level with a draft head), under the machine's lock, and save."""
         def missing() -> list[int]:
-            sizes = [1 << i for i in range(batch_bucket(batch).bit_length())]
+            top = batch_bucket(batch)
+            sizes = sorted({4 ** i for i in range(top.bit_length()) if 4 ** i <= top} | {top})
             return [b for b in sizes if self.costs.lacks(b, self.max_depth + 1, self.has_draft)]
 
         if not missing():
