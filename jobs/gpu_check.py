@@ -175,12 +175,13 @@ def main(argv: list[str] | None = None) -> dict:
             Path(args.out).write_text(json.dumps(report, indent=2))
 
     checks = report["checks"]
-    if args.timings_only:  # a rerun of the timings alone
-        check = lambda results, name, fn: None  # noqa: E731
+    # a rerun of the timings alone skips the checks
+    verify = (lambda results, name, fn: None) if args.timings_only else check  # noqa: E731
     engine = SpecEEEngine.from_pretrained(model, device=dev, dtype="float32", weights="fp32")
     rows = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines()]
     batches = [int(b) for b in args.batches.split(",")]
-    prompts = [engine.chat_prompt([{"role": "user", "content": r}]) for r in rows[: max(batches + [8])]]
+    rows = rows[: max(batches + [8])]
+    prompts = [engine.chat_prompt([{"role": "user", "content": r}]) for r in rows] if engine.has_chat_template else rows
     few = prompts[:8]
     dense = [r.token_ids for r in run_mode(engine, "dense", few, n)]
     hf32 = HF(model, torch.float32, dev)
@@ -195,14 +196,14 @@ def main(argv: list[str] | None = None) -> dict:
             margins.append(None if f is None else hf32.top2_margin(x + ref[:f]))
         return {"ok": all(f is None for f in firsts), "first_divergence": firsts, "top2_margin_there": margins}
 
-    check(checks, "dense_equals_transformers_fp32", vs_transformers)
+    verify(checks, "dense_equals_transformers_fp32", vs_transformers)
 
     def batched_equals_alone():
         alone = [run_mode(engine, "dense", [q], n)[0].token_ids for q in few]
         firsts = [first_divergence(a, b) for a, b in zip(dense, alone)]
         return {"ok": all(f is None for f in firsts), "first_divergence": firsts}
 
-    check(checks, "dense_batch_of_8_equals_each_alone", batched_equals_alone)
+    verify(checks, "dense_batch_of_8_equals_each_alone", batched_equals_alone)
 
     def equals_dense(mode: str, **exit_options):
         def fn():
@@ -224,12 +225,12 @@ def main(argv: list[str] | None = None) -> dict:
                 "same_exit_layers": same_layers}
 
     for mode in ("spec_chain", "spec_tree", "spec_lookup", "auto"):
-        check(checks, f"{mode}_equals_dense", equals_dense(mode))
+        verify(checks, f"{mode}_equals_dense", equals_dense(mode))
     if engine.early_exit is not None:
-        check(checks, "specee_exits_off_equals_dense", equals_dense("specee", threshold=2.0))
-        check(checks, "spec_t3_exits_off_equals_dense", equals_dense("spec_t3", threshold=2.0))
+        verify(checks, "specee_exits_off_equals_dense", equals_dense("specee", threshold=2.0))
+        verify(checks, "spec_t3_exits_off_equals_dense", equals_dense("spec_t3", threshold=2.0))
         ee = engine.early_exit  # the bundled bank: its k and layers
-        check(checks, "specee_triton_predictor_decides_like_torch", lambda: same_exits(
+        verify(checks, "specee_triton_predictor_decides_like_torch", lambda: same_exits(
             {b: engine.with_options(predictor_backend=b, threshold=0.5, gate="off") for b in ("triton", "torch")}))
 
         def zpdqh_bank():
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                                   speculator="draft", threshold=0.5, gate="off",
                                                                   predictor_backend=b) for b in ("triton", "torch")})
 
-        check(checks, "specee_zpdqh_triton_predictor_decides_like_torch", zpdqh_bank)
+        verify(checks, "specee_zpdqh_triton_predictor_decides_like_torch", zpdqh_bank)
     save()
     engines = {"fp32": engine}
     for fmt in ("q8", "q4"):
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
             return {"ok": e.model.weight_format == fmt and all(f is None or f >= 4 for f in firsts),
                     "weight_format": e.model.weight_format, "first_divergence": firsts}
 
-        check(checks, f"{fmt}_greedy_against_fp32", lowbit)
+        verify(checks, f"{fmt}_greedy_against_fp32", lowbit)
     hf16 = HF(model, torch.bfloat16, dev)
     engines["bf16"] = SpecEEEngine.from_pretrained(model, device=dev, weights="bf16")
     engines["default"] = SpecEEEngine.from_pretrained(model, device=dev)  # every option left alone
