@@ -107,21 +107,28 @@ void rows_simd(const float* x, int64_t in, const uint8_t* qp, const at::Half* dp
   std::vector<float> dv(g), mv(g);
   for (int64_t o = o0; o < o1; ++o) {
     row_scales<Q4>(dp, mp, o, g, dv.data(), mv.data());
-    __m512 acc[2][NB];
-    for (int r = 0; r < NB; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    // even and odd blocks in two register sets, unrolled by hand: an accumulator indexed by (k & 1) at run
+    // time lives in memory, a load and a store around every FMA (the extra rows cost twice as much)
+    __m512 acc0[NB], acc1[NB];
+    for (int r = 0; r < NB; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
     const uint8_t* row = qp + o * g * bpb;
     prefetch_ahead(row, g * bpb);
-    for (int64_t k = 0; k < g; ++k) {
+    auto block = [&](int64_t k, __m512* acc) {
       __m512 w0, w1;
       block_weights_512<Q4>(row + k * bpb, dv[k], Q4 ? mv[k] : 0.f, w0, w1);
-      const int p = k & 1;
       for (int r = 0; r < NB; ++r) {
         const float* xr = x + r * in + k * QK;
-        acc[p][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[p][r]);
-        acc[p][r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[p][r]);
+        acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]);
+        acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r]);
       }
+    };
+    int64_t k = 0;
+    for (; k + 2 <= g; k += 2) {
+      block(k, acc0);
+      block(k + 1, acc1);
     }
-    for (int r = 0; r < NB; ++r) y[r * out + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r]));
+    if (k < g) block(k, acc0);
+    for (int r = 0; r < NB; ++r) y[r * out + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
   }
 }
 
@@ -169,23 +176,28 @@ void rows_simd(const float* x, int64_t in, const uint8_t* qp, const at::Half* dp
   std::vector<float> dv(g), mv(g);
   for (int64_t o = o0; o < o1; ++o) {
     row_scales<Q4>(dp, mp, o, g, dv.data(), mv.data());
-    __m256 acc[2][NB];
-    for (int r = 0; r < NB; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    __m256 acc0[NB], acc1[NB];  // even and odd blocks, unrolled by hand (see the AVX-512 rows_simd)
+    for (int r = 0; r < NB; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
     const uint8_t* row = qp + o * g * bpb;
     prefetch_ahead(row, g * bpb);
-    for (int64_t k = 0; k < g; ++k) {
+    auto block = [&](int64_t k, __m256* acc) {
       __m256 w[4];
       if (Q4) unpack_q4(row + k * bpb, w); else unpack_q8(reinterpret_cast<const int8_t*>(row + k * bpb), w);
       const __m256 vd = _mm256_set1_ps(dv[k]);
       const __m256 vm = _mm256_set1_ps(Q4 ? mv[k] : 0.f);
       for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(w[j], vd, vm);
-      const int p = k & 1;
       for (int r = 0; r < NB; ++r) {
         const float* xr = x + r * in + k * QK;
-        for (int j = 0; j < 4; ++j) acc[p][r] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j), acc[p][r]);
+        for (int j = 0; j < 4; ++j) acc[r] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j), acc[r]);
       }
+    };
+    int64_t k = 0;
+    for (; k + 2 <= g; k += 2) {
+      block(k, acc0);
+      block(k + 1, acc1);
     }
-    for (int r = 0; r < NB; ++r) y[r * out + o] = hsum(_mm256_add_ps(acc[0][r], acc[1][r]));
+    if (k < g) block(k, acc0);
+    for (int r = 0; r < NB; ++r) y[r * out + o] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
   }
 }
 
@@ -321,23 +333,28 @@ void rows_bf16(const at::BFloat16* x, int64_t in, const uint8_t* qp, const at::H
   std::vector<float> dv(g), mv(g);
   for (int64_t o = o0; o < o1; ++o) {
     row_scales<Q4>(dp, mp, o, g, dv.data(), mv.data());
-    __m512 acc[P][NB];
-    for (int p = 0; p < P; ++p)
-      for (int r = 0; r < NB; ++r) acc[p][r] = _mm512_setzero_ps();
+    __m512 acc0[NB], acc1[NB];  // P == 2: even and odd blocks, unrolled by hand (see rows_simd)
+    for (int r = 0; r < NB; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
     const uint8_t* row = qp + o * g * bpb;
     prefetch_ahead(row, g * bpb);
-    for (int64_t k = 0; k < g; ++k) {
+    auto block = [&](int64_t k, __m512* acc) {
       __m512 w0, w1;
       block_weights_512<Q4>(row + k * bpb, dv[k], Q4 ? mv[k] : 0.f, w0, w1);
       const __m512bh wb = _mm512_cvtne2ps_pbh(w1, w0);  // elements 0..15 from w0, 16..31 from w1
-      const int p = P == 1 ? 0 : int(k & 1);
       for (int r = 0; r < NB; ++r) {
         const __m512bh xb = (__m512bh)_mm512_loadu_si512(x + r * in + k * QK);
-        acc[p][r] = _mm512_dpbf16_ps(acc[p][r], wb, xb);
+        acc[r] = _mm512_dpbf16_ps(acc[r], wb, xb);
       }
-    }
+    };
+    int64_t k = 0;
+    if (P == 2)
+      for (; k + 2 <= g; k += 2) {
+        block(k, acc0);
+        block(k + 1, acc1);
+      }
+    for (; k < g; ++k) block(k, acc0);  // P == 1: every block; P == 2: the odd count's last (even) block
     for (int r = 0; r < NB; ++r)
-      y[r * out + o] = _mm512_reduce_add_ps(P == 1 ? acc[0][r] : _mm512_add_ps(acc[0][r], acc[P - 1][r]));
+      y[r * out + o] = _mm512_reduce_add_ps(P == 1 ? acc0[r] : _mm512_add_ps(acc0[r], acc1[r]));
   }
 }
 
