@@ -2,6 +2,7 @@
 
     python -m jobs.bench_lowbit                        # SmolLM2-135M's layer, rows 1..64, all cores
     python -m jobs.bench_lowbit --threads 1 --batches 8 32
+    python -m jobs.bench_lowbit --batches 1 2 5 8 --layers 30 --against OLD.so   # a kernel change, A/B
 
 One "call" is a decoder layer's set of linears at SmolLM2-135M's shapes (hidden 576, intermediate 1536):
 q [576 -> 576], k and v [576 -> 192], o [576 -> 576], gate+up fused [576 -> 3072], down [1536 -> 576],
@@ -13,6 +14,10 @@ Variants:
   q8_i8      q8_linear_i8: the same on Q8_0 weights
   dense_fp32 F.linear, fp32 weights and activations
   dense_bf16 F.linear, bf16 weights and activations (oneDNN; AMX where the CPU has it)
+--layers N: each call runs N distinct layer sets (30: all of SmolLM2's, so the weights stream from memory as in a
+decode step rather than sit in cache). --against: another build of the kernel (its .so, e.g. from before a change,
+under ~/.cache/specee/torch_extensions/): its q4_fp32 and q4_bf16 join the variants as "<variant>@against", after a
+check that they give the same numbers as this build's.
 Each variant is warmed up, then timed in interleaved rounds (every variant once per round, --iters calls
 each); the median round is reported, in milliseconds per layer set, with ratios to dense_bf16 (below 1:
 faster than dense bf16). Prints one JSON object with the config, git commit and the CPU's capability.
@@ -20,6 +25,7 @@ faster than dense bf16). Prints one JSON object with the config, git commit and 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -27,6 +33,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -49,6 +56,8 @@ class BenchConfig:
     iters: int = 5  # calls per variant per round
     warmup: int = 3  # calls per variant before timing
     seed: int = 0
+    layers: int = 1  # distinct layer sets per call (30: SmolLM2's whole stack, streaming)
+    against: str | None = None  # another build of the kernel (.so) to time beside this one
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1:
@@ -58,25 +67,44 @@ class BenchConfig:
                              f"warmup={self.warmup}")
 
 
-def layer_set(b: int, seed: int) -> tuple[dict[str, Callable[[], object]], tuple[list, list, list]]:
-    """The variants, each a closure running the whole set of linears for b activation rows, and their
-    inputs (activations, q4 and q8 weights)."""
+def load_build(path: str) -> ModuleType:
+    """A built kernel module (.so) by its path, beside this process's own build (each has its own name)."""
+    spec = importlib.util.spec_from_file_location(Path(path).name.split(".")[0], path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(f"--against {path}: not a loadable extension module")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def layer_set(b: int, seed: int, layers: int = 1, against: ModuleType | None = None
+              ) -> tuple[dict[str, Callable[[], object]], tuple[list, list, list]]:
+    """The variants, each a closure running the whole set of linears (`layers` distinct sets) for b activation
+    rows, and the first set's inputs (activations, q4 and q8 weights)."""
     ext = lowbit_cpu()
     g = torch.Generator().manual_seed(seed)
-    ws = [torch.randn(o, i, generator=g) * 0.05 for o, i in SMOLLM2_LINEARS]
-    xs = [torch.randn(b, i, generator=g) for _, i in SMOLLM2_LINEARS]
+    ws = [torch.randn(o, i, generator=g) * 0.05 for _ in range(layers) for o, i in SMOLLM2_LINEARS]
+    xs = [torch.randn(b, i, generator=g) for _ in range(layers) for _, i in SMOLLM2_LINEARS]
     q4 = [quantize(w, "q4") for w in ws]
     q8 = [quantize(w, "q8") for w in ws]
     wb = [w.bfloat16() for w in ws]
     xb = [x.bfloat16() for x in xs]
-    return {
+    fns = {
         "q4_fp32": lambda: [ext.q4_linear(x, q.qs, q.d, q.m) for x, q in zip(xs, q4)],
         "q4_bf16": lambda: [ext.linear_bf16(x, q.qs, q.d, q.m) for x, q in zip(xb, q4)],
         "q4_i8": lambda: [ext.q4_linear_i8(x, q.qs, q.d, q.m) for x, q in zip(xs, q4)],
         "q8_i8": lambda: [ext.q8_linear_i8(x, q.qs, q.d) for x, q in zip(xs, q8)],
         "dense_fp32": lambda: [F.linear(x, w) for x, w in zip(xs, ws)],
         "dense_bf16": lambda: [F.linear(x, w) for x, w in zip(xb, wb)],
-    }, (xs, q4, q8)
+    }
+    if against is not None:
+        fns["q4_fp32@against"] = lambda: [against.q4_linear(x, q.qs, q.d, q.m) for x, q in zip(xs, q4)]
+        fns["q4_bf16@against"] = lambda: [against.linear_bf16(x, q.qs, q.d, q.m) for x, q in zip(xb, q4)]
+        for v in ("q4_fp32", "q4_bf16"):
+            if not all(torch.equal(a, c) for a, c in zip(fns[v](), fns[f"{v}@against"]())):
+                raise ValueError(f"--against gives other numbers than this build for {v}: not the same arithmetic")
+    n = len(SMOLLM2_LINEARS)
+    return fns, (xs[:n], q4[:n], q8[:n])
 
 
 def i8_error(xs: list[torch.Tensor], q4: list, q8: list) -> dict[str, float]:
@@ -113,11 +141,14 @@ def time_batch(fns: dict[str, Callable[[], object]], cfg: BenchConfig) -> dict[s
 def bench(cfg: BenchConfig) -> dict:
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     ext = lowbit_cpu()
+    against = load_build(cfg.against) if cfg.against else None
     rows = []
     for b in cfg.batches:
-        fns, (xs, q4, q8) = layer_set(b, cfg.seed)
+        fns, (xs, q4, q8) = layer_set(b, cfg.seed, cfg.layers, against)
         ms = time_batch(fns, cfg)
-        rows.append({"batch": b, "ms": {v: round(t, 4) for v, t in ms.items()},
+        extra = {f"{v}@against_over_this": round(ms[f"{v}@against"] / ms[v], 3)
+                 for v in ("q4_fp32", "q4_bf16")} if against is not None else {}
+        rows.append({"batch": b, "ms": {v: round(t, 4) for v, t in ms.items()}, **extra,
                      "vs_dense_bf16": {v: round(t / ms["dense_bf16"], 3) for v, t in ms.items()},
                      "q4_i8_vs_q4_bf16": round(ms["q4_i8"] / ms["q4_bf16"], 3),
                      "i8_rel_error_vs_fp32_activations": {k: round(e, 5) for k, e in i8_error(xs, q4, q8).items()}})
@@ -125,7 +156,8 @@ def bench(cfg: BenchConfig) -> dict:
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "simd": ext.simd(), "simd_i8": ext.simd_i8(),
             "has_bf16": ext.has_bf16(), "threads": torch.get_num_threads(), "machine": platform.machine(),
             "processor": platform.processor() or None, "linears": [list(s) for s in SMOLLM2_LINEARS],
-            "unit": "ms per layer set (q, k, v, o, gate+up, down)", "results": rows}
+            "kernel": ext.__name__, "against": against.__name__ if against is not None else None,
+            "unit": f"ms per {cfg.layers} layer set(s) (q, k, v, o, gate+up, down)", "results": rows}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=1, help="distinct layer sets per call (30: streaming, as in a step)")
+    p.add_argument("--against", default=None, help="another build of the kernel (.so) to time beside this one")
     args = p.parse_args(argv)
     print(json.dumps(bench(BenchConfig(**vars(args))), indent=1))
 
