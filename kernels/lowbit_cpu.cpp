@@ -176,7 +176,10 @@ void rows_simd(const float* x, int64_t in, const uint8_t* qp, const at::Half* dp
   std::vector<float> dv(g), mv(g);
   for (int64_t o = o0; o < o1; ++o) {
     row_scales<Q4>(dp, mp, o, g, dv.data(), mv.data());
-    __m256 acc0[NB], acc1[NB];  // even and odd blocks, unrolled by hand (see the AVX-512 rows_simd)
+    // P == 2: even and odd blocks, unrolled by hand (see the AVX-512 rows_simd); P == 1 for tiles of 8, whose rows
+    // are enough independent sums to hide the FMA latency and whose registers (16) hold one set only
+    constexpr int P = NB >= 8 ? 1 : 2;
+    __m256 acc0[NB], acc1[NB];
     for (int r = 0; r < NB; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
     const uint8_t* row = qp + o * g * bpb;
     prefetch_ahead(row, g * bpb);
@@ -192,12 +195,13 @@ void rows_simd(const float* x, int64_t in, const uint8_t* qp, const at::Half* dp
       }
     };
     int64_t k = 0;
-    for (; k + 2 <= g; k += 2) {
-      block(k, acc0);
-      block(k + 1, acc1);
-    }
-    if (k < g) block(k, acc0);
-    for (int r = 0; r < NB; ++r) y[r * out + o] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
+    if (P == 2)
+      for (; k + 2 <= g; k += 2) {
+        block(k, acc0);
+        block(k + 1, acc1);
+      }
+    for (; k < g; ++k) block(k, acc0);
+    for (int r = 0; r < NB; ++r) y[r * out + o] = hsum(P == 1 ? acc0[r] : _mm256_add_ps(acc0[r], acc1[r]));
   }
 }
 
@@ -273,10 +277,11 @@ torch::Tensor lowbit_linear(const torch::Tensor& x, const torch::Tensor& qs, con
   const std::vector<float> xs = b == 1 ? block_sums(xp, 1, in) : std::vector<float>();
   at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
 #if LOWBIT_AVX2
-    int64_t r = 0;  // activation rows in tiles of 8 (AVX-512: 32 registers) or 4, then the rest in one pass
+    int64_t r = 0;  // activation rows in tiles of 8 (AVX2: then of 4), then the rest in one pass
 #if LOWBIT_AVX512
     for (; r + 8 <= b; r += 8) rows_simd<8, Q4>(xp + r * in, in, qp, dp, mp, yp + r * out, out, o0, o1);
 #else
+    for (; r + 8 <= b; r += 8) rows_simd<8, Q4>(xp + r * in, in, qp, dp, mp, yp + r * out, out, o0, o1);
     for (; r + 4 <= b; r += 4) rows_simd<4, Q4>(xp + r * in, in, qp, dp, mp, yp + r * out, out, o0, o1);
 #endif
     const float* xr = xp + r * in;
