@@ -101,9 +101,11 @@ def layer_set(b: int, seed: int, layers: int = 1, against: ModuleType | None = N
         fns["q4_fp32@against"] = lambda: [against.q4_linear(x, q.qs, q.d, q.m) for x, q in zip(xs, q4)]
         fns["q4_bf16@against"] = lambda: [against.linear_bf16(x, q.qs, q.d, q.m) for x, q in zip(xb, q4)]
         for v in ("q4_fp32", "q4_bf16"):  # the same sums, at most in another order
-            diff = max(float(((a - c).norm() / c.norm().clamp_min(1e-30))) for a, c in zip(fns[v](), fns[f"{v}@against"]()))
+            pairs = zip(fns[v](), fns[f"{v}@against"]())
+            diff = max(float((a - c).norm() / c.norm().clamp_min(1e-30)) for a, c in pairs)
             if diff > 1e-5:
-                raise ValueError(f"--against differs from this build for {v} by {diff:.2e} (relative): other arithmetic")
+                raise ValueError(f"--against differs from this build for {v} by {diff:.2e} (relative): "
+                                 "other arithmetic")
     n = len(SMOLLM2_LINEARS)
     return fns, (xs[:n], q4[:n], q8[:n])
 

@@ -7,8 +7,9 @@ work among none, two engines of half the threads each split the memory bandwidth
 layout, a worker processes (plain subprocesses: no Ray; each an engine with t threads, built as the job builds
 its actors; one actor of every core runs in this process) load and warm up once, then decode the same batch of
 prompts at once on each of the layout's turns, the layouts taking turns; a turn's rate is their tokens over the
-slowest one's seconds, a layout's the median of its turns. Before that the machine's other plans (weight format, the auto mode's costs)
-are measured in this process for each thread count, alone, so the workers read them and time only decoding.
+slowest one's seconds, a layout's the median of its turns. Before that the machine's other plans (weight format,
+the auto mode's costs) are measured in this process for each thread count, alone, so the workers read them and
+time only decoding.
 The result is cached under $SPECEE_CACHE/actor_plans (specee_core.machine.cache_path), keyed by machine, torch,
 cores, model shape and workload; one process at a time measures (measuring_lock).
 """
@@ -82,7 +83,8 @@ def _decode(engine, w: Workload, prompts: list[str]) -> dict:
     from specee_core import SamplingParams
 
     t0 = time.perf_counter()
-    res = engine.generate(prompts, mode=w.mode, sampling_params=SamplingParams(max_new_tokens=w.tokens, ignore_eos=True))
+    params = SamplingParams(max_new_tokens=w.tokens, ignore_eos=True)
+    res = engine.generate(prompts, mode=w.mode, sampling_params=params)
     return {"tokens": sum(len(r.token_ids) for r in res), "seconds": time.perf_counter() - t0}
 
 
