@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random Llama checkpoints written by transformers' save_pretrained."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -53,6 +54,25 @@ def tiny_model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     make_hf_model(path, layers=4, hidden=64, heads=4, kv_heads=2, tied=False)
     return path
+
+
+@contextlib.contextmanager
+def drafting_plan(engine):
+    """mode="auto" on engine with a table where drafting pays (verifying more tokens costs next to nothing) and no
+    learning from wall time (StepTimes(decay=1): nor the measured check): which steps draft then depends on the
+    acceptance seen, not on this machine's speed at the moment. The engine's own plan comes back after."""
+    from specee_core.spec.plan import T_GRID, CostTable, StepTimes
+
+    sizes = (1, 2, 4, 8, 16, 32, 64)
+    flat = CostTable(key={"synthetic": True}, verify={b: [10.0 + 0.02 * t for t in T_GRID] for b in sizes},
+                     draft={b: 0.5 for b in sizes})
+    plan = engine.spec_plan()
+    measured, times = plan.costs, plan.times
+    plan.costs, plan.times = flat, StepTimes(decay=1.0)
+    try:
+        yield plan
+    finally:
+        plan.costs, plan.times = measured, times
 
 
 def add_early_exit_files(path: Path, *, k: int = 4, seed: int = 0, offline=(1, 2)) -> None:

@@ -13,11 +13,13 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     report = gpu_check.main(["--device", "cpu", "--model", str(BUNDLED), "--tokens", "4", "--speed-tokens", "3",
                              "--batches", "1,2", "--rounds", "1", "--out", str(out)])
     checks = report["checks"]
-    # the lossless ones must hold anywhere (the fused Triton predictor needs CUDA tensors; how soon q4's greedy
-    # path parts from fp32's depends on the model: the bundled one's margins are small)
+    # the lossless ones must hold anywhere (the fused Triton predictor needs CUDA tensors, or the interpreter where
+    # another test set it up; how soon q4's greedy path parts from fp32's depends on the model: the bundled one's
+    # margins are small)
     lossless = [k for k in checks if "equals" in k]
     assert len(lossless) == 8 and all(checks[k]["ok"] for k in lossless), {k: checks[k] for k in lossless}
-    assert "CUDA" in checks["specee_triton_predictor_decides_like_torch"]["error"]
+    assert {"specee_triton_predictor_decides_like_torch", "specee_zpdqh_triton_predictor_decides_like_torch",
+            "q8_greedy_against_fp32", "q4_greedy_against_fp32"} <= set(checks)  # recorded, whatever they found
     assert checks["dense_equals_transformers_fp32"]["first_divergence"] == [None] * 8
     for batch in ("batch_1", "batch_2"):
         speed = report["speed"][batch]
