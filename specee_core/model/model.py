@@ -303,9 +303,8 @@ class LlamaModel:
                tree: torch.Tensor | None = None) -> torch.Tensor:
         """Every decoder layer over hidden h [N, T, D] (forward without the embedding): in one C++ call where
         the pass allows it (_fused_stack), else layer by layer."""
-        host_rows = None if rows is None else rows.cpu()
-        if (fused := self._fused_stack(h, cache, host_rows, n_valid, tree)) is not None:  # every layer in one C++ call
-            stack, starts = fused
+        if (fused := self._fused_stack(h, cache, rows, n_valid, tree)) is not None:  # every layer in one C++ call
+            stack, starts, host_rows = fused
             n, t, _ = h.shape
             out = stack.forward(_rows2d(h), *rope, cache.k, cache.v, starts, host_rows,
                                 None if tree is None else tree.to(h.device).contiguous())
@@ -316,13 +315,15 @@ class LlamaModel:
         return h
 
     def _fused_stack(self, h: torch.Tensor, cache: KVCache, rows: torch.Tensor | None, n_valid, tree):
-        """(the C++ layer stack, each row's cache length) when this pass can take the stack: every layer fused
-        (low-bit, fp32 activations, normed), a step or a drafted chunk (T = 1, or a tree over the T tokens) of
-        decode size, each row at one length in every layer with room for the chunk; else None."""
+        """(the C++ layer stack, each row's cache length, rows on the host) when this pass can take the stack:
+        every layer fused (low-bit, fp32 activations, normed), a step or a drafted chunk (T = 1, or a tree over the
+        T tokens) of decode size, each row at one length in every layer with room for the chunk; else None (rows
+        are not copied to the host then: a device's pass does not wait on it)."""
         n, t, _ = h.shape
         if (n_valid is not None or (t > 1 and (tree is None or tree.shape[-1] != t))
                 or type(cache) is not KVCache or not self._stackable or self.linears[0]._prefill(h)):
             return None
+        rows = None if rows is None else rows.cpu()
         starts = cache.row_lengths(rows)
         if starts is None or int(starts.max()) + t > cache.max_len:  # (the layers' own path says what overflowed)
             return None
@@ -333,4 +334,4 @@ class LlamaModel:
                 [norm.weight for norm in self.input_norms], [norm.weight for norm in self.post_norms],
                 *([p[j] for p in planes] for j in range(4)),
                 self.input_norms[0].eps, c.num_attention_heads, c.num_key_value_heads, self.scale)
-        return self._stack, starts
+        return self._stack, starts, rows
