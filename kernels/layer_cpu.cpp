@@ -174,8 +174,10 @@ void attend(const float* q, const float* kc, const float* vc, const bool* tree, 
 
 using Planes = std::tuple<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>>;
 
+// (qs, d) Q8_0 / (qs, d, m) Q4_1 planes, or (w) a dense matrix (d then undefined: see linear_any)
 Planes planes_of(const std::vector<torch::Tensor>& w) {
-  TORCH_CHECK(w.size() == 2 || w.size() == 3, "weight planes are (qs, d) or (qs, d, m)");
+  TORCH_CHECK(w.size() >= 1 && w.size() <= 3, "weight planes are (qs, d), (qs, d, m) or a dense matrix (w)");
+  if (w.size() == 1) return {w[0], torch::Tensor(), c10::nullopt};
   return {w[0], w[1], w.size() == 3 ? c10::optional<torch::Tensor>(w[2]) : c10::nullopt};
 }
 
@@ -204,75 +206,234 @@ torch::Tensor mlp(torch::Tensor h, torch::Tensor norm_w, double eps, torch::Tens
   return linear_add(act, dn_qs, dn_d, dn_m, h);
 }
 
+namespace {
+
+// A chunk's place in the cache (decode_layer's arguments checked once): n rows of t tokens, row r's at slots
+// [start[r], start[r] + t) of cache row cache_rows[r]; the tree's bool [N, T, T] or nullptr
+struct Slots {
+  int64_t n, t, m, hd;
+  std::vector<int64_t> cache_rows;
+  const int64_t* start;
+  const bool* tree;
+};
+
+Slots check_slots(const torch::Tensor& h, torch::Tensor& cos, torch::Tensor& sin, const torch::Tensor& kc,
+                  const torch::Tensor& vc, const torch::Tensor& starts, const c10::optional<torch::Tensor>& rows,
+                  int64_t heads, int64_t kv_heads, const c10::optional<torch::Tensor>& tree) {
+  TORCH_CHECK(starts.dim() == 1 && starts.scalar_type() == at::kLong && starts.is_contiguous() && starts.is_cpu(),
+              "starts must be a contiguous int64 [N] on the CPU");
+  Slots sl{starts.size(0), 0, h.size(0), kc.size(3), {}, starts.data_ptr<int64_t>(), nullptr};
+  sl.t = sl.m / std::max<int64_t>(sl.n, 1);
+  TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.stride(3) == 1 &&
+                  vc.stride(3) == 1 && kc.strides() == vc.strides() && kc.sizes() == vc.sizes() &&
+                  kc.size(1) == kv_heads,
+              "the K/V slots must be fp32 [B, Hkv, S, hd] with unit stride over hd");
+  TORCH_CHECK(sl.n >= 1 && sl.t >= 1 && sl.m == sl.n * sl.t, "h has ", sl.m, " rows: not T tokens for each of ",
+              sl.n, " rows");
+  sl.cache_rows.resize(sl.n);
+  for (int64_t r = 0; r < sl.n; ++r) sl.cache_rows[r] = r;
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->dim() == 1 && rows->size(0) == sl.n && rows->scalar_type() == at::kLong && rows->is_cpu(),
+                "rows must be int64 [N] on the CPU");
+    std::copy(rows->data_ptr<int64_t>(), rows->data_ptr<int64_t>() + sl.n, sl.cache_rows.begin());
+  }
+  for (int64_t r = 0; r < sl.n; ++r) {
+    TORCH_CHECK(sl.cache_rows[r] >= 0 && sl.cache_rows[r] < kc.size(0), "cache row ", sl.cache_rows[r],
+                " is out of range");
+    TORCH_CHECK(sl.start[r] >= 0 && sl.start[r] + sl.t <= kc.size(2), "slots ", sl.start[r], "..",
+                sl.start[r] + sl.t, " are past the cache's ", kc.size(2));
+  }
+  cos = cos.contiguous();  // a batch of one may come as a broadcast view
+  sin = sin.contiguous();
+  TORCH_CHECK(cos.numel() == sl.m * sl.hd && sin.numel() == sl.m * sl.hd && cos.scalar_type() == h.scalar_type() &&
+                  sin.scalar_type() == h.scalar_type(),
+              "cos, sin must be [N, 1, T, hd] in h's dtype");
+  TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  if (tree.has_value()) {
+    TORCH_CHECK(tree->scalar_type() == at::kBool && tree->is_contiguous() && tree->numel() == sl.n * sl.t * sl.t,
+                "tree must be a contiguous bool [N, T, T]");
+    sl.tree = tree->data_ptr<bool>();
+  }
+  return sl;
+}
+
+// bf16 as ATen rounds a finite fp32 (to nearest, ties to even: c10::BFloat16's rule), kept in fp32: branch-free,
+// so the loops below vectorize. Each bf16 ATen op computes in fp32 and rounds its result once.
+inline float round_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+inline float bf16_bits_to_float(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+inline uint16_t float_to_bf16_bits(float x) {  // x already a bf16 value (round_bf16's result)
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return uint16_t(u >> 16);
+}
+
+template <typename T>
+inline float rnd(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return round_bf16(x);
+  }
+}
+
+template <typename T>
+inline float to_f(T x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return bf16_bits_to_float(x.x);
+  }
+}
+
+// RoPE on q and k of qkv [M, (H + 2 Hkv) hd] (T: its dtype, and cos / sin's), each op rounded as apply_rope's
+// ATen ops round in T (x * cos, roll(x) * sin, their sum); q out as fp32 [M, H, hd], k and v into their slots
+template <typename T>
+void rope_write(const T* qkv, const T* cos, const T* sin, float* q, float* kc, float* vc, const Slots& sl,
+                int64_t heads, int64_t kv_heads, int64_t s_n, int64_t s_h, int64_t s_t) {
+  const int64_t hd = sl.hd, half = hd / 2, width = (heads + 2 * kv_heads) * hd;
+  for (int64_t row = 0; row < sl.m; ++row) {
+    const int64_t r = row / sl.t, at = sl.cache_rows[r] * s_n + (sl.start[r] + row % sl.t) * s_t;
+    const T *c = cos + row * hd, *s = sin + row * hd;
+    for (int64_t j = 0; j < heads + 2 * kv_heads; ++j) {
+      const T* x = qkv + row * width + j * hd;
+      float* dst = j < heads ? q + (row * heads + j) * hd
+                             : (j < heads + kv_heads ? kc : vc) + at + ((j - heads) % kv_heads) * s_h;
+      if (j >= heads + kv_heads) {
+        for (int64_t i = 0; i < hd; ++i) dst[i] = to_f(x[i]);
+        continue;
+      }
+      for (int64_t i = 0; i < half; ++i)
+        dst[i] = rnd<T>(rnd<T>(to_f(x[i]) * to_f(c[i])) + rnd<T>(to_f(x[i + half]) * to_f(s[i])));
+      for (int64_t i = half; i < hd; ++i)
+        dst[i] = rnd<T>(rnd<T>(to_f(x[i]) * to_f(c[i])) + rnd<T>(to_f(x[i - half]) * to_f(s[i])));
+    }
+  }
+}
+
+using BF16 = at::BFloat16;
+
+// y = bf16(bf16(x * rstd) * w) for the residual hf [M, D] (fp32 holding bf16 values): RMSNorm in bf16 as the
+// Python layer computes it (rms_norm over x's fp32 copy, cast to bf16, times the bf16 weight)
+torch::Tensor rms_norm_bf16(const std::vector<float>& hf, int64_t rows, int64_t d, const torch::Tensor& w, double eps,
+                            const torch::TensorOptions& opts) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.numel() == d, "norm weight must be bf16 [D]");
+  auto y = torch::empty({rows, d}, opts.dtype(at::kBFloat16));
+  const BF16* wp = w.data_ptr<BF16>();
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<BF16>());
+  std::vector<float> wf(d);
+  for (int64_t i = 0; i < d; ++i) wf[i] = to_f(wp[i]);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = hf.data() + r * d;
+    const float inv = 1.f / std::sqrt(dot(x, x, d) / static_cast<float>(d) + static_cast<float>(eps));
+    uint16_t* yr = yp + r * d;
+    for (int64_t i = 0; i < d; ++i) yr[i] = float_to_bf16_bits(round_bf16(round_bf16(x[i] * inv) * wf[i]));
+  }
+  return y;
+}
+
+// hf += y elementwise, rounded to bf16 (ATen's bf16 add); y bf16 [M, D]
+void add_bf16(std::vector<float>& hf, const torch::Tensor& y_in) {
+  const auto y = y_in.contiguous();
+  const uint16_t* yp = reinterpret_cast<const uint16_t*>(y.data_ptr<BF16>());
+  for (size_t i = 0; i < hf.size(); ++i) hf[i] = round_bf16(hf[i] + bf16_bits_to_float(yp[i]));
+}
+
+// act = bf16(bf16(silu(gate)) * up) for gu bf16 [M, 2I] (F.silu(gate).mul_(up) in bf16)
+torch::Tensor silu_mul_bf16(const torch::Tensor& gu_in) {
+  const auto gu = gu_in.contiguous();
+  const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
+  auto act = torch::empty({rows, inter}, gu.options());
+  const uint16_t* gp = reinterpret_cast<const uint16_t*>(gu.data_ptr<BF16>());
+  uint16_t* ap = reinterpret_cast<uint16_t*>(act.data_ptr<BF16>());
+  std::vector<float> g(inter), e(inter);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* gr = gp + r * 2 * inter;
+    for (int64_t i = 0; i < inter; ++i) g[i] = -bf16_bits_to_float(gr[i]);
+    exp_shifted(g.data(), 0.f, e.data(), inter);  // exp(-g)
+    for (int64_t i = 0; i < inter; ++i) {
+      const float s = round_bf16(-g[i] / (1.f + e[i]));
+      ap[r * inter + i] = float_to_bf16_bits(round_bf16(s * bf16_bits_to_float(gr[inter + i])));
+    }
+  }
+  return act;
+}
+
+// the bf16 layer (see decode_layer): the Python layer's ops on a bf16 model, their roundings kept; the residual
+// held in fp32 between the ops (bf16 values, rounded after each add)
+torch::Tensor decode_layer_bf16(torch::Tensor h, const torch::Tensor& in_norm, const torch::Tensor& post_norm,
+                                double eps, const std::vector<torch::Tensor>& w, torch::Tensor cos,
+                                torch::Tensor sin, const torch::Tensor& kc, const torch::Tensor& vc,
+                                const torch::Tensor& starts, const c10::optional<torch::Tensor>& rows, int64_t heads,
+                                int64_t kv_heads, double scale, const c10::optional<torch::Tensor>& tree) {
+  const Slots sl = check_slots(h, cos, sin, kc, vc, starts, rows, heads, kv_heads, tree);
+  h = h.contiguous();
+  const int64_t hd = sl.hd, m = sl.m, d = h.size(1);
+  std::vector<float> hf(m * d);
+  const uint16_t* hp = reinterpret_cast<const uint16_t*>(h.data_ptr<BF16>());
+  for (int64_t i = 0; i < m * d; ++i) hf[i] = bf16_bits_to_float(hp[i]);
+  auto qkv = dense_linear(rms_norm_bf16(hf, m, d, in_norm, eps, h.options()), w[0]).contiguous();
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * hd, "qkv has ", qkv.size(1), " columns");
+  auto q = torch::empty({m, heads, hd}, h.options().dtype(at::kFloat));
+  rope_write(qkv.data_ptr<BF16>(), cos.data_ptr<BF16>(), sin.data_ptr<BF16>(), q.data_ptr<float>(),
+             kc.data_ptr<float>(), vc.data_ptr<float>(), sl, heads, kv_heads, kc.stride(0), kc.stride(1),
+             kc.stride(2));
+  auto o = torch::empty({m, heads * hd}, q.options());
+  attend(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), sl.tree, o.data_ptr<float>(), sl.start,
+         sl.cache_rows.data(), sl.n, sl.t, heads, kv_heads, kc.stride(0), kc.stride(1), kc.stride(2), hd,
+         static_cast<float>(scale));
+  add_bf16(hf, dense_linear(o.to(at::kBFloat16), w[1]));
+  add_bf16(hf, dense_linear(silu_mul_bf16(dense_linear(rms_norm_bf16(hf, m, d, post_norm, eps, h.options()), w[2])),
+                            w[3]));
+  auto out = torch::empty({m, d}, h.options());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<BF16>());
+  for (int64_t i = 0; i < m * d; ++i) op[i] = float_to_bf16_bits(hf[i]);
+  return out;
+}
+
+}  // namespace
+
 // A whole decoder layer for T new tokens per row (a decode step: T = 1; a drafted chain or tree being
 // verified: T nodes): norm + qkv, RoPE on q and k (rotate-half with the sign folded into sin: x*cos +
 // roll(x)*sin), row r's tokens' K/V written into slots [starts[r], starts[r] + T) of cache row rows[r] (rows
 // absent: r) of kc / vc [B, Hkv, S, hd], attention (see attend; tree [N, T, T] bool, node j sees node i
-// where tree[r, j, i], none: causal), o + residual, the MLP. h [N T, D] fp32, row-major over (row, token);
-// cos, sin [N, 1, T, hd]; starts, rows int64 [N] on the CPU. The Python layer's math.
+// where tree[r, j, i], none: causal), o + residual, the MLP. h [N T, D] row-major over (row, token); cos, sin
+// [N, 1, T, hd]; starts, rows int64 [N] on the CPU. The Python layer's math. Weights: low-bit planes, or one
+// dense matrix each (fp32; bf16 packed by oneDNN, where h is bf16: decode_layer_bf16); K/V are fp32.
 torch::Tensor decode_layer(torch::Tensor h, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
                            std::vector<torch::Tensor> qkv_w, std::vector<torch::Tensor> o_w,
                            std::vector<torch::Tensor> gu_w, std::vector<torch::Tensor> dn_w, torch::Tensor cos,
                            torch::Tensor sin, torch::Tensor kc, torch::Tensor vc, torch::Tensor starts,
                            c10::optional<torch::Tensor> rows, int64_t heads, int64_t kv_heads, double scale,
                            c10::optional<torch::Tensor> tree) {
-  TORCH_CHECK(starts.dim() == 1 && starts.scalar_type() == at::kLong && starts.is_contiguous() && starts.is_cpu(),
-              "starts must be a contiguous int64 [N] on the CPU");
-  const int64_t n = starts.size(0), m = h.size(0), t = m / std::max<int64_t>(n, 1), hd = kc.size(3), half = hd / 2;
-  TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.stride(3) == 1 &&
-                  vc.stride(3) == 1 && kc.strides() == vc.strides() && kc.sizes() == vc.sizes() &&
-                  kc.size(1) == kv_heads,
-              "the K/V slots must be fp32 [B, Hkv, S, hd] with unit stride over hd");
-  TORCH_CHECK(n >= 1 && t >= 1 && m == n * t, "h has ", m, " rows: not T tokens for each of ", n, " rows");
-  std::vector<int64_t> cache_rows(n);
-  for (int64_t r = 0; r < n; ++r) cache_rows[r] = r;
-  if (rows.has_value()) {
-    TORCH_CHECK(rows->dim() == 1 && rows->size(0) == n && rows->scalar_type() == at::kLong && rows->is_cpu(),
-                "rows must be int64 [N] on the CPU");
-    std::copy(rows->data_ptr<int64_t>(), rows->data_ptr<int64_t>() + n, cache_rows.begin());
+  if (h.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(qkv_w.size() == 1 && o_w.size() == 1 && gu_w.size() == 1 && dn_w.size() == 1,
+                "a bf16 layer takes one dense matrix per linear");
+    return decode_layer_bf16(h, in_norm, post_norm, eps, {qkv_w[0], o_w[0], gu_w[0], dn_w[0]}, cos, sin, kc, vc,
+                             starts, rows, heads, kv_heads, scale, tree);
   }
-  const int64_t* ps0 = starts.data_ptr<int64_t>();
-  for (int64_t r = 0; r < n; ++r) {
-    TORCH_CHECK(cache_rows[r] >= 0 && cache_rows[r] < kc.size(0), "cache row ", cache_rows[r], " is out of range");
-    TORCH_CHECK(ps0[r] >= 0 && ps0[r] + t <= kc.size(2), "slots ", ps0[r], "..", ps0[r] + t, " are past the cache's ",
-                kc.size(2));
-  }
-  cos = cos.contiguous();  // a batch of one may come as a broadcast view
-  sin = sin.contiguous();
-  TORCH_CHECK(cos.numel() == m * hd && sin.numel() == m * hd && cos.scalar_type() == at::kFloat &&
-                  sin.scalar_type() == at::kFloat,
-              "cos, sin must be fp32 [N, 1, T, hd]");
-  TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
-  const bool* ptree = nullptr;
-  if (tree.has_value()) {
-    TORCH_CHECK(tree->scalar_type() == at::kBool && tree->is_contiguous() && tree->numel() == n * t * t,
-                "tree must be a contiguous bool [N, T, T]");
-    ptree = tree->data_ptr<bool>();
-  }
+  const Slots sl = check_slots(h, cos, sin, kc, vc, starts, rows, heads, kv_heads, tree);
+  const int64_t hd = sl.hd, m = sl.m;
   auto [qq, qd, qm] = planes_of(qkv_w);
-  auto qkv = norm_linear(h, in_norm, eps, qq, qd, qm);  // [N T, (H + 2 Hkv) hd]
+  auto qkv = norm_linear(h, in_norm, eps, qq, qd, qm).contiguous();  // [N T, (H + 2 Hkv) hd]
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * hd, "qkv has ", qkv.size(1), " columns");
   auto q = torch::empty({m, heads, hd}, h.options());
-  const float* pqkv = qkv.data_ptr<float>();
-  const float *pc = cos.data_ptr<float>(), *ps = sin.data_ptr<float>();
-  float *pq = q.data_ptr<float>(), *pk = kc.data_ptr<float>(), *pv = vc.data_ptr<float>();
-  const int64_t s_n = kc.stride(0), s_h = kc.stride(1), s_t = kc.stride(2), width = qkv.size(1);
-  for (int64_t row = 0; row < m; ++row) {
-    const int64_t r = row / t, at = cache_rows[r] * s_n + (ps0[r] + row % t) * s_t;
-    const float *c = pc + row * hd, *s = ps + row * hd;
-    for (int64_t j = 0; j < heads + 2 * kv_heads; ++j) {
-      const float* x = pqkv + row * width + j * hd;
-      float* dst = j < heads ? pq + (row * heads + j) * hd
-                             : (j < heads + kv_heads ? pk : pv) + at + ((j - heads) % kv_heads) * s_h;
-      if (j >= heads + kv_heads) {
-        std::copy(x, x + hd, dst);
-        continue;
-      }
-      for (int64_t i = 0; i < hd; ++i) dst[i] = x[i] * c[i] + x[i < half ? i + half : i - half] * s[i];
-    }
-  }
+  rope_write(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(),
+             kc.data_ptr<float>(), vc.data_ptr<float>(), sl, heads, kv_heads, kc.stride(0), kc.stride(1),
+             kc.stride(2));
   auto o = torch::empty({m, heads * hd}, h.options());
-  attend(pq, pk, pv, ptree, o.data_ptr<float>(), ps0, cache_rows.data(), n, t, heads, kv_heads, s_n, s_h, s_t, hd,
+  attend(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), sl.tree, o.data_ptr<float>(), sl.start,
+         sl.cache_rows.data(), sl.n, sl.t, heads, kv_heads, kc.stride(0), kc.stride(1), kc.stride(2), hd,
          static_cast<float>(scale));
   auto [oq, od, om] = planes_of(o_w);
   h = linear_add(o, oq, od, om, h);

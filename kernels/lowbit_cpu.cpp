@@ -404,8 +404,23 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c1
 #endif
 }
 
+// x @ w^T for a dense weight as the engine's Linear computes it: an fp32 matrix through at::linear (F.linear's
+// op), a bf16 one packed by oneDNN (torch.ops.mkldnn._reorder_linear_weight) through mkldnn::_linear_pointwise,
+// the op the Python Linear calls, so both paths give the same numbers
+torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  if (w.scalar_type() == at::kFloat) return at::linear(x, w);
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, w, c10::IValue(), c10::IValue(std::string("none")),
+                                 c10::IValue(c10::List<c10::optional<at::Scalar>>()), c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// x @ W^T for low-bit planes (Q4_1 with m, Q8_0 without) or, d undefined, a dense matrix qs
 torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
                          const c10::optional<torch::Tensor>& m) {
+  if (!d.defined()) return dense_linear(x, qs);
   return m.has_value() ? q4_linear(x, qs, d, *m) : q8_linear(x, qs, d);
 }
 

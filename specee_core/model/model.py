@@ -113,13 +113,21 @@ class LayerLinears:
 
     @staticmethod
     def of(lw: LayerWeights, q_size: int, dtype: torch.dtype) -> LayerLinears:
-        """The layer's linears; low-bit ones on CPU with fp32 activations and no biases run fused (FusedLowbitLinears)."""
+        """The layer's linears. On CPU without biases, decode steps run a layer in one C++ call: low-bit ones with fp32
+        activations (FusedLowbitLinears), dense fp32 matrices and oneDNN-packed bf16 ones (FusedDenseLinears)."""
         kv_bias = None if lw.bqkv is None else lw.bqkv[q_size:]
         lins = (make_linear(lw.wqkv, lw.bqkv), make_linear(lw.wo, lw.bo), make_linear(lw.w_gate_up, lw.b_gate_up),
                 make_linear(lw.w_down, lw.b_down), make_linear(_rows(lw.wqkv, q_size), kv_bias))
-        fused = (all(isinstance(lin, QuantLinear) and lin.b is None and not lin.qw.act8 for lin in lins[:4])
-                 and dtype == torch.float32 and lins[0].qw.device.type == "cpu" and cpu_kernel() is not None)
-        return (FusedLowbitLinears if fused else LayerLinears)(*lins)
+        main = lins[:4]
+        if any(lin.b is not None for lin in main) or cpu_kernel() is None:
+            return LayerLinears(*lins)
+        if (all(isinstance(lin, QuantLinear) and not lin.qw.act8 for lin in main) and dtype == torch.float32
+                and lins[0].qw.device.type == "cpu"):
+            return FusedLowbitLinears(*lins)
+        if all(type(lin) is Linear and lin.w.device.type == "cpu" and lin.w.dtype == dtype
+               and (dtype == torch.float32 or dtype == torch.bfloat16 and lin.pack) for lin in main):
+            return FusedDenseLinears(*lins)
+        return LayerLinears(*lins)
 
     # the three pieces of a layer around attention; FusedLowbitLinears runs each as one kernel call
     def qkv_normed(self, h: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
@@ -137,13 +145,52 @@ class LayerLinears:
 
 
 @dataclass
-class FusedLowbitLinears(LayerLinears):
+class FusedLayerLinears(LayerLinears):
+    """Linears whose whole layer, for a decode step or a drafted chunk, is one C++ call (decode_layer; a model's
+    layers together: LlamaModel._fused_stack). planes(): the kernel's weight arguments."""
+
+    _planes: list[list[torch.Tensor]] | None = field(default=None, repr=False)  # decode_layer's, made once
+
+    def _prefill(self, x: torch.Tensor) -> bool:
+        """x's rows are a prefill's (the layer then runs its pieces op by op)."""
+        return False
+
+    def planes(self) -> list[list[torch.Tensor]]:
+        raise NotImplementedError
+
+    def decode_layer(self, h: torch.Tensor, norms: tuple[RMSNorm, RMSNorm], rope: tuple[torch.Tensor, torch.Tensor],
+                     slot: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], heads: tuple[int, int],
+                     scale: float, tree: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole layer for h [N, T, D] in one kernel call: slot (keys, values, starts, cache rows or None),
+        row r's K/V written from slot starts[r] on (the caller advances the cache); tree [N, T, T] bool: which
+        of the chunk's tokens each one sees (None: causal)."""
+        out = cpu_kernel().decode_layer(_rows2d(h), norms[0].weight, norms[1].weight, norms[0].eps, *self.planes(),
+                                          *rope, *slot, *heads, scale, tree)
+        return out.view(h.shape)
+
+
+@dataclass
+class FusedDenseLinears(FusedLayerLinears):
+    """Dense matrices on CPU (fp32; bf16 in oneDNN's packed layout) whose decode layer is one C++ call: the norms,
+    RoPE, attention, SiLU and residual adds between the GEMMs as plain loops, the GEMMs the ops the Python layer
+    calls (F.linear, mkldnn's linear on the packed weight). In bf16 each elementwise op rounds as its ATen op does,
+    so the two paths agree up to fp32 reassociation (tests/test_quant.py)."""
+
+    def planes(self) -> list[list[torch.Tensor]]:
+        if self._planes is None:
+            for lin in (self.qkv, self.o, self.gate_up, self.down):
+                if lin.pack and lin._packed is None:
+                    lin._packed = torch.ops.mkldnn._reorder_linear_weight(lin.w, 1)
+            self._planes = [[lin._packed if lin.pack else lin.w] for lin in (self.qkv, self.o, self.gate_up, self.down)]
+        return self._planes
+
+
+@dataclass
+class FusedLowbitLinears(FusedLayerLinears):
     """Low-bit linears whose layer pieces (norm + qkv, o + residual, the whole MLP) are one C++ call each
     (kernels/lowbit_cpu.cpp): the norm, SiLU and residual adds between the GEMVs go through ATen from C++
     instead of a dozen Python-dispatched ops. Same math as LayerLinears' (tested against it). From the
     rows where dequantize + GEMM is faster (prefill: QuantLinear.dense_from), the pieces run unfused."""
-
-    _planes: list[list[torch.Tensor]] | None = field(default=None, repr=False)  # decode_layer's, made once
 
     def _prefill(self, x: torch.Tensor) -> bool:
         return self.qkv.dense_from(x.numel() // x.shape[-1])
@@ -172,16 +219,6 @@ class FusedLowbitLinears(LayerLinears):
             self._planes = [[t for t in (lin.qw.qs, lin.qw.d, lin.qw.m) if t is not None]
                             for lin in (self.qkv, self.o, self.gate_up, self.down)]
         return self._planes
-
-    def decode_layer(self, h: torch.Tensor, norms: tuple[RMSNorm, RMSNorm], rope: tuple[torch.Tensor, torch.Tensor],
-                     slot: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], heads: tuple[int, int],
-                     scale: float, tree: torch.Tensor | None = None) -> torch.Tensor:
-        """The whole layer for h [N, T, D] in one kernel call: slot (keys, values, starts, cache rows or None),
-        row r's K/V written from slot starts[r] on (the caller advances the cache); tree [N, T, T] bool: which
-        of the chunk's tokens each one sees (None: causal)."""
-        out = cpu_kernel().decode_layer(_rows2d(h), norms[0].weight, norms[1].weight, norms[0].eps, *self.planes(),
-                                          *rope, *slot, *heads, scale, tree)
-        return out.view(h.shape)
 
 
 def _rows2d(x: torch.Tensor) -> torch.Tensor:
@@ -212,7 +249,7 @@ class LlamaModel:
         self.qk_split = (c.num_attention_heads, c.num_key_value_heads)
         self.scale = c.head_dim ** -0.5
         self.gqa = c.num_attention_heads != c.num_key_value_heads
-        self._stackable = (all(isinstance(lin, FusedLowbitLinears) for lin in self.linears)
+        self._stackable = (all(isinstance(lin, FusedLayerLinears) for lin in self.linears)
                            and all(n is not None for n in self.input_norms))
         self._stack = None  # kernels' LayerStack, bound on first use
 
@@ -253,7 +290,7 @@ class LlamaModel:
         [N, T, T] bool: the chunk is a draft tree, node j attends to the nodes i with tree[:, j, i]."""
         c, lin = self.config, self.linears[i]
         n, t, _ = h.shape
-        if (n_valid is None and isinstance(lin, FusedLowbitLinears) and self.input_norms[i] is not None
+        if (n_valid is None and isinstance(lin, FusedLayerLinears) and self.input_norms[i] is not None
                 and (t == 1 or tree is not None and tree.shape[-1] == t) and not lin._prefill(h)):
             host_rows = None if rows is None else rows.cpu()  # a step, or a draft verified, in one C++ call
             k, v, starts = cache.decode_slots(i, host_rows, t)
