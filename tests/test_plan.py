@@ -236,6 +236,24 @@ def test_costs_are_measured_once_and_cached_per_machine(monkeypatch, tmp_path):
     assert described["dtype"] == "float32" and set(described["by_batch"]) == {"1", "4"}
 
 
+def test_a_cost_table_is_the_kernels_where_the_kernel_runs_the_layers(monkeypatch):
+    """Where the CPU kernel runs the decode layers (low-bit weights; dense fp32 and bf16 matrices it fuses) the
+    table's key holds the kernel's source hash, so a changed kernel is measured anew; without the kernel, none."""
+    from kernels.cpu_ext import source_digest
+    from specee_core.model import model as model_module, weight_plan
+    from specee_core.model.config import ModelConfig
+    from specee_core.spec.plan import cost_key
+
+    config = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    for fmt in ("q4", None):
+        m = weight_plan.random_model(config, fmt, torch.float32, torch.Generator().manual_seed(0))
+        assert m.fused_layers and cost_key(m, torch.float32, m.device)["kernel"] == source_digest()
+    monkeypatch.setattr(model_module, "cpu_kernel", lambda: None)
+    m = weight_plan.random_model(config, None, torch.float32, torch.Generator().manual_seed(0))
+    assert not m.fused_layers and "kernel" not in cost_key(m, torch.float32, m.device)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return SpecEEEngine.from_pretrained(BUNDLED, dtype="float32")

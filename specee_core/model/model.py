@@ -262,6 +262,11 @@ class LlamaModel:
                                                           torch.float16: "fp16"}[w.dtype]
 
     @property
+    def fused_layers(self) -> bool:
+        """Decode steps run each layer as one call of the CPU kernel (kernels/layer_cpu.cpp): their speed is its."""
+        return any(isinstance(lin, FusedLayerLinears) for lin in self.linears)
+
+    @property
     def num_layers(self) -> int:
         """The decoder layers this model holds: config.num_hidden_layers, or 1 for a draft head's layer."""
         return len(self.w.layers)

@@ -436,12 +436,14 @@ def cost_key(model, dtype: torch.dtype, device: torch.device) -> dict:
 
 
 def _weights_key(model) -> dict:
-    """Low-bit weights: the format and the kernel's source hash (its costs are the kernel's)."""
-    if model.weight_format not in ("q4", "q8"):
-        return {}
-    from kernels.cpu_ext import source_digest
+    """Low-bit weights: their format; where the CPU kernel runs the decode layers (low-bit weights, and dense ones
+    whose layers it fuses), its source hash: the costs are the kernel's, and a new kernel is measured anew."""
+    key = {"weights": model.weight_format} if model.weight_format in ("q4", "q8") else {}
+    if key or model.fused_layers:
+        from kernels.cpu_ext import source_digest
 
-    return {"weights": model.weight_format, "kernel": source_digest()}
+        key["kernel"] = source_digest()
+    return key
 
 
 def load_costs(key: dict, root: str | Path | None = None) -> CostTable:
