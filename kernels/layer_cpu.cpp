@@ -153,6 +153,132 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 
 constexpr float SOFTMAX_FLOOR = -64.f;  // see exp_shifted
 
+#if LOWBIT_AVX512
+// 16 x 16 fp32 transpose in registers: r[i] element j -> r[j] element i
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
+    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xDD);
+    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD);
+    r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xDD);
+  }
+}
+
+// The G queries of one row that share a K/V head (its heads x the chunk's tokens; q[g], out[g] [16 C]) over the
+// row's s0 cached keys and the chunk's t (query g sees chunk key i where vis[g t + i]). Scores 16 keys at a time
+// against the keys transposed (one broadcast FMA per element, no horizontal sum per key), the softmax as
+// attend's, then P V with each query's output in registers while V streams by once (a key no query of the tile
+// weighs is skipped). p: [G, s0 + t] scratch; kt: [16 C, 16].
+template <int C>
+void attend_group(const float* const* q, float* const* out, int64_t G, const float* K, const float* V, int64_t s_t,
+                  int64_t s0, int64_t t, const uint8_t* vis, float scale, float* p, float* inv, float* kt) {
+  constexpr int64_t HD = 16 * C;
+  constexpr int TQ = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // queries a tile: TQ x C accumulators
+  const int64_t L = s0 + t;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  int64_t x0 = 0;
+  for (; x0 + 16 <= s0; x0 += 16) {
+    for (int c = 0; c < C; ++c) {
+      __m512 r[16];
+      for (int k = 0; k < 16; ++k) r[k] = _mm512_loadu_ps(K + (x0 + k) * s_t + 16 * c);
+      transpose16(r);
+      for (int d = 0; d < 16; ++d) _mm512_storeu_ps(kt + (16 * c + d) * 16, r[d]);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q[g];
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      for (int64_t d = 0; d < HD; d += 2) {
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(qg[d]), _mm512_loadu_ps(kt + d * 16), a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(qg[d + 1]), _mm512_loadu_ps(kt + (d + 1) * 16), a1);
+      }
+      _mm512_storeu_ps(p + g * L + x0, _mm512_mul_ps(_mm512_add_ps(a0, a1), vscale));
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* pg = p + g * L;
+    for (int64_t x = x0; x < s0; ++x) pg[x] = dot(q[g], K + x * s_t, HD) * scale;
+    for (int64_t i = 0; i < t; ++i)
+      pg[s0 + i] = vis[g * t + i] ? dot(q[g], K + (s0 + i) * s_t, HD) * scale
+                                  : -std::numeric_limits<float>::infinity();
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t x = 0; x < L; ++x) mx = std::max(mx, pg[x]);
+    inv[g] = 1.f / exp_shifted(pg, mx, pg, L, SOFTMAX_FLOOR);  // unseen keys: -inf, below the floor: 0
+  }
+  for (int64_t g0 = 0; g0 < G; g0 += TQ) {
+    const int nq = static_cast<int>(std::min<int64_t>(TQ, G - g0));
+    __m512 acc[TQ][C];
+    for (int i = 0; i < TQ; ++i)
+      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t x = 0; x < L; ++x) {
+      bool any = false;
+      for (int i = 0; i < nq; ++i) any |= p[(g0 + i) * L + x] != 0.f;
+      if (!any) continue;
+      __m512 v[C];
+      for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(V + x * s_t + 16 * c);
+      for (int i = 0; i < TQ; ++i) {
+        if (i >= nq) break;
+        const __m512 w = _mm512_set1_ps(p[(g0 + i) * L + x]);
+        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(w, v[c], acc[i][c]);
+      }
+    }
+    for (int i = 0; i < nq; ++i) {
+      const __m512 s = _mm512_set1_ps(inv[g0 + i]);
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[g0 + i] + 16 * c, _mm512_mul_ps(acc[i][c], s));
+    }
+  }
+}
+
+// attend, by (row, K/V head): hd 32, 64 or 128; false where it does not apply (then attend's own loop runs)
+bool attend_grouped(const float* q, const float* kc, const float* vc, const bool* tree, float* o, const int64_t* start,
+                    const int64_t* cr, int64_t n, int64_t t, int64_t heads, int64_t kv_heads, int64_t s_n,
+                    int64_t s_h, int64_t s_t, int64_t hd, float scale) {
+  if (hd != 32 && hd != 64 && hd != 128) return false;
+  const int64_t group = heads / kv_heads, G = group * t, longest = *std::max_element(start, start + n) + t;
+  at::parallel_for(0, n * kv_heads, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> p(G * longest), inv(G), kt(hd * 16);
+    std::vector<const float*> qp(G);
+    std::vector<float*> op(G);
+    std::vector<uint8_t> vis(G * t);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r = b / kv_heads, kvh = b % kv_heads;
+      for (int64_t j = 0; j < t; ++j)
+        for (int64_t hh = 0; hh < group; ++hh) {
+          const int64_t g = j * group + hh, row = (r * t + j) * heads + kvh * group + hh;
+          qp[g] = q + row * hd;
+          op[g] = o + row * hd;
+          for (int64_t i = 0; i < t; ++i) vis[g * t + i] = tree != nullptr ? tree[(r * t + j) * t + i] : i <= j;
+        }
+      const float* K = kc + cr[r] * s_n + kvh * s_h;
+      const float* V = vc + cr[r] * s_n + kvh * s_h;
+      if (hd == 32)
+        attend_group<2>(qp.data(), op.data(), G, K, V, s_t, start[r], t, vis.data(), scale, p.data(), inv.data(), kt.data());
+      else if (hd == 64)
+        attend_group<4>(qp.data(), op.data(), G, K, V, s_t, start[r], t, vis.data(), scale, p.data(), inv.data(), kt.data());
+      else
+        attend_group<8>(qp.data(), op.data(), G, K, V, s_t, start[r], t, vis.data(), scale, p.data(), inv.data(), kt.data());
+    }
+  });
+  return true;
+}
+#endif
+
 // Attention for T new tokens per row r written at slots [start[r], start[r] + T) of its cache row cr[r]: query
 // (row r, token j, head h) sees slots [0, start[r]) and the chunk's slots start[r] + i that tree[r, j, i] marks
 // (nullptr: i <= j, a causal chunk). o = softmax(scale * q K^T) V over what it sees. GQA: heads / kv_heads
@@ -160,6 +286,9 @@ constexpr float SOFTMAX_FLOOR = -64.f;  // see exp_shifted
 void attend(const float* q, const float* kc, const float* vc, const bool* tree, float* o, const int64_t* start,
             const int64_t* cr, int64_t n, int64_t t, int64_t heads, int64_t kv_heads, int64_t s_n, int64_t s_h,
             int64_t s_t, int64_t hd, float scale) {
+#if LOWBIT_AVX512
+  if (attend_grouped(q, kc, vc, tree, o, start, cr, n, t, heads, kv_heads, s_n, s_h, s_t, hd, scale)) return;
+#endif
   const int64_t group = heads / kv_heads, longest = *std::max_element(start, start + n) + t;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, longest * hd));  // ~32k multiply-adds a task
   at::parallel_for(0, n * t * heads, grain, [&](int64_t b0, int64_t b1) {
