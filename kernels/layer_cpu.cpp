@@ -153,6 +153,9 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 
 constexpr float SOFTMAX_FLOOR = -64.f;  // see exp_shifted
 
+// attend takes its grouped path where it applies (tests turn it off to compare the two: grouped_attention())
+std::atomic<bool> grouped_attention_on{true};
+
 #if LOWBIT_AVX512
 // 16 x 16 fp32 transpose in registers: r[i] element j -> r[j] element i
 inline void transpose16(__m512 r[16]) {
@@ -183,9 +186,10 @@ inline void transpose16(__m512 r[16]) {
 
 // The G queries of one row that share a K/V head (its heads x the chunk's tokens; q[g], out[g] [16 C]) over the
 // row's s0 cached keys and the chunk's t (query g sees chunk key i where vis[g t + i]). Scores 16 keys at a time
-// against the keys transposed (one broadcast FMA per element, no horizontal sum per key), the softmax as
-// attend's, then P V with each query's output in registers while V streams by once (a key no query of the tile
-// weighs is skipped). p: [G, s0 + t] scratch; kt: [16 C, 16].
+// against the keys transposed (broadcast FMAs, no horizontal sum per key), then P V with each query's output in
+// registers while V streams by once (a key no query of the tile weighs is skipped). Every sum in the order of
+// attend's loop (dot(), its reduction tree, the softmax, the axpy of normalized weights): the same bits, faster.
+// p: [G, s0 + t] scratch; kt: [16 C, 16].
 template <int C>
 void attend_group(const float* const* q, float* const* out, int64_t G, const float* K, const float* V, int64_t s_t,
                   int64_t s0, int64_t t, const uint8_t* vis, float scale, float* p, float* inv, float* kt) {
@@ -201,14 +205,24 @@ void attend_group(const float* const* q, float* const* out, int64_t G, const flo
       transpose16(r);
       for (int d = 0; d < 16; ++d) _mm512_storeu_ps(kt + (16 * c + d) * 16, r[d]);
     }
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; g < G; ++g) {  // dot()'s sums in dot()'s order, 16 keys in the lanes
       const float* qg = q[g];
-      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-      for (int64_t d = 0; d < HD; d += 2) {
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(qg[d]), _mm512_loadu_ps(kt + d * 16), a0);
-        a1 = _mm512_fmadd_ps(_mm512_set1_ps(qg[d + 1]), _mm512_loadu_ps(kt + (d + 1) * 16), a1);
+      __m512 v[16];
+      for (int l = 0; l < 16; ++l) {
+        __m512 acc[2];
+        for (int c = 0; c < C; ++c) {
+          const int64_t d = 16 * c + l;
+          const __m512 prod = _mm512_set1_ps(qg[d]);
+          acc[c % 2] = c < 2 ? _mm512_mul_ps(prod, _mm512_loadu_ps(kt + d * 16))
+                             : _mm512_fmadd_ps(prod, _mm512_loadu_ps(kt + d * 16), acc[c % 2]);
+        }
+        v[l] = C > 1 ? _mm512_add_ps(acc[0], acc[1]) : acc[0];
       }
-      _mm512_storeu_ps(p + g * L + x0, _mm512_mul_ps(_mm512_add_ps(a0, a1), vscale));
+      // _mm512_reduce_add_ps's tree: lanes l + 8, then + 4, then + 2, then + 1
+      for (int l = 0; l < 8; ++l) v[l] = _mm512_add_ps(v[l + 8], v[l]);
+      for (int l = 0; l < 4; ++l) v[l] = _mm512_add_ps(v[l + 4], v[l]);
+      for (int l = 0; l < 2; ++l) v[l] = _mm512_add_ps(v[l], v[l + 2]);
+      _mm512_storeu_ps(p + g * L + x0, _mm512_mul_ps(_mm512_add_ps(v[0], v[1]), vscale));
     }
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -219,7 +233,10 @@ void attend_group(const float* const* q, float* const* out, int64_t G, const flo
                                   : -std::numeric_limits<float>::infinity();
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t x = 0; x < L; ++x) mx = std::max(mx, pg[x]);
-    inv[g] = 1.f / exp_shifted(pg, mx, pg, L, SOFTMAX_FLOOR);  // unseen keys: -inf, below the floor: 0
+    float sum = exp_shifted(pg, mx, pg, s0, SOFTMAX_FLOOR);  // as attend: the same exps, summed in its order
+    for (int64_t i = 0; i < t; ++i)
+      sum += (pg[s0 + i] = vis[g * t + i] && pg[s0 + i] - mx >= SOFTMAX_FLOOR ? exp_scalar(pg[s0 + i] - mx) : 0.f);
+    inv[g] = 1.f / sum;
   }
   for (int64_t g0 = 0; g0 < G; g0 += TQ) {
     const int nq = static_cast<int>(std::min<int64_t>(TQ, G - g0));
@@ -234,14 +251,12 @@ void attend_group(const float* const* q, float* const* out, int64_t G, const flo
       for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(V + x * s_t + 16 * c);
       for (int i = 0; i < TQ; ++i) {
         if (i >= nq) break;
-        const __m512 w = _mm512_set1_ps(p[(g0 + i) * L + x]);
+        const __m512 w = _mm512_set1_ps(p[(g0 + i) * L + x] * inv[g0 + i]);  // normalized first, as attend
         for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(w, v[c], acc[i][c]);
       }
     }
-    for (int i = 0; i < nq; ++i) {
-      const __m512 s = _mm512_set1_ps(inv[g0 + i]);
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[g0 + i] + 16 * c, _mm512_mul_ps(acc[i][c], s));
-    }
+    for (int i = 0; i < nq; ++i)
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[g0 + i] + 16 * c, acc[i][c]);
   }
 }
 
@@ -249,7 +264,7 @@ void attend_group(const float* const* q, float* const* out, int64_t G, const flo
 bool attend_grouped(const float* q, const float* kc, const float* vc, const bool* tree, float* o, const int64_t* start,
                     const int64_t* cr, int64_t n, int64_t t, int64_t heads, int64_t kv_heads, int64_t s_n,
                     int64_t s_h, int64_t s_t, int64_t hd, float scale) {
-  if (hd != 32 && hd != 64 && hd != 128) return false;
+  if ((hd != 32 && hd != 64 && hd != 128) || !grouped_attention_on) return false;
   const int64_t group = heads / kv_heads, G = group * t, longest = *std::max_element(start, start + n) + t;
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> p(G * longest), inv(G), kt(hd * 16);
@@ -400,6 +415,8 @@ Slots check_slots(const torch::Tensor& h, torch::Tensor& cos, torch::Tensor& sin
   return sl;
 }
 
+constexpr int64_t ROW_GRAIN = 8;  // rows a thread takes of a layer's elementwise loops
+
 // bf16 as ATen rounds a finite fp32 (to nearest, ties to even: c10::BFloat16's rule), kept in fp32: branch-free,
 // so the loops below vectorize. Each bf16 ATen op computes in fp32 and rounds its result once.
 inline float round_bf16(float x) {
@@ -445,23 +462,25 @@ template <typename T>
 void rope_write(const T* qkv, const T* cos, const T* sin, float* q, float* kc, float* vc, const Slots& sl,
                 int64_t heads, int64_t kv_heads, int64_t s_n, int64_t s_h, int64_t s_t) {
   const int64_t hd = sl.hd, half = hd / 2, width = (heads + 2 * kv_heads) * hd;
-  for (int64_t row = 0; row < sl.m; ++row) {
-    const int64_t r = row / sl.t, at = sl.cache_rows[r] * s_n + (sl.start[r] + row % sl.t) * s_t;
-    const T *c = cos + row * hd, *s = sin + row * hd;
-    for (int64_t j = 0; j < heads + 2 * kv_heads; ++j) {
-      const T* x = qkv + row * width + j * hd;
-      float* dst = j < heads ? q + (row * heads + j) * hd
-                             : (j < heads + kv_heads ? kc : vc) + at + ((j - heads) % kv_heads) * s_h;
-      if (j >= heads + kv_heads) {
-        for (int64_t i = 0; i < hd; ++i) dst[i] = to_f(x[i]);
-        continue;
+  at::parallel_for(0, sl.m, ROW_GRAIN, [&](int64_t row0, int64_t row1) {
+    for (int64_t row = row0; row < row1; ++row) {
+      const int64_t r = row / sl.t, at = sl.cache_rows[r] * s_n + (sl.start[r] + row % sl.t) * s_t;
+      const T *c = cos + row * hd, *s = sin + row * hd;
+      for (int64_t j = 0; j < heads + 2 * kv_heads; ++j) {
+        const T* x = qkv + row * width + j * hd;
+        float* dst = j < heads ? q + (row * heads + j) * hd
+                               : (j < heads + kv_heads ? kc : vc) + at + ((j - heads) % kv_heads) * s_h;
+        if (j >= heads + kv_heads) {
+          for (int64_t i = 0; i < hd; ++i) dst[i] = to_f(x[i]);
+          continue;
+        }
+        for (int64_t i = 0; i < half; ++i)
+          dst[i] = rnd<T>(rnd<T>(to_f(x[i]) * to_f(c[i])) + rnd<T>(to_f(x[i + half]) * to_f(s[i])));
+        for (int64_t i = half; i < hd; ++i)
+          dst[i] = rnd<T>(rnd<T>(to_f(x[i]) * to_f(c[i])) + rnd<T>(to_f(x[i - half]) * to_f(s[i])));
       }
-      for (int64_t i = 0; i < half; ++i)
-        dst[i] = rnd<T>(rnd<T>(to_f(x[i]) * to_f(c[i])) + rnd<T>(to_f(x[i + half]) * to_f(s[i])));
-      for (int64_t i = half; i < hd; ++i)
-        dst[i] = rnd<T>(rnd<T>(to_f(x[i]) * to_f(c[i])) + rnd<T>(to_f(x[i - half]) * to_f(s[i])));
     }
-  }
+  });
 }
 
 using BF16 = at::BFloat16;
@@ -476,12 +495,14 @@ torch::Tensor rms_norm_bf16(const std::vector<float>& hf, int64_t rows, int64_t 
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<BF16>());
   std::vector<float> wf(d);
   for (int64_t i = 0; i < d; ++i) wf[i] = to_f(wp[i]);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* x = hf.data() + r * d;
-    const float inv = 1.f / std::sqrt(dot(x, x, d) / static_cast<float>(d) + static_cast<float>(eps));
-    uint16_t* yr = yp + r * d;
-    for (int64_t i = 0; i < d; ++i) yr[i] = float_to_bf16_bits(round_bf16(round_bf16(x[i] * inv) * wf[i]));
-  }
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = hf.data() + r * d;
+      const float inv = 1.f / std::sqrt(dot(x, x, d) / static_cast<float>(d) + static_cast<float>(eps));
+      uint16_t* yr = yp + r * d;
+      for (int64_t i = 0; i < d; ++i) yr[i] = float_to_bf16_bits(round_bf16(round_bf16(x[i] * inv) * wf[i]));
+    }
+  });
   return y;
 }
 
@@ -489,7 +510,9 @@ torch::Tensor rms_norm_bf16(const std::vector<float>& hf, int64_t rows, int64_t 
 void add_bf16(std::vector<float>& hf, const torch::Tensor& y_in) {
   const auto y = y_in.contiguous();
   const uint16_t* yp = reinterpret_cast<const uint16_t*>(y.data_ptr<BF16>());
-  for (size_t i = 0; i < hf.size(); ++i) hf[i] = round_bf16(hf[i] + bf16_bits_to_float(yp[i]));
+  at::parallel_for(0, static_cast<int64_t>(hf.size()), ROW_GRAIN * 512, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) hf[i] = round_bf16(hf[i] + bf16_bits_to_float(yp[i]));
+  });
 }
 
 // act = bf16(bf16(silu(gate)) * up) for gu bf16 [M, 2I] (F.silu(gate).mul_(up) in bf16)
@@ -499,16 +522,18 @@ torch::Tensor silu_mul_bf16(const torch::Tensor& gu_in) {
   auto act = torch::empty({rows, inter}, gu.options());
   const uint16_t* gp = reinterpret_cast<const uint16_t*>(gu.data_ptr<BF16>());
   uint16_t* ap = reinterpret_cast<uint16_t*>(act.data_ptr<BF16>());
-  std::vector<float> g(inter), e(inter);
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* gr = gp + r * 2 * inter;
-    for (int64_t i = 0; i < inter; ++i) g[i] = -bf16_bits_to_float(gr[i]);
-    exp_shifted(g.data(), 0.f, e.data(), inter);  // exp(-g)
-    for (int64_t i = 0; i < inter; ++i) {
-      const float s = round_bf16(-g[i] / (1.f + e[i]));
-      ap[r * inter + i] = float_to_bf16_bits(round_bf16(s * bf16_bits_to_float(gr[inter + i])));
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+    std::vector<float> g(inter), e(inter);
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* gr = gp + r * 2 * inter;
+      for (int64_t i = 0; i < inter; ++i) g[i] = -bf16_bits_to_float(gr[i]);
+      exp_shifted(g.data(), 0.f, e.data(), inter);  // exp(-g)
+      for (int64_t i = 0; i < inter; ++i) {
+        const float s = round_bf16(-g[i] / (1.f + e[i]));
+        ap[r * inter + i] = float_to_bf16_bits(round_bf16(s * bf16_bits_to_float(gr[inter + i])));
+      }
     }
-  }
+  });
   return act;
 }
 

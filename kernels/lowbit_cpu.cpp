@@ -488,6 +488,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q4_linear_i8", &q4_linear_i8, "x [B, I] as int8 blocks @ dequant(Q4_1 planes)^T -> [B, O] fp32");
   mod.def("q8_linear_i8", &q8_linear_i8, "x [B, I] as int8 blocks @ dequant(Q8_0 planes)^T -> [B, O] fp32");
   mod.def("simd_i8", []() { return std::string(simd_i8()); });
+  mod.def(
+      "grouped_attention",
+      [](bool on) {
+        const bool was = grouped_attention_on.exchange(on);
+        return was && LOWBIT_AVX512;
+      },
+      "use attention's grouped AVX-512 path (default on); returns whether it was in use");
   mod.def("simd", []() {
     return std::string(LOWBIT_AVX512 ? "avx512" : LOWBIT_AVX2 ? "avx2+fma+f16c" : "scalar");
   });

@@ -436,6 +436,46 @@ def test_fused_decode_layer_equals_the_layer_op_by_op(isa, fmt, monkeypatch):
     torch.testing.assert_close(caches[0].k, caches[1].k, **(kv_close if fmt != "bf16" else close))
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+def test_grouped_attention_gives_the_per_query_loops_bits(fmt):
+    """On AVX-512 the fused layer's attention runs by (row, K/V head): keys scored 16 at a time, transposed, P V
+    held in registers; its sums keep the per-query loop's order, so the hidden states are the same bits with it
+    on or off: one token per row, a chain, a tree, rows at different lengths."""
+    from kernels.cpu_ext import lowbit_cpu
+    from specee_core.model import weight_plan
+    from specee_core.model.config import ModelConfig
+
+    ext = lowbit_cpu()
+    if ext.simd() != "avx512":
+        pytest.skip("the grouped path is AVX-512's")
+    if fmt == "bf16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("bf16 matrices run fused where oneDNN has native bf16")
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+    config = ModelConfig(vocab_size=256, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=512)
+    m = weight_plan.random_model(config, None, dtype, torch.Generator().manual_seed(1))
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)  # a branching tree
+    for batch, t, context, shape in ((1, 1, 37, None), (3, 4, 200, "chain"), (8, 4, 100, "tree"), (2, 1, 16, None)):
+        g = torch.Generator().manual_seed(batch * 100 + t)
+        x = torch.randn(batch, t, config.hidden_size, generator=g).to(dtype)
+        kv = torch.randn(2, *m.new_cache(batch, context + batch + t).k.shape, generator=g)
+        lengths = context + torch.arange(batch)
+        chunk = None if shape is None else (torch.tril(torch.ones(t, t, dtype=torch.bool)) if shape == "chain" else tree)
+        outs = []
+        try:
+            for grouped in (True, False):
+                ext.grouped_attention(grouped)
+                cache = m.new_cache(batch, context + batch + t)
+                cache.k.copy_(kv[0]), cache.v.copy_(kv[1])
+                cache.truncate(torch.arange(batch), lengths)
+                with torch.inference_mode():
+                    outs.append(m.layers(x, m.rope_for(lengths[:, None] + torch.arange(t)), cache,
+                                         tree=None if chunk is None else chunk.expand(batch, t, t)))
+        finally:
+            ext.grouped_attention(True)
+        assert torch.equal(outs[0], outs[1]), (batch, t, shape)
+
+
 def test_quantization_error_is_measured_at_load(ee_model_dir):
     """A float checkpoint quantized at load reports its relative error (q4 > q8 > 0); float formats none."""
     errs = {f: SpecEEEngine.from_pretrained(ee_model_dir, dtype="float32", weights=f).weights_info()["quant_error"]
