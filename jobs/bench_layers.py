@@ -8,9 +8,10 @@ One call is every decoder layer, the final norm and the LM head over `batch` row
 tokens each (rows at lengths context .. context + batch - 1, as different prompts are): a decode step (one
 token per row) or a drafted chain of --verify tokens verified (each token sees the ones before it), on random
 weights of the model's shapes (specee_core.model.weight_plan.random_model: the layout the engine runs). Variants
-per format: "fused" (the engine's path) and "op_by_op" (the same weights, every layer's norm, RoPE,
-attention, SiLU and adds as torch ops); also "gemms": the four linears of each layer and the head alone, what
-the fused layer cannot make cheaper. Median milliseconds of --rounds interleaved rounds; JSON with the commit
+per format: "fused" (the engine's path), "fused_loop" (the same with attention's grouped AVX-512 path off: one
+query at a time, the same bits) and "op_by_op" (the same weights, every layer's norm, RoPE, attention, SiLU and
+adds as torch ops); also "gemms": the four linears of each layer and the head alone, what the fused layer cannot
+make cheaper. Median milliseconds of --rounds interleaved rounds; JSON with the commit
 and the CPU's capability.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from jobs.bench import emit, git_commit
 from specee_core.machine import machine_facts
 from specee_core.model.config import ModelConfig
 from specee_core.model.model import LayerLinears
+from specee_core.model.quant import cpu_kernel
 from specee_core.model.weight_plan import random_model
 
 FORMATS = {"bf16": (None, torch.bfloat16), "fp32": (None, torch.float32), "q4": ("q4", torch.float32)}
@@ -60,7 +62,7 @@ def main() -> None:
         for fmt in args.formats.split(","):
             quant, dtype = FORMATS[fmt]
             fused = random_model(config, quant, dtype, gen)
-            for name, model in (("fused", fused), ("op_by_op", op_by_op(fused))):
+            for name, model in (("fused", fused), ("fused_loop", fused), ("op_by_op", op_by_op(fused))):
                 cache = model.new_cache(batch, args.context + batch + args.verify)
                 cache.k.normal_(generator=gen), cache.v.normal_(generator=gen)
                 setups[f"{fmt}_{name}"] = (model, cache, dtype)
@@ -84,20 +86,23 @@ def main() -> None:
         with torch.inference_mode():
             for rnd in range(args.rounds + 1):
                 for name, (model, cache, dtype) in (setups.items() if rnd % 2 else reversed(setups.items())):
+                    cpu_kernel().grouped_attention(not name.endswith("_fused_loop"))
                     for t in (1, args.verify):
                         t0 = time.perf_counter()
                         run(model, cache, dtype, t)
                         if rnd:  # round 0 warms up (packs oneDNN weights, builds the stack)
                             samples.setdefault(f"{name}@{batch}x{t}", []).append((time.perf_counter() - t0) * 1e3)
+            cpu_kernel().grouped_attention(True)
             print({k: round(statistics.median(v), 1) for k, v in samples.items()}, flush=True)
         results.update({k: round(statistics.median(v), 2) for k, v in samples.items()})
-    ratios = {k.replace("_op_by_op", "_op_by_op/fused"): round(v / results[k.replace("_op_by_op", "_fused")], 3)
-              for k, v in results.items() if "_op_by_op" in k}
+    ratios = {k.replace(f"_{other}", f"_{other}/fused"): round(v / results[k.replace(f"_{other}", "_fused")], 3)
+              for other in ("op_by_op", "fused_loop") for k, v in results.items() if f"_{other}@" in k}
     emit({"git_commit": git_commit(), "machine": machine_facts(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
           "threads": torch.get_num_threads(), "config": {k: str(v) for k, v in vars(args).items()},
           "ms_median": results, "ratios": ratios,
           "note": "ms per call: every layer + final norm + LM head over batch rows, a step (x1) or a chain verified "
-                  "(x verify); fused = the engine's path (one C++ call per layer), op_by_op = the same weights "
+                  "(x verify); fused = the engine's path (one C++ call per layer), fused_loop = the same with attention's "
+                  "grouped path off, op_by_op = the same weights "
                   "through torch ops, gemms = the linears alone"}, args.out)
 
 
