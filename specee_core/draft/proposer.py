@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from specee_core.step.state import Batch
 
 SOURCES = ("draft", "lookup")  # where SpecEE's candidates come from
+FEED_APART = 16  # queued pairs over which a row is fed apart from rows with fewer (see Proposer._feed)
 
 
 class Proposer:
@@ -48,28 +49,23 @@ class Proposer:
     # ---- rows ------------------------------------------------------------------------------------
     def admit(self, batch: Batch, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
         """Rows start (or resume) prompts, prefilled: prefill_hidden [N, T, D] (before the final norm) of each
-        row's context, lens [N]. Their draft cache takes the context's pairs but the last, which its stepper
-        pushes with the token it feeds (push, push_last)."""
+        row's context, lens [N]. The context's pairs but the last are queued for the draft cache, fed with the
+        first draft that needs them (a batch whose plan never drafts never runs the head over its prompts); its
+        stepper pushes the last with the token it feeds (push, push_last)."""
         for b in rows:
             self.index.reset(b)
             self.queue_tokens[b], self.queue_feats[b] = [], []
         if self.draft is None:
             return
-        norm = self.draft.base.final_norm
-        dev = self.device
-        idx = torch.tensor(rows, device=dev)
         self.cache.truncate(torch.tensor(rows), torch.zeros(len(rows), dtype=torch.int64))
-        n, t, _ = prefill_hidden.shape
-        if t < 2:
+        if prefill_hidden.shape[1] < 2:
             return
-        # pairs (x_{i+1}, f_i) for i < len - 1 at draft position i
-        toks = torch.zeros(n, t - 1, dtype=torch.int64)
+        feats = self.draft.base.final_norm(prefill_hidden[:, :-1])
         for r, b in enumerate(rows):
-            ctx = batch.context(b)
-            toks[r, : len(ctx) - 1] = torch.tensor(ctx[1:])
-        sub = None if rows == list(range(self.cache.batch)) else idx
-        self.draft.forward(self.cache, toks.to(dev), norm(prefill_hidden[:, :-1]),
-                           torch.arange(t - 1, device=dev).expand(n, t - 1), sub, n_valid=(lens - 1).clamp(min=0))
+            c = int(lens[r]) - 1  # pairs (x_{i+1}, f_i) for i < len - 1, at draft positions 0 .. c - 1
+            if c > 0:
+                self.queue_tokens[b] = list(batch.context(b)[1 : c + 1])
+                self.queue_feats[b] = [feats[r, :c].clone()]
 
     def push(self, rows: list[int], tokens: list[list[int]], features: list[torch.Tensor]) -> None:
         """After a step, each row's true pairs: features[r] [c, D] (final-normed) of its fed positions and
@@ -90,7 +86,21 @@ class Proposer:
     def _feed(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Feeds each row's queued pairs (at least one) in one chunk after what its draft cache holds.
         Returns (synced [N]: the cache lengths before, counts [N]: the pairs fed, f [N, D]: the predicted
-        feature after each row's last pair, whose LM-head ranks its next token); lengths on the host."""
+        feature after each row's last pair, whose LM-head ranks its next token); lengths on the host. Rows with
+        a long backlog (a prompt, a long dense stretch) beside rows with a few pairs are fed apart: one chunk
+        would pad every row to the longest."""
+        counts = [len(self.queue_tokens[b]) for b in rows]
+        long = [r for r, c in enumerate(counts) if c > FEED_APART]
+        if long and len(long) < len(rows):
+            short = [r for r, c in enumerate(counts) if c <= FEED_APART]
+            parts = [self._feed_chunk([rows[r] for r in idx]) for idx in (short, long)]
+            order = torch.tensor(short + long).argsort()  # back to rows' order
+            synced, fed, f = (torch.cat([part[i] for part in parts]) for i in range(3))
+            return synced[order], fed[order], f[order.to(f.device)]
+        return self._feed_chunk(rows)
+
+    def _feed_chunk(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """_feed for rows fed together in one chunk."""
         dev, n = self.device, len(rows)
         toks = [self.queue_tokens[b] for b in rows]
         feats = [self.queue_feats[b] for b in rows]
