@@ -357,3 +357,34 @@ def test_t3_gives_draft_confidence_predictors_each_nodes_candidate_probabilities
     given = [r[0] for r in records if r and r[0] is not None]
     assert given and all(bool((r == 0).all()) for r in given)
     assert [r.exit_layers for r in with_record] == [r.exit_layers for r in always]
+
+
+def test_a_long_backlog_is_fed_apart_with_the_same_draft_features(tiny, monkeypatch):
+    """The proposer queues a row's prompt pairs at admission and feeds every queued pair with the next draft;
+    a row with a long backlog beside rows with a few pairs is fed in a chunk of its own (one chunk would pad
+    every row to the longest). Apart or together, the draft head's cache and the features it predicts agree
+    (to fp32 rounding), in the rows' order."""
+    from specee_core.draft import proposer as proposer_module
+    from specee_core.draft.proposer import Proposer
+
+    draft = tiny.draft
+    d = tiny.model.config.hidden_size
+    backlog = [3, 40, 2, 25]  # rows 1 and 3 are fed apart from 0 and 2
+
+    def fed(apart: int):
+        monkeypatch.setattr(proposer_module, "FEED_APART", apart)
+        prop = Proposer(draft, len(backlog), 64, tiny.model.device)
+        gen = torch.Generator().manual_seed(1)
+        for b, c in enumerate(backlog):
+            prop.push([b], [torch.randint(0, tiny.model.config.vocab_size, (c,), generator=gen).tolist()],
+                      [torch.randn(c, d, generator=gen)])
+        synced, counts, f = prop._feed(list(range(len(backlog))))
+        return synced, counts, f, prop.cache
+
+    s1, c1, f1, cache1 = fed(16)
+    s2, c2, f2, cache2 = fed(1000)  # every row in one chunk
+    assert c1.tolist() == c2.tolist() == backlog and s1.tolist() == s2.tolist() == [0] * 4
+    torch.testing.assert_close(f1, f2, rtol=1e-4, atol=1e-5)
+    assert cache1.lengths.tolist() == cache2.lengths.tolist()
+    for b, c in enumerate(backlog):
+        torch.testing.assert_close(cache1.k[:, b, :, :c], cache2.k[:, b, :, :c], rtol=1e-4, atol=1e-5)
