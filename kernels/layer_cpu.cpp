@@ -153,6 +153,17 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 
 constexpr float SOFTMAX_FLOOR = -64.f;  // see exp_shifted
 
+// A query's softmax numerators in place: p holds its scores over the s0 cached keys and the chunk's t (those it
+// sees(i); the others become 0), mx their largest; exp(p - mx), 0 under the floor. Returns their sum, in the order
+// both attention paths keep.
+template <class Sees>
+inline float softmax_numerators(float* p, int64_t s0, int64_t t, float mx, Sees sees) {
+  float sum = exp_shifted(p, mx, p, s0, SOFTMAX_FLOOR);
+  for (int64_t i = 0; i < t; ++i)
+    sum += (p[s0 + i] = sees(i) && p[s0 + i] - mx >= SOFTMAX_FLOOR ? exp_scalar(p[s0 + i] - mx) : 0.f);
+  return sum;
+}
+
 // attend takes its grouped path where it applies (tests turn it off to compare the two: grouped_attention())
 std::atomic<bool> grouped_attention_on{true};
 
@@ -233,10 +244,7 @@ void attend_group(const float* const* q, float* const* out, int64_t G, const flo
                                   : -std::numeric_limits<float>::infinity();
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t x = 0; x < L; ++x) mx = std::max(mx, pg[x]);
-    float sum = exp_shifted(pg, mx, pg, s0, SOFTMAX_FLOOR);  // as attend: the same exps, summed in its order
-    for (int64_t i = 0; i < t; ++i)
-      sum += (pg[s0 + i] = vis[g * t + i] && pg[s0 + i] - mx >= SOFTMAX_FLOOR ? exp_scalar(pg[s0 + i] - mx) : 0.f);
-    inv[g] = 1.f / sum;
+    inv[g] = 1.f / softmax_numerators(pg, s0, t, mx, [&](int64_t i) { return vis[g * t + i] != 0; });
   }
   for (int64_t g0 = 0; g0 < G; g0 += TQ) {
     const int nq = static_cast<int>(std::min<int64_t>(TQ, G - g0));
@@ -318,10 +326,7 @@ void attend(const float* q, const float* kc, const float* vc, const bool* tree, 
       for (int64_t x = 0; x < s0; ++x) mx = std::max(mx, p[x] = dot(qb, K + x * s_t, hd) * scale);
       for (int64_t i = 0; i < t; ++i)
         if (sees(i)) mx = std::max(mx, p[s0 + i] = dot(qb, K + (s0 + i) * s_t, hd) * scale);
-      float sum = exp_shifted(p.data(), mx, p.data(), s0, SOFTMAX_FLOOR);
-      for (int64_t i = 0; i < t; ++i)
-        sum += (p[s0 + i] = sees(i) && p[s0 + i] - mx >= SOFTMAX_FLOOR ? exp_scalar(p[s0 + i] - mx) : 0.f);
-      const float inv = 1.f / sum;
+      const float inv = 1.f / softmax_numerators(p.data(), s0, t, mx, sees);
       float* ob = o + b * hd;
       std::fill(ob, ob + hd, 0.f);
       for (int64_t x = 0; x < s0 + t; ++x)
