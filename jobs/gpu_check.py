@@ -337,14 +337,24 @@ def main(argv: list[str] | None = None) -> dict:
         print("speed", batch, json.dumps({k: v.get("tokens_per_s") if isinstance(v, dict) else v
                                           for k, v in speed[f"batch_{batch}"].items()}), flush=True)
         save()
-    # what mode="auto" planned here: its steps and tokens per step at batch 8, and the cost table it used
-    try:
-        res = run_mode(engine, "auto", prompts[:8], args.speed_tokens)
-        report["auto_plan"] = {"stats": {k: v for k, v in res[0].stats.items()
-                                         if k in ("plan_steps", "mean_tokens_per_step")},
-                               "costs": [p.costs.to_json() for p in engine._plans.values()]}
-    except Exception as e:  # noqa: BLE001 - recorded
-        report["auto_plan"] = {"error": f"{type(e).__name__}: {e}"}
+    # what mode="auto" planned here, per engine: its steps and tokens per step at batch 8, the cost table it
+    # used, and the dense and auto wall times beside it (why an engine's auto runs behind its dense)
+    report["auto_plan"] = {}
+    for name in ("fp32", "bf16", "default"):
+        try:
+            e = engines[name]
+            walls = {}
+            for m in ("dense", "auto", "dense", "auto"):
+                sync()
+                t0 = time.perf_counter()
+                res = run_mode(e, m, prompts[:8], args.speed_tokens)
+                sync()
+                walls.setdefault(m, []).append(round(time.perf_counter() - t0, 3))
+            report["auto_plan"][name] = {
+                "stats": {k: v for k, v in res[0].stats.items() if k in ("plan_steps", "mean_tokens_per_step")},
+                "wall_s": walls, "costs": [p.costs.to_json() for p in e._plans.values()]}
+        except Exception as err:  # noqa: BLE001 - recorded
+            report["auto_plan"][name] = {"error": f"{type(err).__name__}: {err}"}
     save()
     print(json.dumps({k: v for k, v in report.items() if k not in ("checks", "speed")}, indent=1)[:3000])
     return report
