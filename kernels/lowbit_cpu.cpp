@@ -30,27 +30,23 @@ std::vector<float> block_sums(const float* x, int64_t b, int64_t in) {
 
 #if LOWBIT_AVX2
 
-inline __m256 u8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-inline __m256 i8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
-// a block's 32 weights as four vectors of 8 floats (the integers q, before the scale)
+// a block's 32 weights as four vectors of 8 floats (the integers q, before the scale). Each 8 bytes are widened
+// straight from memory (vpmovzxbd ymm, m64) and the nibbles split in 32-bit lanes: 2 port-5 shuffles per block
+// where widening a register's halves took 6 (4 widenings and 2 byte shifts), the bound on AVX2 cores
 inline void unpack_q4(const uint8_t* blk, __m256 q[4]) {
-  const __m128i low = _mm_set1_epi8(0x0F);
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
-  const __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
-  q[0] = u8x8_to_ps(lo);
-  q[1] = u8x8_to_ps(_mm_srli_si128(lo, 8));
-  q[2] = u8x8_to_ps(hi);
-  q[3] = u8x8_to_ps(_mm_srli_si128(hi, 8));
+  const __m256i low = _mm256_set1_epi32(0x0F);
+  const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk)));
+  const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 8)));
+  q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low));
+  q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));
+  q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+  q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
 }
 
 inline void unpack_q8(const int8_t* blk, __m256 q[4]) {
-  const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
-  const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16));
-  q[0] = i8x8_to_ps(r0);
-  q[1] = i8x8_to_ps(_mm_srli_si128(r0, 8));
-  q[2] = i8x8_to_ps(r1);
-  q[3] = i8x8_to_ps(_mm_srli_si128(r1, 8));
+  for (int j = 0; j < 4; ++j)
+    q[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 8 * j))));
 }
 
 // the weights of the output row LOWBIT_PREFETCH_ROWS rows on (all its cache lines) into cache while this one
@@ -75,24 +71,36 @@ inline void row_scales(const at::Half* dp, const at::Half* mp, int64_t o, int64_
 // A block's weights are formed once (w = q * d + m, one FMA per vector) and shared by the NB rows;
 // even and odd blocks accumulate separately to hide the FMA latency.
 #if LOWBIT_AVX512
-// a q4 block's 32 integers as fp32, elements 0..15 in q0 (low nibbles) and 16..31 in q1 (high nibbles)
-inline void unpack_q4_512(const uint8_t* blk, __m512& q0, __m512& q1) {
-  const __m128i low = _mm_set1_epi8(0x0F);
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
-  q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low)));
-  q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low)));
+// A q4 block's 16 bytes widened to 16 dwords: the low nibble of each is element j's index, (>> 4) element j + 16's.
+// A nibble becomes a float by a permute of a 16-entry table (vpermps reads an index's low 4 bits alone) rather than
+// an AND and an int-to-float conversion: with 512-bit work in flight only ports 0 and 5 take vector uops, and
+// the table drops a block's unpacking from 7 of them to 4 (same values: the table holds the same floats).
+inline __m512i q4_nibbles_512(const uint8_t* blk) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
 }
 
-// a block's 32 weights in fp32, elements 0..15 in w0 and 16..31 in w1: w = d * q + m (q4) or d * q (q8)
+inline __m512 q4_table_iota() {
+  return _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
+}
+
+// a q4 block's 32 integers as fp32, elements 0..15 in q0 (low nibbles) and 16..31 in q1 (high nibbles)
+inline void unpack_q4_512(const uint8_t* blk, __m512& q0, __m512& q1) {
+  const __m512i raw = q4_nibbles_512(blk);
+  const __m512 iota = q4_table_iota();
+  q0 = _mm512_permutexvar_ps(raw, iota);
+  q1 = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), iota);
+}
+
+// a block's 32 weights in fp32, elements 0..15 in w0 and 16..31 in w1: w = d * q + m (q4) or d * q (q8). q4: the
+// block's 16 possible weights fma(i, d, m) are formed once and permuted into place (the same bits as fma(q, d, m))
 template <bool Q4>
 inline void block_weights_512(const uint8_t* blk, float d, float m, __m512& w0, __m512& w1) {
   const __m512 vd = _mm512_set1_ps(d);
   if (Q4) {
-    __m512 q0, q1;
-    unpack_q4_512(blk, q0, q1);
-    const __m512 vm = _mm512_set1_ps(m);
-    w0 = _mm512_fmadd_ps(q0, vd, vm);
-    w1 = _mm512_fmadd_ps(q1, vd, vm);
+    const __m512 table = _mm512_fmadd_ps(q4_table_iota(), vd, _mm512_set1_ps(m));
+    const __m512i raw = q4_nibbles_512(blk);
+    w0 = _mm512_permutexvar_ps(raw, table);
+    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), table);
   } else {
     const __m128i* b = reinterpret_cast<const __m128i*>(blk);
     w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b))), vd);
@@ -103,69 +111,114 @@ inline void block_weights_512(const uint8_t* blk, float d, float m, __m512& w0, 
 template <int NB, bool Q4>
 void rows_simd(const float* x, int64_t in, const uint8_t* qp, const at::Half* dp, const at::Half* mp, float* y,
                int64_t out, int64_t o0, int64_t o1) {
+  // output rows in tiles of 16, as row1_simd: the tile's scales converted in one pass, each activation row's 16
+  // sums added across lanes together (hsum16x16, the same bits as hsum16 row by row)
+  constexpr int64_t R = 16;
   const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
-  std::vector<float> dv(g), mv(g);
-  for (int64_t o = o0; o < o1; ++o) {
-    row_scales<Q4>(dp, mp, o, g, dv.data(), mv.data());
-    // even and odd blocks in two register sets, unrolled by hand: an accumulator indexed by (k & 1) at run
-    // time lives in memory, a load and a store around every FMA (the extra rows cost twice as much)
-    __m512 acc0[NB], acc1[NB];
-    for (int r = 0; r < NB; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-    const uint8_t* row = qp + o * g * bpb;
-    prefetch_ahead(row, g * bpb);
-    auto block = [&](int64_t k, __m512* acc) {
-      __m512 w0, w1;
-      block_weights_512<Q4>(row + k * bpb, dv[k], Q4 ? mv[k] : 0.f, w0, w1);
-      for (int r = 0; r < NB; ++r) {
-        const float* xr = x + r * in + k * QK;
-        acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]);
-        acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r]);
+  std::vector<float> dv(R * g), mv(Q4 ? R * g : 0);
+  __m512 sums[NB][R];
+  for (int64_t t0 = o0; t0 < o1; t0 += R) {
+    const int64_t n = std::min(R, o1 - t0);
+    halves_to_f32(dp + t0 * g, n * g, dv.data());
+    if (Q4) halves_to_f32(mp + t0 * g, n * g, mv.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const float* d = dv.data() + i * g;
+      const float* m = Q4 ? mv.data() + i * g : nullptr;
+      // even and odd blocks in two register sets, unrolled by hand: an accumulator indexed by (k & 1) at run
+      // time lives in memory, a load and a store around every FMA (the extra rows cost twice as much)
+      __m512 acc0[NB], acc1[NB];
+      for (int r = 0; r < NB; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+      const uint8_t* row = qp + (t0 + i) * g * bpb;
+      prefetch_ahead(row, g * bpb);
+      auto block = [&](int64_t k, __m512* acc) {
+        __m512 w0, w1;
+        block_weights_512<Q4>(row + k * bpb, d[k], Q4 ? m[k] : 0.f, w0, w1);
+        for (int r = 0; r < NB; ++r) {
+          const float* xr = x + r * in + k * QK;
+          acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]);
+          acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r]);
+        }
+      };
+      int64_t k = 0;
+      for (; k + 2 <= g; k += 2) {
+        block(k, acc0);
+        block(k + 1, acc1);
       }
-    };
-    int64_t k = 0;
-    for (; k + 2 <= g; k += 2) {
-      block(k, acc0);
-      block(k + 1, acc1);
+      if (k < g) block(k, acc0);
+      for (int r = 0; r < NB; ++r) sums[r][i] = _mm512_add_ps(acc0[r], acc1[r]);
     }
-    if (k < g) block(k, acc0);
-    for (int r = 0; r < NB; ++r) y[r * out + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+    for (int r = 0; r < NB; ++r) {
+      if (n == R) {
+        _mm512_storeu_ps(y + r * out + t0, hsum16x16(sums[r]));
+      } else {
+        for (int64_t i = 0; i < n; ++i) y[r * out + t0 + i] = hsum16(sums[r][i]);
+      }
+    }
   }
 }
 
-// One activation row: the minimum's term is m * sum(x) over the block (block sums precomputed). A row's
-// scales are converted to fp32 sixteen at a time first (with the minimum's term as one dot product), so a
-// block costs two conversions, a multiply and two FMAs and its scale is a broadcast from memory.
+// One activation row: the minimum's term is m * sum(x) over the block (block sums precomputed). Output rows
+// go in tiles of 16: the tile's scales are converted to fp32 in one pass (no scalar tails per row), a block
+// costs one widening, two permutes (unpack_q4_512), a multiply and two FMAs with its scale a broadcast from
+// memory, and the tile's 16 sums (and its 16 minimum terms) are added across lanes together (hsum16x16: the
+// same bits as one row at a time, so a row's value does not depend on where a thread's range starts).
 template <bool Q4>
 void row1_simd(const float* x, const float* xs, int64_t in, const uint8_t* qp, const at::Half* dp,
                const at::Half* mp, float* y, int64_t o0, int64_t o1) {
+  constexpr int64_t R = 16;
   const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
-  std::vector<float> dv(g), mv(g);
-  for (int64_t o = o0; o < o1; ++o) {
-    row_scales<Q4>(dp, mp, o, g, dv.data(), mv.data());
-    const float accm = Q4 ? dot(mv.data(), xs, g) : 0.f;
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    const uint8_t* row = qp + o * g * bpb;
-    prefetch_ahead(row, g * bpb);
-    int64_t k = 0;
-    auto block = [&](int64_t kk, __m512& acc) {
-      __m512 q0, q1;
-      if (Q4) {
-        unpack_q4_512(row + kk * bpb, q0, q1);
-      } else {
-        const __m128i* b = reinterpret_cast<const __m128i*>(row + kk * bpb);
-        q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b)));
-        q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b + 1)));
+  std::vector<float> dv(R * g), mv(Q4 ? R * g : 0);
+  __m512 sums[R], msums[R];
+  alignas(64) float ys[R], ms[R];
+  int64_t tail = g;
+  for (int64_t t0 = o0; t0 < o1; t0 += R) {
+    const int64_t n = std::min(R, o1 - t0);
+    halves_to_f32(dp + t0 * g, n * g, dv.data());
+    if (Q4) halves_to_f32(mp + t0 * g, n * g, mv.data());
+    for (int64_t r = 0; r < n; ++r) {
+      const float* d = dv.data() + r * g;
+      __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+      const uint8_t* row = qp + (t0 + r) * g * bpb;
+      prefetch_ahead(row, g * bpb);
+      auto block = [&](int64_t kk, __m512& acc) {
+        __m512 q0, q1;
+        if (Q4) {
+          unpack_q4_512(row + kk * bpb, q0, q1);
+        } else {
+          const __m128i* b = reinterpret_cast<const __m128i*>(row + kk * bpb);
+          q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b)));
+          q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b + 1)));
+        }
+        const float* xr = x + kk * QK;
+        const __m512 t = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(xr)));
+        acc = _mm512_fmadd_ps(t, _mm512_set1_ps(d[kk]), acc);
+      };
+      int64_t k = 0;
+      for (; k + 2 <= g; k += 2) {
+        block(k, acc0);
+        block(k + 1, acc1);
       }
-      const float* xr = x + kk * QK;
-      const __m512 t = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(xr)));
-      acc = _mm512_fmadd_ps(t, _mm512_set1_ps(dv[kk]), acc);
-    };
-    for (; k + 2 <= g; k += 2) {
-      block(k, acc0);
-      block(k + 1, acc1);
+      if (k < g) block(k, acc0);
+      sums[r] = _mm512_add_ps(acc0, acc1);
+      if (Q4) msums[r] = dot_lanes(mv.data() + r * g, xs, g, &tail);  // dot(m, xs)'s lanes
     }
-    if (k < g) block(k, acc0);
-    y[o] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + accm;
+    if (n == R) {
+      _mm512_store_ps(ys, hsum16x16(sums));
+      if (Q4) _mm512_store_ps(ms, hsum16x16(msums));
+    } else {
+      for (int64_t r = 0; r < n; ++r) {
+        ys[r] = hsum16(sums[r]);
+        if (Q4) ms[r] = hsum16(msums[r]);
+      }
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      float accm = 0.f;
+      if (Q4) {  // dot(m, xs): its lanes' sum, then its scalar tail
+        accm = ms[r];
+        for (int64_t i = tail; i < g; ++i) accm += mv[r * g + i] * xs[i];
+      }
+      y[t0 + r] = ys[r] + accm;
+    }
   }
 }
 #else
@@ -359,7 +412,7 @@ void rows_bf16(const at::BFloat16* x, int64_t in, const uint8_t* qp, const at::H
       }
     for (; k < g; ++k) block(k, acc0);  // P == 1: every block; P == 2: the odd count's last (even) block
     for (int r = 0; r < NB; ++r)
-      y[r * out + o] = _mm512_reduce_add_ps(P == 1 ? acc0[r] : _mm512_add_ps(acc0[r], acc1[r]));
+      y[r * out + o] = hsum16(P == 1 ? acc0[r] : _mm512_add_ps(acc0[r], acc1[r]));
   }
 }
 

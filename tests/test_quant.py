@@ -95,6 +95,26 @@ def test_cpu_kernel_equals_reference(fmt, shape, isa):
     assert torch.equal(ext.dequantize(qw.qs, qw.d, qw.m), dequantize_reference(qw))  # bit for bit
 
 
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_an_output_rows_value_does_not_depend_on_where_its_tile_starts(fmt, rows):
+    """The kernel adds 16 output rows' lanes together (a transposed tree) and a range's last rows one at a
+    time: both must give the same bits, or a row's value would depend on the threads' split of the outputs.
+    Output rows 5..45 alone (tiles start at 5, 21, then a tail of 8) against the same rows of the whole."""
+    from kernels.cpu_ext import lowbit_cpu
+
+    ext = lowbit_cpu()
+    qw = quantize(random_weight(64, 576, seed=rows), fmt)
+    part = QuantWeight(fmt, qw.qs[5:45].contiguous(), qw.d[5:45].contiguous(),
+                       None if qw.m is None else qw.m[5:45].contiguous())
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(2))
+
+    def run(w):
+        return ext.q4_linear(x, w.qs, w.d, w.m) if fmt == "q4" else ext.q8_linear(x, w.qs, w.d)
+
+    assert torch.equal(run(part), run(qw)[:, 5:45])
+
 def int8_activation_case(b: int, i: int) -> torch.Tensor:
     """Random activations [B, I] with the blocks the quantizer must get right: a block of zeros (d_x = 0),
     a block scaled up 1000x, and (I >= 64) a block whose values land exactly on halves (amax 127: d_x = 1)."""
