@@ -222,72 +222,115 @@ void row1_simd(const float* x, const float* xs, int64_t in, const uint8_t* qp, c
   }
 }
 #else
+// AVX2: output rows in tiles of 8, each activation row's 8 sums added across lanes together (hsum8x8, the same
+// bits as hsum row by row), the tile's scales converted in one pass
 template <int NB, bool Q4>
 void rows_simd(const float* x, int64_t in, const uint8_t* qp, const at::Half* dp, const at::Half* mp, float* y,
                int64_t out, int64_t o0, int64_t o1) {
+  constexpr int64_t R = 8;
   const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
-  std::vector<float> dv(g), mv(g);
-  for (int64_t o = o0; o < o1; ++o) {
-    row_scales<Q4>(dp, mp, o, g, dv.data(), mv.data());
-    // P == 2: even and odd blocks, unrolled by hand (see the AVX-512 rows_simd); P == 1 for tiles of 8, whose rows
-    // are enough independent sums to hide the FMA latency and whose registers (16) hold one set only
-    constexpr int P = NB >= 8 ? 1 : 2;
-    __m256 acc0[NB], acc1[NB];
-    for (int r = 0; r < NB; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-    const uint8_t* row = qp + o * g * bpb;
-    prefetch_ahead(row, g * bpb);
-    auto block = [&](int64_t k, __m256* acc) {
-      __m256 w[4];
-      if (Q4) unpack_q4(row + k * bpb, w); else unpack_q8(reinterpret_cast<const int8_t*>(row + k * bpb), w);
-      const __m256 vd = _mm256_set1_ps(dv[k]);
-      const __m256 vm = _mm256_set1_ps(Q4 ? mv[k] : 0.f);
-      for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(w[j], vd, vm);
-      for (int r = 0; r < NB; ++r) {
-        const float* xr = x + r * in + k * QK;
-        for (int j = 0; j < 4; ++j) acc[r] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j), acc[r]);
+  std::vector<float> dv(R * g), mv(Q4 ? R * g : 0);
+  __m256 sums[NB][R];
+  for (int64_t t0 = o0; t0 < o1; t0 += R) {
+    const int64_t n = std::min(R, o1 - t0);
+    halves_to_f32(dp + t0 * g, n * g, dv.data());
+    if (Q4) halves_to_f32(mp + t0 * g, n * g, mv.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const float* d = dv.data() + i * g;
+      const float* m = Q4 ? mv.data() + i * g : nullptr;
+      // P == 2: even and odd blocks, unrolled by hand (see the AVX-512 rows_simd); P == 1 for tiles of 8, whose
+      // rows are enough independent sums to hide the FMA latency and whose registers (16) hold one set only
+      constexpr int P = NB >= 8 ? 1 : 2;
+      __m256 acc0[NB], acc1[NB];
+      for (int r = 0; r < NB; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+      const uint8_t* row = qp + (t0 + i) * g * bpb;
+      prefetch_ahead(row, g * bpb);
+      auto block = [&](int64_t k, __m256* acc) {
+        __m256 w[4];
+        if (Q4) unpack_q4(row + k * bpb, w); else unpack_q8(reinterpret_cast<const int8_t*>(row + k * bpb), w);
+        const __m256 vd = _mm256_set1_ps(d[k]);
+        const __m256 vm = _mm256_set1_ps(Q4 ? m[k] : 0.f);
+        for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(w[j], vd, vm);
+        for (int r = 0; r < NB; ++r) {
+          const float* xr = x + r * in + k * QK;
+          for (int j = 0; j < 4; ++j) acc[r] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j), acc[r]);
+        }
+      };
+      int64_t k = 0;
+      if (P == 2)
+        for (; k + 2 <= g; k += 2) {
+          block(k, acc0);
+          block(k + 1, acc1);
+        }
+      for (; k < g; ++k) block(k, acc0);
+      for (int r = 0; r < NB; ++r) sums[r][i] = P == 1 ? acc0[r] : _mm256_add_ps(acc0[r], acc1[r]);
+    }
+    for (int r = 0; r < NB; ++r) {
+      if (n == R) {
+        _mm256_storeu_ps(y + r * out + t0, hsum8x8(sums[r]));
+      } else {
+        for (int64_t i = 0; i < n; ++i) y[r * out + t0 + i] = hsum(sums[r][i]);
       }
-    };
-    int64_t k = 0;
-    if (P == 2)
+    }
+  }
+}
+
+// One activation row (see the AVX-512 row1_simd): two conversions' worth of work per 8 weights, the minimum's
+// term through block sums, two accumulators; tiles of 8 output rows as rows_simd.
+template <bool Q4>
+void row1_simd(const float* x, const float* xs, int64_t in, const uint8_t* qp, const at::Half* dp,
+               const at::Half* mp, float* y, int64_t o0, int64_t o1) {
+  constexpr int64_t R = 8;
+  const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
+  std::vector<float> dv(R * g), mv(Q4 ? R * g : 0);
+  __m256 sums[R], msums[R];
+  alignas(32) float ys[R], ms[R];
+  int64_t tail = g;
+  for (int64_t t0 = o0; t0 < o1; t0 += R) {
+    const int64_t n = std::min(R, o1 - t0);
+    halves_to_f32(dp + t0 * g, n * g, dv.data());
+    if (Q4) halves_to_f32(mp + t0 * g, n * g, mv.data());
+    for (int64_t r = 0; r < n; ++r) {
+      const float* d = dv.data() + r * g;
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+      const uint8_t* row = qp + (t0 + r) * g * bpb;
+      prefetch_ahead(row, g * bpb);
+      auto block = [&](int64_t kk, __m256& acc) {
+        __m256 q[4];
+        if (Q4) unpack_q4(row + kk * bpb, q); else unpack_q8(reinterpret_cast<const int8_t*>(row + kk * bpb), q);
+        const float* xr = x + kk * QK;
+        __m256 u0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(xr));
+        __m256 u1 = _mm256_mul_ps(q[1], _mm256_loadu_ps(xr + 8));
+        u0 = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xr + 16), u0);
+        u1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xr + 24), u1);
+        acc = _mm256_fmadd_ps(_mm256_add_ps(u0, u1), _mm256_set1_ps(d[kk]), acc);
+      };
+      int64_t k = 0;
       for (; k + 2 <= g; k += 2) {
         block(k, acc0);
         block(k + 1, acc1);
       }
-    for (; k < g; ++k) block(k, acc0);
-    for (int r = 0; r < NB; ++r) y[r * out + o] = hsum(P == 1 ? acc0[r] : _mm256_add_ps(acc0[r], acc1[r]));
-  }
-}
-
-// One activation row (see the AVX-512 row1_simd): two conversions' worth of work per 8 weights, the
-// scales converted first, the minimum's term through block sums, two accumulators.
-template <bool Q4>
-void row1_simd(const float* x, const float* xs, int64_t in, const uint8_t* qp, const at::Half* dp,
-               const at::Half* mp, float* y, int64_t o0, int64_t o1) {
-  const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
-  std::vector<float> dv(g), mv(g);
-  for (int64_t o = o0; o < o1; ++o) {
-    row_scales<Q4>(dp, mp, o, g, dv.data(), mv.data());
-    const float accm = Q4 ? dot(mv.data(), xs, g) : 0.f;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    const uint8_t* row = qp + o * g * bpb;
-    prefetch_ahead(row, g * bpb);
-    auto block = [&](int64_t kk, __m256& acc) {
-      __m256 q[4];
-      if (Q4) unpack_q4(row + kk * bpb, q); else unpack_q8(reinterpret_cast<const int8_t*>(row + kk * bpb), q);
-      const float* xr = x + kk * QK;
-      __m256 t0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(xr));
-      __m256 t1 = _mm256_mul_ps(q[1], _mm256_loadu_ps(xr + 8));
-      t0 = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xr + 16), t0);
-      t1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xr + 24), t1);
-      acc = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), _mm256_set1_ps(dv[kk]), acc);
-    };
-    int64_t k = 0;
-    for (; k + 2 <= g; k += 2) {
-      block(k, acc0);
-      block(k + 1, acc1);
+      if (k < g) block(k, acc0);
+      sums[r] = _mm256_add_ps(acc0, acc1);
+      if (Q4) msums[r] = dot_lanes8(mv.data() + r * g, xs, g, &tail);  // dot(m, xs)'s lanes
     }
-    if (k < g) block(k, acc0);
-    y[o] = hsum(_mm256_add_ps(acc0, acc1)) + accm;
+    if (n == R) {
+      _mm256_store_ps(ys, hsum8x8(sums));
+      if (Q4) _mm256_store_ps(ms, hsum8x8(msums));
+    } else {
+      for (int64_t r = 0; r < n; ++r) {
+        ys[r] = hsum(sums[r]);
+        if (Q4) ms[r] = hsum(msums[r]);
+      }
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      float accm = 0.f;
+      if (Q4) {  // dot(m, xs): its lanes' sum, then its scalar tail
+        accm = ms[r];
+        for (int64_t i = tail; i < g; ++i) accm += mv[r * g + i] * xs[i];
+      }
+      y[t0 + r] = ys[r] + accm;
+    }
   }
 }
 #endif

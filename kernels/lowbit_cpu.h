@@ -55,6 +55,21 @@ inline float hsum(__m256 v) {
   lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
   return _mm_cvtss_f32(lo);
 }
+
+// 8 vectors' horizontal sums at once, lane r = hsum(v[r]) bit for bit (its pairs: l + 4, l + 2, l + 1)
+inline __m256 hsum8x8(const __m256* v) {
+  __m256 s[4], t[2];
+  for (int i = 0; i < 4; ++i)  // lanes 0-3: v[2i][l] + v[2i][l + 4]; lanes 4-7: the same of v[2i + 1]
+    s[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i)  // half h: vectors 4i + h and 4i + 2 + h, two partial sums each (l + 2 pairs)
+    t[i] = _mm256_add_ps(_mm256_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // half h: vectors h, 2 + h, 4 + h, 6 + h; then back to vector order
+  const __m256 w = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
 #endif
 
 // sum(a[i] * b[i])
@@ -101,19 +116,28 @@ inline __m512 dot_lanes(const float* a, const float* b, int64_t n, int64_t* tail
 }
 #endif
 
-inline float dot(const float* a, const float* b, int64_t n) {
+#if LOWBIT_AVX2 && !LOWBIT_AVX512
+// dot()'s vector part on AVX2: its 8 lanes before the horizontal sum; *tail: where its scalar tail starts
+inline __m256 dot_lanes8(const float* a, const float* b, int64_t n, int64_t* tail) {
   int64_t i = 0;
-  float s = 0.f;
-#if LOWBIT_AVX512
-  s = hsum16(dot_lanes(a, b, n, &i));
-#elif LOWBIT_AVX2
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   for (; i + 16 <= n; i += 16) {
     acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
     acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
   }
   for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  s = hsum(_mm256_add_ps(acc0, acc1));
+  *tail = i;
+  return _mm256_add_ps(acc0, acc1);
+}
+#endif
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#if LOWBIT_AVX512
+  s = hsum16(dot_lanes(a, b, n, &i));
+#elif LOWBIT_AVX2
+  s = hsum(dot_lanes8(a, b, n, &i));
 #endif
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
