@@ -129,6 +129,18 @@ def test_drafted_steps_that_make_less_than_dense_steps_turn_dense_and_are_tried_
     assert back <= 64, back  # the next try, at most the interval reached
 
 
+def test_a_thin_lead_is_held_against_fresh_dense_steps():
+    """Drafting makes 5 tokens in 45 ms, a dense step 1 in 10: an 11% lead, under PROBE_MARGIN, so one step in
+    16 is dense, to keep dense's rate current. When dense steps get twice as fast (the machine's speed moved,
+    or the contexts), the next such step sees it and dense takes over; dense's rate kept from before would
+    have gone on drafting at half dense's speed."""
+    planner = Planner(FLAT, rows=1, max_depth=4, has_draft=True)
+    before = run_steps(planner, 64, lambda d: 45.0, dense_ms=10.0)
+    assert 3 <= before.count(0) <= 4 and set(before) == {0, 4}, before
+    after = run_steps(planner, 64, lambda d: 45.0, dense_ms=5.0)
+    assert after[17:].count(0) >= 44, after  # at most a few tries of drafting once dense is ahead
+
+
 def test_drafting_that_makes_well_over_the_tables_dense_rate_is_never_stopped_to_measure_dense():
     planner = Planner(FLAT, rows=1, max_depth=4, has_draft=True)
     assert run_steps(planner, 100, lambda d: 12.0) == [4] * 100  # 5 tokens in 12 ms against dense's 1 in 10

@@ -13,6 +13,7 @@ again before the step ends (the proposer alone truncates its cache).
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,6 +42,7 @@ class Proposer:
         self.queue_tokens: list[list[int]] = [[] for _ in range(rows)]  # per row: pairs' tokens not fed yet
         self.queue_feats: list[list[torch.Tensor]] = [[] for _ in range(rows)]  # ... their features, [c, D] each
         self.index = NgramIndex(ngram)
+        self.catch_up_s = 0.0  # seconds spent feeding long backlogs (take_catch_up)
 
     def caches(self) -> list:
         """The KV caches it keeps (the draft head's), which grow with the target's."""
@@ -93,11 +95,24 @@ class Proposer:
         long = [r for r, c in enumerate(counts) if c > FEED_APART]
         if long and len(long) < len(rows):
             short = [r for r, c in enumerate(counts) if c <= FEED_APART]
-            parts = [self._feed_chunk([rows[r] for r in idx]) for idx in (short, long)]
+            parts = [self._feed_chunk([rows[r] for r in short]), self._timed_catch_up([rows[r] for r in long])]
             order = torch.tensor(short + long).argsort()  # back to rows' order
             synced, fed, f = (torch.cat([part[i] for part in parts]) for i in range(3))
             return synced[order], fed[order], f[order.to(f.device)]
-        return self._feed_chunk(rows)
+        return self._timed_catch_up(rows) if long else self._feed_chunk(rows)
+
+    def _timed_catch_up(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """_feed_chunk for rows with a long backlog, its time added to catch_up_s: what a drafted step spent
+        catching the draft head up (a prompt, a dense stretch) is not what drafting costs a step."""
+        t0 = time.perf_counter()
+        out = self._feed_chunk(rows)
+        self.catch_up_s += time.perf_counter() - t0
+        return out
+
+    def take_catch_up(self) -> float:
+        """Seconds spent catching up since the last call (and reset)."""
+        s, self.catch_up_s = self.catch_up_s, 0.0
+        return s
 
     def _feed_chunk(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """_feed for rows fed together in one chunk."""

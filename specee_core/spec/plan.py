@@ -298,6 +298,7 @@ class StepTimes:
         self.since_try: dict[int, int] = {}  # steps since drafting was last tried while dense was ahead
         self.try_every: dict[int, int] = {}  # the interval of those tries: doubles while dense stays ahead
         self.trying: set[int] = set()  # buckets whose next drafted step is such a try
+        self.probing: set[int] = set()  # buckets whose next dense step re-measures dense behind a thin lead
 
     def record(self, kind: str, b: int, est_ms: float, ms: float) -> None:
         """One step's wall time against its estimate. A sample counts at most 3x the estimate (a step that
@@ -314,24 +315,25 @@ class StepTimes:
 
     def made(self, kind: str, b: int, tokens: int, ms: float) -> None:
         """The tokens one step of b rows committed per row over its wall time. A try (a drafted step while
-        dense steps made more) counts alone: one step of fresh evidence decides whether drafting is back."""
+        dense steps made more) and a probe (a dense step behind drafting's thin lead) count alone: one step
+        of fresh evidence against the other kind's current rate, not a rate kept from minutes before."""
         bucket, r = batch_bucket(b), tokens / b / max(ms, 1e-6)
         key = (kind, bucket)
         if kind == "dense":
             self.since_probe[bucket] = 0
-        if key not in self.rate or (kind == "spec" and bucket in self.trying):
+        fresh = self.trying if kind == "spec" else self.probing
+        if key not in self.rate or bucket in fresh:
             self.rate[key] = r
         else:
             self.rate[key] = self.rate[key] * self.decay + r * (1 - self.decay)
-        if kind == "spec":
-            self.trying.discard(bucket)
+        fresh.discard(bucket)
 
     def check(self, plan: StepPlan) -> StepPlan:
         """The table's choice held against what steps really made here: a drafted step becomes a dense step
         while dense steps have made more tokens per ms than drafted ones at this batch size (drafting is
-        tried again after PROBE_EVERY steps, then at doubling intervals while dense stays ahead); while no
-        dense step has been measured and drafting made less than 1.25x the table's dense rate, one step in
-        PROBE_EVERY is dense, to measure it. What this guards: a table measured on a bad minute, or host work
+        tried again after PROBE_EVERY steps, then at doubling intervals while dense stays ahead); while
+        drafting made less than 1.25x dense's measured rate (the table's, before any dense step), one step in
+        PROBE_EVERY is dense, to measure it anew. What this guards: a table measured on a bad minute, or host work
         a table cannot see (on a GPU, launches), that would make auto slower than dense."""
         if self.decay >= 1.0 or plan.depth == 0:
             return plan
@@ -348,6 +350,13 @@ class StepTimes:
             return plan
         if spec >= dense:
             self.try_every[k] = PROBE_EVERY
+            # a lead under PROBE_MARGIN is held against a fresh dense step every PROBE_EVERY steps: dense's rate
+            # goes stale while only drafted steps run (this VM's speed moves by 1.8x in minutes; contexts grow),
+            # and a stale one keeps drafting that now loses. A probe costs at most the thin lead, once in 16.
+            self.since_probe[k] = self.since_probe.get(k, 0) + 1
+            if spec < PROBE_MARGIN * dense and self.since_probe[k] >= PROBE_EVERY:
+                self.probing.add(k)
+                return as_dense
             return plan
         self.since_try[k] = self.since_try.get(k, 0) + 1
         if self.since_try[k] >= self.try_every.get(k, PROBE_EVERY):
