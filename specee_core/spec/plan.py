@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 T_GRID = (1, 2, 3, 5, 9, 17)  # verify rows per sequence that are measured; others interpolated (near-linear in T)
 PROBE_EVERY = 16  # StepTimes.check: steps between a measured check of dense (or of drafting, once behind)
-PROBE_MARGIN = 1.25  # drafting's measured rate over the table's dense rate below which dense is measured too
+PROBE_MARGIN = 1.25  # drafting's measured lead over dense's measured rate under which dense is measured anew (StepTimes.check)
 TRY_EVERY_MAX = 256
 PLAN_VERSION = 2  # bump when what is measured changes: older cache files are then measured again
 
@@ -331,9 +331,10 @@ class StepTimes:
     def check(self, plan: StepPlan) -> StepPlan:
         """The table's choice held against what steps really made here: a drafted step becomes a dense step
         while dense steps have made more tokens per ms than drafted ones at this batch size (drafting is
-        tried again after PROBE_EVERY steps, then at doubling intervals while dense stays ahead); while
-        drafting made less than 1.25x dense's measured rate (the table's, before any dense step), one step in
-        PROBE_EVERY is dense, to measure it anew. What this guards: a table measured on a bad minute, or host work
+        tried again after PROBE_EVERY steps, then at doubling intervals while dense stays ahead); the first
+        dense step is measured after PROBE_EVERY drafted ones (a cached table may be from a slower or faster
+        hour), and while drafting makes less than 1.25x dense's measured rate, one step in PROBE_EVERY is
+        dense, to measure it anew. What this guards: a table measured on a bad minute, or host work
         a table cannot see (on a GPU, launches), that would make auto slower than dense."""
         if self.decay >= 1.0 or plan.depth == 0:
             return plan
@@ -343,9 +344,9 @@ class StepTimes:
         if spec is None:
             return plan
         as_dense = StepPlan(0, ("",) * n, (0,) * n, float(n), plan.dense_ms, plan.dense_ms)
-        if dense is None:
+        if dense is None:  # one dense step measured after PROBE_EVERY drafted ones, whatever the (cached) table says
             self.since_probe[k] = self.since_probe.get(k, 0) + 1
-            if spec < PROBE_MARGIN / plan.dense_ms and self.since_probe[k] >= PROBE_EVERY:
+            if self.since_probe[k] >= PROBE_EVERY:
                 return as_dense
             return plan
         if spec >= dense:
