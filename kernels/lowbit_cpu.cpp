@@ -60,11 +60,27 @@ inline void prefetch_ahead(const uint8_t* row, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(row + LOWBIT_PREFETCH_ROWS * bytes + ahead), _MM_HINT_T0);
 }
 
-// A row's block scales as fp32: d into dv [g] and, for q4, m into mv [g]
+// Block scales as fp32 for n output rows from o on: d into dv [n * g] and, for q4, m into mv (one pass over the
+// tile's contiguous halves: no scalar tail per row)
 template <bool Q4>
-inline void row_scales(const at::Half* dp, const at::Half* mp, int64_t o, int64_t g, float* dv, float* mv) {
-  halves_to_f32(dp + o * g, g, dv);
-  if (Q4) halves_to_f32(mp + o * g, g, mv);
+inline void row_scales(const at::Half* dp, const at::Half* mp, int64_t o, int64_t n, int64_t g, float* dv, float* mv) {
+  halves_to_f32(dp + o * g, n * g, dv);
+  if (Q4) halves_to_f32(mp + o * g, n * g, mv);
+}
+
+// One activation row's outputs for a tile of n rows: the row sums ys plus, for q4, the minimum's term (dot(m, xs):
+// its lanes' sum ms, then its scalar tail from `tail`), in dot()'s order
+template <bool Q4>
+inline void row1_tile_out(const float* ys, const float* ms, const float* mv, const float* xs, int64_t tail, int64_t g,
+                          int64_t n, float* y) {
+  for (int64_t r = 0; r < n; ++r) {
+    float accm = 0.f;
+    if (Q4) {
+      accm = ms[r];
+      for (int64_t i = tail; i < g; ++i) accm += mv[r * g + i] * xs[i];
+    }
+    y[r] = ys[r] + accm;
+  }
 }
 
 // Output rows [o0, o1) for NB activation rows x[0..NB) (stride in); accumulators live in registers.
@@ -119,8 +135,7 @@ void rows_simd(const float* x, int64_t in, const uint8_t* qp, const at::Half* dp
   __m512 sums[NB][R];
   for (int64_t t0 = o0; t0 < o1; t0 += R) {
     const int64_t n = std::min(R, o1 - t0);
-    halves_to_f32(dp + t0 * g, n * g, dv.data());
-    if (Q4) halves_to_f32(mp + t0 * g, n * g, mv.data());
+    row_scales<Q4>(dp, mp, t0, n, g, dv.data(), mv.data());
     for (int64_t i = 0; i < n; ++i) {
       const float* d = dv.data() + i * g;
       const float* m = Q4 ? mv.data() + i * g : nullptr;
@@ -173,8 +188,7 @@ void row1_simd(const float* x, const float* xs, int64_t in, const uint8_t* qp, c
   int64_t tail = g;
   for (int64_t t0 = o0; t0 < o1; t0 += R) {
     const int64_t n = std::min(R, o1 - t0);
-    halves_to_f32(dp + t0 * g, n * g, dv.data());
-    if (Q4) halves_to_f32(mp + t0 * g, n * g, mv.data());
+    row_scales<Q4>(dp, mp, t0, n, g, dv.data(), mv.data());
     for (int64_t r = 0; r < n; ++r) {
       const float* d = dv.data() + r * g;
       __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
@@ -211,14 +225,7 @@ void row1_simd(const float* x, const float* xs, int64_t in, const uint8_t* qp, c
         if (Q4) ms[r] = hsum16(msums[r]);
       }
     }
-    for (int64_t r = 0; r < n; ++r) {
-      float accm = 0.f;
-      if (Q4) {  // dot(m, xs): its lanes' sum, then its scalar tail
-        accm = ms[r];
-        for (int64_t i = tail; i < g; ++i) accm += mv[r * g + i] * xs[i];
-      }
-      y[t0 + r] = ys[r] + accm;
-    }
+    row1_tile_out<Q4>(ys, ms, mv.data(), xs, tail, g, n, y + t0);
   }
 }
 #else
@@ -233,8 +240,7 @@ void rows_simd(const float* x, int64_t in, const uint8_t* qp, const at::Half* dp
   __m256 sums[NB][R];
   for (int64_t t0 = o0; t0 < o1; t0 += R) {
     const int64_t n = std::min(R, o1 - t0);
-    halves_to_f32(dp + t0 * g, n * g, dv.data());
-    if (Q4) halves_to_f32(mp + t0 * g, n * g, mv.data());
+    row_scales<Q4>(dp, mp, t0, n, g, dv.data(), mv.data());
     for (int64_t i = 0; i < n; ++i) {
       const float* d = dv.data() + i * g;
       const float* m = Q4 ? mv.data() + i * g : nullptr;
@@ -288,8 +294,7 @@ void row1_simd(const float* x, const float* xs, int64_t in, const uint8_t* qp, c
   int64_t tail = g;
   for (int64_t t0 = o0; t0 < o1; t0 += R) {
     const int64_t n = std::min(R, o1 - t0);
-    halves_to_f32(dp + t0 * g, n * g, dv.data());
-    if (Q4) halves_to_f32(mp + t0 * g, n * g, mv.data());
+    row_scales<Q4>(dp, mp, t0, n, g, dv.data(), mv.data());
     for (int64_t r = 0; r < n; ++r) {
       const float* d = dv.data() + r * g;
       __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -323,14 +328,7 @@ void row1_simd(const float* x, const float* xs, int64_t in, const uint8_t* qp, c
         if (Q4) ms[r] = hsum(msums[r]);
       }
     }
-    for (int64_t r = 0; r < n; ++r) {
-      float accm = 0.f;
-      if (Q4) {  // dot(m, xs): its lanes' sum, then its scalar tail
-        accm = ms[r];
-        for (int64_t i = tail; i < g; ++i) accm += mv[r * g + i] * xs[i];
-      }
-      y[t0 + r] = ys[r] + accm;
-    }
+    row1_tile_out<Q4>(ys, ms, mv.data(), xs, tail, g, n, y + t0);
   }
 }
 #endif
@@ -433,7 +431,7 @@ void rows_bf16(const at::BFloat16* x, int64_t in, const uint8_t* qp, const at::H
   const int64_t g = in / QK, bpb = Q4 ? QK / 2 : QK;
   std::vector<float> dv(g), mv(g);
   for (int64_t o = o0; o < o1; ++o) {
-    row_scales<Q4>(dp, mp, o, g, dv.data(), mv.data());
+    row_scales<Q4>(dp, mp, o, 1, g, dv.data(), mv.data());
     __m512 acc0[NB], acc1[NB];  // P == 2: even and odd blocks, unrolled by hand (see rows_simd)
     for (int r = 0; r < NB; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
     const uint8_t* row = qp + o * g * bpb;
