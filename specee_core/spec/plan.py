@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 T_GRID = (1, 2, 3, 5, 9, 17)  # verify rows per sequence that are measured; others interpolated (near-linear in T)
 PROBE_EVERY = 16  # StepTimes.check: steps between a measured check of dense (or of drafting, once behind)
-PROBE_MARGIN = 1.25  # drafting's measured lead over dense's measured rate under which dense is measured anew (StepTimes.check)
+PROBE_MARGIN = 1.25  # drafting's lead over dense's measured rate under which dense is measured anew
 TRY_EVERY_MAX = 256
 PLAN_VERSION = 2  # bump when what is measured changes: older cache files are then measured again
 
@@ -184,7 +184,7 @@ FORCED_PRIOR = 0.9
 def expected_tokens(alpha: float, depth: int) -> float:
     """Tokens a verify step commits from a chain of `depth` drafted tokens: the bonus token plus each
     drafted one while every one before it was accepted (sum of alpha^i, i = 0..depth)."""
-    return sum(alpha ** i for i in range(depth + 1))
+    return expected_tokens_upto(alpha, depth)[-1]
 
 
 def expected_tokens_upto(alpha: float, depth: int) -> list[float]:
