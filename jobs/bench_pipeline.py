@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--num-actors", type=int, default=2)
+    p.add_argument("--num-actors", type=int, default=None,
+                   help="default: the layout the job measures on this machine (jobs.generate's default)")
     p.add_argument("--waves", type=int, default=4, help="the waves variant: groups, each with new actors")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--weights", default="auto",

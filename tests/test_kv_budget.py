@@ -95,3 +95,31 @@ def test_generate_reports_cached_prompt_tokens(engine):
     again = engine.generate(prompts, max_new_tokens=2, mode="dense")
     assert all(r.cached_prompt_tokens > 0 for r in again)
     assert engine.core.memory()["prefix_cache_blocks"] > 0
+
+
+@pytest.mark.parametrize("mode", ["dense", "auto", "spec"])
+def test_a_finished_lanes_kv_memory_is_freed_at_once(engine, mode):
+    """When a lane's last row finishes its caches are freed then, not by the cyclic collector at some later step
+    (of another call)."""
+    import gc
+    import weakref
+
+    core = EngineCore(engine, max_rows=2, kv_bytes=256 << 20, prefix_cache=False)
+    caches = []
+    new_cache = engine.model.new_cache
+
+    def tracked(*args, **kwargs):
+        cache = new_cache(*args, **kwargs)
+        caches.append(weakref.ref(cache.k))
+        return cache
+
+    engine.model.new_cache = tracked
+    gc.disable()
+    try:
+        core.run(Request([engine.encode_prompt(p) for p in CODE_PROMPTS[:2]],
+                         SamplingParams(max_new_tokens=8), mode, None))
+        assert caches and all(ref() is None for ref in caches)
+    finally:
+        gc.enable()
+        del engine.model.new_cache
+

@@ -9,8 +9,8 @@ import torch
 
 from specee_core import SpecEEEngine
 from specee_core.machine import choose_dtype
-from specee_core.spec.plan import (FORCED_PRIOR, T_GRID, Acceptance, CostTable, Planner, RowView, StepTimes, best_step,
-                                   could_pay, expected_tokens, monotone)
+from specee_core.spec.plan import (FORCED_PRIOR, T_GRID, TRIAL_STEPS, Acceptance, CostTable, Planner, RowView,
+                                   StepPlan, StepTimes, best_step, could_pay, expected_tokens, monotone)
 from tests.conftest import BUNDLED, make_hf_model
 
 CODE = ["import os\nimport sys\n\n\ndef main(argv=None):\n", "class Point:\n    def __init__(self, x, y):\n",
@@ -129,6 +129,48 @@ def test_drafted_steps_that_make_less_than_dense_steps_turn_dense_and_are_tried_
     assert back <= 64, back  # the next try, at most the interval reached
 
 
+def test_a_lucky_try_does_not_bring_back_drafting_that_loses_on_average():
+    """A drafted step right after dense ones is fast (5 tokens in 40 ms: the draft head had a short backlog, the
+    acceptance a good stretch), the next ones slow (70 ms): on average drafting makes 0.08 tokens per ms against
+    dense's 0.1. A try is judged on the mean of its first TRIAL_STEPS steps, so the lucky first one neither keeps
+    drafting going nor resets the doubling interval. Judged on the try alone, drafting came back every 16 steps
+    for 4 (a quarter of all steps, each losing)."""
+    planner = Planner(FLAT, rows=1, max_depth=4, has_draft=True)
+    depths, last = [], 0
+    for _ in range(400):
+        plan = planner.choose([0], [0], [4])
+        ms = 10.0 if plan.depth == 0 else (40.0 if last == 0 else 70.0)
+        planner.timed(plan, ms / 1e3, plan.depth + 1)
+        planner.observe([0], plan, [plan.depth], [None])
+        depths.append(plan.depth)
+        last = plan.depth
+    tail = depths[100:]
+    assert sum(1 for d in tail if d) <= 8, tail  # tries at doubling intervals, 2 steps each
+
+
+@pytest.mark.parametrize("spec_ms, back", [(47.6, False), (41.7, True)], ids=["5%-lead", "20%-lead"])
+def test_drafting_comes_back_after_dense_stretches_only_with_a_lead_that_pays_for_switching(spec_ms, back):
+    """Drafted steps first lose (60 ms for 5 tokens against dense's 10 ms for 1), then make 1.05x or 1.2x dense's
+    rate. A try's TRIAL_STEPS steps must lead by TRIAL_MARGIN to bring drafting back: a 5% lead stays dense but
+    for tries at doubling intervals (switching costs the draft head's catching up); a 20% lead drafts again."""
+    planner = Planner(FLAT, rows=1, max_depth=4, has_draft=True)
+    run_steps(planner, 40, lambda d: 60.0)
+    after = run_steps(planner, 300, lambda d: spec_ms)
+    drafted = sum(1 for d in after if d)
+    assert (drafted > 250) if back else (drafted <= 3 * TRIAL_STEPS), after
+
+
+def test_steps_of_different_sizes_in_one_bucket_are_compared_per_table_dense_step():
+    """Dense steps of 32 rows take the table's 42 ms; a drafted step of 17 rows (the same bucket) makes 1.2 tokens
+    a row in 1.4x the table's dense step at 17 rows: it loses. Per row and ms it made 0.032 against dense's 0.024,
+    which kept drafting before; per table dense step it made 0.86 against 1.0."""
+    times = StepTimes()
+    times.made("dense", 32, 32, 42.0, 42.0)
+    times.made("spec", 17, int(17 * 1.2), 27.0 * 1.4, 27.0)
+    drafted = StepPlan(1, ("draft",) * 32, (1,) * 32, 48.0, 60.0, 42.0)
+    assert times.check(drafted).depth == 0
+
+
 def test_a_thin_lead_is_held_against_fresh_dense_steps():
     """Drafting makes 5 tokens in 45 ms, a dense step 1 in 10: an 11% lead, under PROBE_MARGIN, so one step in
     16 is dense, to keep dense's rate current. When dense steps get twice as fast (the machine's speed moved,
@@ -146,6 +188,18 @@ def test_drafting_well_ahead_of_a_measured_dense_step_is_not_stopped_again():
     of it (5 tokens in 12 ms against dense's 1 in 10) is never stopped again."""
     planner = Planner(FLAT, rows=1, max_depth=4, has_draft=True)
     assert run_steps(planner, 100, lambda d: 12.0) == [4] * 16 + [0] + [4] * 83
+
+
+def test_while_dense_is_measured_ahead_steps_skip_the_plan_until_a_try_is_due():
+    """Once dense steps make more than drafted ones, a step is dense with no plan (dense_ahead) until the try
+    that check would grant: 15 such steps, then a planned (drafted) step."""
+    planner = Planner(FLAT, rows=1, max_depth=4, has_draft=True)
+    assert run_steps(planner, 17, lambda d: 60.0)[-1] == 0  # 16 drafted, then dense measured ahead
+    lean = 0
+    while planner.dense_ahead([0]) is not None:
+        lean += 1
+    assert lean == 15 and planner.choose([0], [0], [4]).depth == 4
+    assert planner.summary()["plan_steps"]["dense"] == 16
 
 
 def test_lookup_is_scored_during_dense_steps():
@@ -273,27 +327,42 @@ def tiny():
     return SpecEEEngine.from_pretrained(BUNDLED, dtype="float32")
 
 
-@pytest.mark.parametrize("costs, drafts", [(FLAT, True), (LINEAR, False), (None, None)],
-                         ids=["flat-table", "linear-table", "measured-here"])
-def test_auto_is_the_default_and_equals_dense_in_fp32(tiny, costs, drafts):
-    """Whatever the plan chooses (forced to draft by a flat table, forced dense by a linear one, or this
-    machine's own measurement), the default mode gives dense's tokens, batched and one by one."""
+def dense_measured_ahead() -> StepTimes:
+    """Step times by which dense steps make far more than drafted ones at every batch size, and no try of
+    drafting is due for 256 steps: every step is a plain dense step of the speculative stepper."""
+    times = StepTimes()
+    for b in SIZES:
+        times.rate["spec", b], times.rate["dense", b] = 1e-6, 1.0
+        times.try_every[b] = 256
+    return times
+
+
+@pytest.mark.parametrize("costs, times, drafts", [(FLAT, None, True), (LINEAR, None, False),
+                                                  (FLAT, dense_measured_ahead, "lean"), (None, None, None)],
+                         ids=["flat-table", "linear-table", "dense-measured-ahead", "measured-here"])
+def test_auto_is_the_default_and_equals_dense_in_fp32(tiny, costs, times, drafts):
+    """Whatever the plan chooses (forced to draft by a flat table, forced dense by a linear one, dense because
+    dense steps were measured ahead, or this machine's own measurement), the default mode gives dense's tokens,
+    batched and one by one."""
     plan = tiny.spec_plan()
-    measured, times = plan.costs, plan.times
+    measured, kept = plan.costs, plan.times
     if costs is not None:  # real steps would not take the synthetic table's times: no learning from them
-        plan.costs, plan.times = costs, StepTimes(decay=1.0)
+        plan.costs, plan.times = costs, (times or (lambda: StepTimes(decay=1.0)))()
     try:
         dense = tiny.generate(CODE, max_new_tokens=32, ignore_eos=True, mode="dense")
         auto = tiny.generate(CODE, max_new_tokens=32, ignore_eos=True)
         single = [tiny.generate([p], max_new_tokens=32, ignore_eos=True)[0] for p in CODE[:2]]
     finally:
-        plan.costs, plan.times = measured, times
+        plan.costs, plan.times = measured, kept
     assert [r.token_ids for r in auto] == [r.token_ids for r in dense]
     assert [r.token_ids for r in single] == [r.token_ids for r in dense[:2]]
     assert all(r.stats["mode"] == "auto" for r in auto)
     if drafts is True:
         steps = auto[0].stats["plan_steps"]
         assert steps.get("depth_4", 0) > steps.get("dense", 0) and auto[0].stats["mean_tokens_per_step"] > 1.5
+    elif drafts == "lean":  # the speculative stepper's plain dense steps (no lookups, no plan)
+        steps = auto[0].stats
+        assert set(steps["plan_steps"]) == {"dense"} and steps["spec_steps"] == 31  # the first token: the prefill's
     elif drafts is False:  # not even one row could gain: a plain dense stepper, no draft head prefill
         assert "plan_steps" not in auto[0].stats and "spec_steps" not in auto[0].stats
 

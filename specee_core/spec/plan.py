@@ -36,6 +36,10 @@ T_GRID = (1, 2, 3, 5, 9, 17)  # verify rows per sequence that are measured; othe
 PROBE_EVERY = 16  # StepTimes.check: steps between a measured check of dense (or of drafting, once behind)
 PROBE_MARGIN = 1.25  # drafting's lead over dense's measured rate under which dense is measured anew
 TRY_EVERY_MAX = 256
+TRIAL_STEPS = 4  # StepTimes: drafted steps a try of drafting (while dense was ahead) is judged on, as their mean
+# ... and the lead over dense they must show to bring drafting back: a tie does not pay for switching (the draft
+# head first catches up on every row's dense stretch: ~100 ms, 4 dense steps, at 32 rows on the AMD EPYC)
+TRIAL_MARGIN = 1.1
 PLAN_VERSION = 3  # bump when what is measured changes: older cache files are then measured again
 
 
@@ -291,12 +295,14 @@ class StepTimes:
     def __init__(self, decay: float = 0.8, idle_decay: float = 0.98):  # decay 1: never learns (tests)
         self.decay, self.idle_decay = decay, idle_decay
         self.ratio: dict[tuple[str, int], float] = {}
-        # the check on the table's choices: tokens per row per ms that drafted and dense steps really made
+        # the check on the table's choices: tokens per row per table dense step that each kind of step really made
         self.rate: dict[tuple[str, int], float] = {}
         self.since_probe: dict[int, int] = {}  # steps since a dense step was measured
         self.since_try: dict[int, int] = {}  # steps since drafting was last tried while dense was ahead
         self.try_every: dict[int, int] = {}  # the interval of those tries: doubles while dense stays ahead
         self.trying: set[int] = set()  # buckets whose next drafted step is such a try
+        self.trial: dict[int, int] = {}  # drafted steps since a try, while their mean rate is being taken
+        self.held: set[int] = set()  # buckets whose last try fell short of TRIAL_MARGIN: dense until the next try
         self.probing: set[int] = set()  # buckets whose next dense step re-measures dense behind a thin lead
 
     def record(self, kind: str, b: int, est_ms: float, ms: float) -> None:
@@ -312,19 +318,27 @@ class StepTimes:
             i = self.idle_decay
             self.ratio["spec", bucket] = self.ratio["spec", bucket] * i + self.ratio[key] * (1 - i)
 
-    def made(self, kind: str, b: int, tokens: int, ms: float) -> None:
-        """The tokens one step of b rows committed per row over its wall time. A try (a drafted step while
-        dense steps made more) and a probe (a dense step behind drafting's thin lead) count alone: one step
-        of fresh evidence against the other kind's current rate, not a rate kept from minutes before."""
-        bucket, r = batch_bucket(b), tokens / b / max(ms, 1e-6)
+    def made(self, kind: str, b: int, tokens: int, ms: float, dense_ms: float) -> None:
+        """The tokens one step of b rows committed per row over its wall time, in units of the table's dense step
+        at b rows (dense_ms): a bucket holds several batch sizes (17 to 32 rows), and a step of 17 rows makes
+        more per row and ms than one of 32; counted raw, a drafted step measured while rows were joining beat
+        dense steps measured at 32 and kept drafting that lost 10%. A try (a drafted step while dense steps made
+        more) and a probe (a dense step behind drafting's thin lead) count alone: one step of fresh evidence
+        against the other kind's current rate, not a rate kept from minutes before."""
+        bucket, r = batch_bucket(b), tokens / b * dense_ms / max(ms, 1e-6)
         key = (kind, bucket)
         if kind == "dense":
             self.since_probe[bucket] = 0
         fresh = self.trying if kind == "spec" else self.probing
         if key not in self.rate or bucket in fresh:
             self.rate[key] = r
+        elif kind == "spec" and bucket in self.trial:  # a try's steps: their plain mean, not the try's step alone
+            self.trial[bucket] += 1
+            self.rate[key] += (r - self.rate[key]) / self.trial[bucket]
         else:
             self.rate[key] = self.rate[key] * self.decay + r * (1 - self.decay)
+        if kind == "spec" and bucket in self.trying:
+            self.trial[bucket] = 1
         fresh.discard(bucket)
 
     def check(self, plan: StepPlan) -> StepPlan:
@@ -348,8 +362,20 @@ class StepTimes:
             if self.since_probe[k] >= PROBE_EVERY:
                 return as_dense
             return plan
-        if spec >= dense:
-            self.try_every[k] = PROBE_EVERY
+        in_trial = k in self.trial
+        if in_trial and self.trial[k] >= TRIAL_STEPS:
+            # a try's TRIAL_STEPS steps, on average (one lucky step reset the interval before, and drafting that
+            # lost 10% on average was then tried every 16 steps and kept for several: 0.94x dense at 16 rows on the
+            # AMD EPYC): drafting is back for good (tries at PROBE_EVERY again) only with a lead of TRIAL_MARGIN
+            del self.trial[k]
+            in_trial = False
+            if spec >= TRIAL_MARGIN * dense:
+                self.held.discard(k)
+            else:
+                self.held.add(k)
+        if spec >= dense and (in_trial or k not in self.held):
+            if not in_trial:
+                self.try_every[k] = PROBE_EVERY
             # a lead under PROBE_MARGIN is held against a fresh dense step every PROBE_EVERY steps: dense's rate
             # goes stale while only drafted steps run (this VM's speed moves by 1.8x in minutes; contexts grow),
             # and a stale one keeps drafting that now loses. A probe costs at most the thin lead, once in 16.
@@ -358,6 +384,9 @@ class StepTimes:
                 self.probing.add(k)
                 return as_dense
             return plan
+        if spec < dense:
+            self.held.add(k)  # a try that fell behind (the interval it doubled stands), or drafting that did
+        self.trial.pop(k, None)
         self.since_try[k] = self.since_try.get(k, 0) + 1
         if self.since_try[k] >= self.try_every.get(k, PROBE_EVERY):
             self.since_try[k] = 0
@@ -366,6 +395,20 @@ class StepTimes:
             return plan
         return as_dense
 
+    def dense_ahead(self, n: int) -> bool:
+        """Whether a step of n rows is dense whatever the table would choose (dense steps make more here than
+        drafted ones and no try of drafting is due), counted as check counts such a step. The stepper then runs a
+        plain dense step: no lookups, no plan (at 32 rows that host work cost 4% of a step)."""
+        k = batch_bucket(n)
+        spec, dense = self.rate.get(("spec", k)), self.rate.get(("dense", k))
+        if self.decay >= 1.0 or spec is None or dense is None or (spec >= dense and k not in self.held):
+            return False
+        if self.since_try.get(k, 0) + 1 >= self.try_every.get(k, PROBE_EVERY):
+            return False  # a try is due: the step is planned
+        self.since_try[k] = self.since_try.get(k, 0) + 1
+        self.trial.pop(k, None)
+        return True
+
     def overhead(self, b: int) -> float:
         k = batch_bucket(b)
         return self.ratio.get(("spec", k), 1.0) / self.ratio.get(("dense", k), 1.0)
@@ -373,7 +416,7 @@ class StepTimes:
     def to_json(self) -> dict:
         # copies: the engine thread may add keys while /healthz reads
         return {**{f"{kind}@{b}": round(r, 3) for (kind, b), r in sorted(dict(self.ratio).items())},
-                **{f"{kind}_tokens_per_row_ms@{b}": round(r, 4) for (kind, b), r in sorted(dict(self.rate).items())}}
+                **{f"{kind}_rate@{b}": round(r, 4) for (kind, b), r in sorted(dict(self.rate).items())}}
 
 
 class Planner:
@@ -405,6 +448,15 @@ class Planner:
         self.steps[plan.depth] = self.steps.get(plan.depth, 0) + 1
         return plan
 
+    def dense_ahead(self, alive: list[int]) -> StepPlan | None:
+        """The dense plan of a step that is dense whatever the table says (StepTimes.dense_ahead), else None."""
+        n = len(alive)
+        if not self.times.dense_ahead(n):
+            return None
+        self.steps[0] = self.steps.get(0, 0) + 1
+        ms = self.costs.verify_ms(n, 1)
+        return StepPlan(0, ("",) * n, (0,) * n, float(n), ms, ms)
+
     def timed(self, plan: StepPlan, seconds: float, tokens: int) -> None:
         """The wall time the planned step took, drafting and commit included, and the tokens it committed."""
         n = len(plan.kinds)
@@ -412,7 +464,7 @@ class Planner:
             self.times.record("dense", n, plan.dense_ms, seconds * 1e3)
         else:  # against the table's own estimate, before the overhead was applied
             self.times.record("spec", n, plan.est_ms / self.times.overhead(n), seconds * 1e3)
-        self.times.made("dense" if plan.depth == 0 else "spec", n, tokens, seconds * 1e3)
+        self.times.made("dense" if plan.depth == 0 else "spec", n, tokens, seconds * 1e3, plan.dense_ms)
 
     def observe(self, alive: list[int], plan: StepPlan, accepted: list[int], shadow: list[int | None]) -> None:
         """After a step: accepted[r] of row r's drafted tokens were accepted. shadow[r]: for a row that did

@@ -114,7 +114,7 @@ class SpecStepper:
         draft = self.propose(alive, generator)
         t1 = time.perf_counter()
         if draft.size == 1:  # nothing drafted (the step budget): a dense step
-            return self._dense_step(alive, rows, draft, generator, t1 - t0)
+            return self._dense_step(alive, rows, generator, t1 - t0)
         return self._verify_step(alive, rows, draft, generator, t1 - t0)
 
     def _verify_step(self, alive: list[int], rows: torch.Tensor | None, draft: Draft, generator,
@@ -134,6 +134,12 @@ class SpecStepper:
         """mode="auto": the planner picks dense or a chain depth, and per row lookup's chain or the draft
         head's, from measured costs and the acceptance seen so far; the step's outcome updates it."""
         t0 = time.perf_counter()
+        plan = self.planner.dense_ahead(alive)
+        if plan is not None:  # dense whatever the table says: no lookups, no plan; the rows' estimates drift back
+            out = self._dense_step(alive, rows, generator, 0.0)
+            self.planner.timed(plan, time.perf_counter() - t0, len(alive))
+            self.planner.observe(alive, plan, [0] * len(alive), [None] * len(alive))
+            return out
         batch, greedy = self.batch, self.batch.params.greedy
         use_lookup = self.opts.lookup != "off" and (greedy or self.proposer.draft is None)
         conts = [self.proposer.continuation(b, batch, self.depth) if use_lookup else [] for b in alive]
@@ -144,8 +150,7 @@ class SpecStepper:
                   if batch.params.structured else [[] for _ in alive])  # nothing to ask a row without a grammar
         plan = self.planner.choose(alive, [len(c) for c in conts], rooms, [len(f) for f in forced])
         if plan.depth == 0:
-            draft = Draft.chains([batch.last(b) for b in alive], [[] for _ in alive])
-            out = self._dense_step(alive, rows, draft, generator, time.perf_counter() - t0)
+            out = self._dense_step(alive, rows, generator, time.perf_counter() - t0)
             accepted = [0] * len(alive)
         else:
             draft = self._planned_draft(alive, plan, conts, forced, generator)
@@ -202,14 +207,14 @@ class SpecStepper:
             self.stats.per_row_forced[b] += len(tail)
         return draft.with_chains(tails) if longer else draft
 
-    def _dense_step(self, alive: list[int], rows: torch.Tensor | None, draft: Draft, generator,
-                    t_draft: float) -> StepOutput:
+    def _dense_step(self, alive: list[int], rows: torch.Tensor | None, generator, t_draft: float) -> StepOutput:
         """The roots alone through every layer, as dense decoding does (no tree mask, no KV compaction);
         the proposer still learns the verified features."""
         t0 = time.perf_counter()
         m, batch = self.model, self.batch
+        fed = batch.next_tokens if rows is None else batch.next_tokens[rows]
         positions = batch.positions[torch.tensor(alive)].to(m.device)[:, None]
-        h = m.forward(draft.tokens.to(m.device), positions, self.cache, rows)  # [N, 1, D]
+        h = m.forward(fed[:, None], positions, self.cache, rows)  # [N, 1, D]
         hn = m.final_norm(h)
         logits = m.lm_head(hn[:, 0])
         toks = sample(batch.processed(logits, alive), batch.params, generator).tolist()
