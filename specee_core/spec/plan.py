@@ -342,25 +342,23 @@ class StepTimes:
         fresh.discard(bucket)
 
     def check(self, plan: StepPlan) -> StepPlan:
-        """The table's choice held against what steps really made here: a drafted step becomes a dense step
-        while dense steps have made more tokens per ms than drafted ones at this batch size (drafting is
-        tried again after PROBE_EVERY steps, then at doubling intervals while dense stays ahead); the first
-        dense step is measured after PROBE_EVERY drafted ones (a cached table may be from a slower or faster
-        hour), and while drafting makes less than 1.25x dense's measured rate, one step in PROBE_EVERY is
-        dense, to measure it anew. What this guards: a table measured on a bad minute, or host work
-        a table cannot see (on a GPU, launches), that would make auto slower than dense."""
+        """The table's choice held against what steps really made here: the first step at a batch size is
+        dense, the next drafted ones a try (a cached table may be from a slower or faster hour); a drafted step
+        becomes a dense step while dense steps have made more tokens than drafted ones at this batch size, or
+        since a try fell short of TRIAL_MARGIN (drafting is tried again after PROBE_EVERY steps, then at doubling
+        intervals); while drafting makes less than 1.25x dense's measured rate, one step in PROBE_EVERY is dense,
+        to measure it anew. What this guards: a table measured on a bad minute, or host work a table cannot see
+        (on a GPU, launches), that would make auto slower than dense."""
         if self.decay >= 1.0 or plan.depth == 0:
             return plan
         n = len(plan.kinds)
         k = batch_bucket(n)
         spec, dense = self.rate.get(("spec", k)), self.rate.get(("dense", k))
-        if spec is None:
-            return plan
         as_dense = StepPlan(0, ("",) * n, (0,) * n, float(n), plan.dense_ms, plan.dense_ms)
-        if dense is None:  # one dense step measured after PROBE_EVERY drafted ones, whatever the (cached) table says
-            self.since_probe[k] = self.since_probe.get(k, 0) + 1
-            if self.since_probe[k] >= PROBE_EVERY:
-                return as_dense
+        if dense is None:  # the first step of a batch size is dense, whatever the (cached) table says: the baseline
+            return as_dense
+        if spec is None:  # then drafting, as a try: the table's choice is held to what its first steps make
+            self.trying.add(k)
             return plan
         in_trial = k in self.trial
         if in_trial and self.trial[k] >= TRIAL_STEPS:
