@@ -303,6 +303,7 @@ class StepTimes:
         self.trying: set[int] = set()  # buckets whose next drafted step is such a try
         self.trial: dict[int, int] = {}  # drafted steps since a try, while their mean rate is being taken
         self.held: set[int] = set()  # buckets whose last try fell short of TRIAL_MARGIN: dense until the next try
+        self.dense_steps: dict[int, int] = {}  # dense steps timed per bucket (the first TRIAL_STEPS: the baseline)
         self.probing: set[int] = set()  # buckets whose next dense step re-measures dense behind a thin lead
 
     def record(self, kind: str, b: int, est_ms: float, ms: float) -> None:
@@ -329,12 +330,15 @@ class StepTimes:
         key = (kind, bucket)
         if kind == "dense":
             self.since_probe[bucket] = 0
+            self.dense_steps[bucket] = self.dense_steps.get(bucket, 0) + 1
         fresh = self.trying if kind == "spec" else self.probing
         if key not in self.rate or bucket in fresh:
             self.rate[key] = r
         elif kind == "spec" and bucket in self.trial:  # a try's steps: their plain mean, not the try's step alone
             self.trial[bucket] += 1
             self.rate[key] += (r - self.rate[key]) / self.trial[bucket]
+        elif kind == "dense" and self.dense_steps[bucket] <= TRIAL_STEPS:  # the baseline: its steps' plain mean
+            self.rate[key] += (r - self.rate[key]) / self.dense_steps[bucket]
         else:
             self.rate[key] = self.rate[key] * self.decay + r * (1 - self.decay)
         if kind == "spec" and bucket in self.trying:
@@ -342,21 +346,22 @@ class StepTimes:
         fresh.discard(bucket)
 
     def check(self, plan: StepPlan) -> StepPlan:
-        """The table's choice held against what steps really made here: the first step at a batch size is
-        dense, the next drafted ones a try (a cached table may be from a slower or faster hour); a drafted step
-        becomes a dense step while dense steps have made more tokens than drafted ones at this batch size, or
-        since a try fell short of TRIAL_MARGIN (drafting is tried again after PROBE_EVERY steps, then at doubling
-        intervals); while drafting makes less than 1.25x dense's measured rate, one step in PROBE_EVERY is dense,
-        to measure it anew. What this guards: a table measured on a bad minute, or host work a table cannot see
-        (on a GPU, launches), that would make auto slower than dense."""
+        """The table's choice held against what steps really made here: the first TRIAL_STEPS steps at a batch
+        size are dense, the baseline (one step's rate, a lane's first, was 15% off), the next drafted ones a try (a
+        cached table may be from a slower or faster hour); a drafted step becomes a dense step while dense steps
+        have made more tokens than drafted ones at this batch size, or since a try fell short of TRIAL_MARGIN
+        (drafting is tried again after PROBE_EVERY steps, then at doubling intervals); while drafting makes less
+        than 1.25x dense's measured rate, one step in PROBE_EVERY is dense, to measure it anew. What this guards:
+        a table measured on a bad minute, or host work a table cannot see (on a GPU, launches), that would make
+        auto slower than dense."""
         if self.decay >= 1.0 or plan.depth == 0:
             return plan
         n = len(plan.kinds)
         k = batch_bucket(n)
         spec, dense = self.rate.get(("spec", k)), self.rate.get(("dense", k))
         as_dense = StepPlan(0, ("",) * n, (0,) * n, float(n), plan.dense_ms, plan.dense_ms)
-        if dense is None:  # the first step of a batch size is dense, whatever the (cached) table says: the baseline
-            return as_dense
+        if dense is None or self.dense_steps.get(k, 0) < TRIAL_STEPS:
+            return as_dense  # the first steps at a batch size are dense, whatever the (cached) table says: the baseline
         if spec is None:  # then drafting, as a try: the table's choice is held to what its first steps make
             self.trying.add(k)
             return plan
