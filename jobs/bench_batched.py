@@ -127,7 +127,9 @@ def main() -> None:
         for w, e in engines.items():
             chosen[f"{w}@{n}"] = {"weights": e.model.weight_format, "dtype": str(e.model.dtype).removeprefix("torch.")}
         for w, m, _ in variants:
-            ours(engines[w], dec[:1], pre[:1], 4, m)  # warm-up: kernels, the plan's costs at this size
+            # warm-up: the N rows for 16 tokens (kernels, oneDNN's primitives for this size's shapes, the plan's costs,
+            # its first measured steps): a first call pays ~0.3 s more at 16 rows, once per process
+            ours(engines[w], dec, pre[:1], 16, m, one_at_a_time=n == 1)
         for rnd in range(args.rounds):
             for build, binary in llama_builds.items():
                 got = llama_batched(binary, args.gguf or default_gguf_path(), [n], args.prompt_tokens,

@@ -171,6 +171,20 @@ def test_steps_of_different_sizes_in_one_bucket_are_compared_per_table_dense_ste
     assert times.check(drafted).depth == 0
 
 
+@pytest.mark.parametrize("catch_up_ms, drafts", [(0.0, True), (160.0, False)], ids=["no-backlog", "long-backlog"])
+def test_a_try_pays_for_the_draft_heads_catching_up(catch_up_ms, drafts):
+    """After 4 dense steps (20 ms for 16 tokens), a try makes 1.3x dense's tokens in a dense step's time, but the
+    draft head first caught up on 160 ms of backlog (the rows' prompts, their dense stretch): spread over the 16
+    steps drafting would run at least, that is 10 ms a step, and the try falls behind; with no backlog it leads."""
+    times = StepTimes()
+    for _ in range(TRIAL_STEPS):
+        times.made("dense", 16, 16, 20.0, 20.0)
+    drafted = StepPlan(1, ("draft",) * 16, (1,) * 16, 24.0, 20.0, 20.0)
+    assert times.check(drafted).depth == 1  # the try
+    times.made("spec", 16, int(16 * 1.3), 20.0, 20.0, catch_up_ms)
+    assert (times.check(drafted).depth == 1) is drafts
+
+
 def test_a_thin_lead_is_held_against_fresh_dense_steps():
     """Drafting makes 5 tokens in 45 ms, a dense step 1 in 10: an 11% lead, under PROBE_MARGIN, so one step in
     16 is dense, to keep dense's rate current. When dense steps get twice as fast (the machine's speed moved,

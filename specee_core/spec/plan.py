@@ -319,14 +319,20 @@ class StepTimes:
             i = self.idle_decay
             self.ratio["spec", bucket] = self.ratio["spec", bucket] * i + self.ratio[key] * (1 - i)
 
-    def made(self, kind: str, b: int, tokens: int, ms: float, dense_ms: float) -> None:
+    def made(self, kind: str, b: int, tokens: int, ms: float, dense_ms: float, catch_up_ms: float = 0.0) -> None:
         """The tokens one step of b rows committed per row over its wall time, in units of the table's dense step
         at b rows (dense_ms): a bucket holds several batch sizes (17 to 32 rows), and a step of 17 rows makes
         more per row and ms than one of 32; counted raw, a drafted step measured while rows were joining beat
         dense steps measured at 32 and kept drafting that lost 10%. A try (a drafted step while dense steps made
         more) and a probe (a dense step behind drafting's thin lead) count alone: one step of fresh evidence
-        against the other kind's current rate, not a rate kept from minutes before."""
-        bucket, r = batch_bucket(b), tokens / b * dense_ms / max(ms, 1e-6)
+        against the other kind's current rate, not a rate kept from minutes before. A try's steps also carry
+        the draft head's catching up on the rows' backlog (their prompts, their dense stretch), spread over the
+        PROBE_EVERY steps drafting runs at least if the try succeeds: the cost of switching, which a try must pay
+        (at 16 rows on the AMD EPYC ~50 ms, 2 dense steps, each time)."""
+        bucket = batch_bucket(b)
+        if kind == "spec" and (bucket in self.trying or bucket in self.trial):
+            ms += catch_up_ms / PROBE_EVERY
+        r = tokens / b * dense_ms / max(ms, 1e-6)
         key = (kind, bucket)
         if kind == "dense":
             self.since_probe[bucket] = 0
@@ -460,14 +466,16 @@ class Planner:
         ms = self.costs.verify_ms(n, 1)
         return StepPlan(0, ("",) * n, (0,) * n, float(n), ms, ms)
 
-    def timed(self, plan: StepPlan, seconds: float, tokens: int) -> None:
-        """The wall time the planned step took, drafting and commit included, and the tokens it committed."""
+    def timed(self, plan: StepPlan, seconds: float, tokens: int, catch_up: float = 0.0) -> None:
+        """The wall time the planned step took, drafting and commit included, and the tokens it committed;
+        catch_up: seconds the draft head spent on long backlogs first (not in seconds)."""
         n = len(plan.kinds)
         if plan.depth == 0:
             self.times.record("dense", n, plan.dense_ms, seconds * 1e3)
         else:  # against the table's own estimate, before the overhead was applied
             self.times.record("spec", n, plan.est_ms / self.times.overhead(n), seconds * 1e3)
-        self.times.made("dense" if plan.depth == 0 else "spec", n, tokens, seconds * 1e3, plan.dense_ms)
+        self.times.made("dense" if plan.depth == 0 else "spec", n, tokens, seconds * 1e3, plan.dense_ms,
+                        catch_up * 1e3)
 
     def observe(self, alive: list[int], plan: StepPlan, accepted: list[int], shadow: list[int | None]) -> None:
         """After a step: accepted[r] of row r's drafted tokens were accepted. shadow[r]: for a row that did

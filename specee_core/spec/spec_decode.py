@@ -159,9 +159,9 @@ class SpecStepper:
             out = self._verify_step(alive, rows, draft, generator, time.perf_counter() - t0)
             accepted = [len(t) - 1 for t in out.tokens]
         # the step's time without catching the draft head up on a long backlog (the first draft after a prompt
-        # or a dense stretch): the planner weighs what drafting costs a step, not what it costs once
-        seconds = time.perf_counter() - t0 - self.proposer.take_catch_up()
-        self.planner.timed(plan, seconds, sum(map(len, out.tokens)))
+        # or a dense stretch): the planner weighs what drafting costs a step; a try is also charged that once
+        catch_up = self.proposer.take_catch_up()
+        self.planner.timed(plan, time.perf_counter() - t0 - catch_up, sum(map(len, out.tokens)), catch_up)
         shadow = [None if not c or k == "lookup" else int(c[0] == t[0]) for c, k, t in zip(conts, plan.kinds, out.tokens)]
         self.planner.observe(alive, plan, accepted, shadow)
         return out
