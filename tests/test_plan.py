@@ -185,6 +185,24 @@ def test_a_try_pays_for_the_draft_heads_catching_up(catch_up_ms, drafts):
     assert (times.check(drafted).depth == 1) is drafts
 
 
+def test_tries_are_spaced_by_what_catching_up_cost():
+    """Each try of drafting at 32 rows costs the draft head 100 ms of catching up and loses; dense steps take 25 ms.
+    After the first tries (16 steps apart), the next waits until that cost is at most SWITCH_SHARE of the dense
+    time between: 100 / (0.02 x 25) = 200 steps."""
+    times = StepTimes()
+    drafted = StepPlan(1, ("draft",) * 32, (1,) * 32, 48.0, 40.0, 25.0)
+    tries = []
+    for step in range(400):
+        plan = times.check(drafted)
+        if plan.depth:
+            tries.append(step)
+            times.made("spec", 32, 32, 40.0, 25.0, catch_up_ms=100.0)
+        else:
+            times.made("dense", 32, 32, 25.0, 25.0)
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps[0] <= 20 and all(g >= 200 for g in gaps[1:]) and len(tries) >= 3, tries
+
+
 def test_a_thin_lead_is_held_against_fresh_dense_steps():
     """Drafting makes 5 tokens in 45 ms, a dense step 1 in 10: an 11% lead, under PROBE_MARGIN, so one step in
     16 is dense, to keep dense's rate current. When dense steps get twice as fast (the machine's speed moved,

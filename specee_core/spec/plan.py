@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ TRIAL_STEPS = 4  # StepTimes: drafted steps a try of drafting (while dense was a
 # ... and the lead over dense they must show to bring drafting back: a tie does not pay for switching (the draft
 # head first catches up on every row's dense stretch: ~100 ms, 4 dense steps, at 32 rows on the AMD EPYC)
 TRIAL_MARGIN = 1.1
+SWITCH_SHARE = 0.02  # tries of drafting are spaced so their catching up costs at most this share of dense's time
 PLAN_VERSION = 3  # bump when what is measured changes: older cache files are then measured again
 
 
@@ -304,6 +306,8 @@ class StepTimes:
         self.trial: dict[int, int] = {}  # drafted steps since a try, while their mean rate is being taken
         self.held: set[int] = set()  # buckets whose last try fell short of TRIAL_MARGIN: dense until the next try
         self.dense_steps: dict[int, int] = {}  # dense steps timed per bucket (the first TRIAL_STEPS: the baseline)
+        self.dense_ms: dict[int, float] = {}  # a dense step's wall time per bucket (the last)
+        self.switch_ms: dict[int, float] = {}  # the last try's catching up per bucket
         self.probing: set[int] = set()  # buckets whose next dense step re-measures dense behind a thin lead
 
     def record(self, kind: str, b: int, est_ms: float, ms: float) -> None:
@@ -330,6 +334,10 @@ class StepTimes:
         PROBE_EVERY steps drafting runs at least if the try succeeds: the cost of switching, which a try must pay
         (at 16 rows on the AMD EPYC ~50 ms, 2 dense steps, each time)."""
         bucket = batch_bucket(b)
+        if kind == "dense":
+            self.dense_ms[bucket] = ms
+        if kind == "spec" and bucket in self.trying:
+            self.switch_ms[bucket] = catch_up_ms
         if kind == "spec" and (bucket in self.trying or bucket in self.trial):
             ms += catch_up_ms / PROBE_EVERY
         r = tokens / b * dense_ms / max(ms, 1e-6)
@@ -399,7 +407,11 @@ class StepTimes:
         self.since_try[k] = self.since_try.get(k, 0) + 1
         if self.since_try[k] >= self.try_every.get(k, PROBE_EVERY):
             self.since_try[k] = 0
-            self.try_every[k] = min(2 * self.try_every.get(k, PROBE_EVERY), TRY_EVERY_MAX)
+            # the next try (should this one fail) twice as far, and far enough that catching the draft head up, as
+            # the last try did, costs at most SWITCH_SHARE of the dense steps between (at 32 rows ~100 ms a try
+            # against 26 ms a step: every 190 steps, where doubling from 16 tried 3 times in a 64-token call)
+            spaced = self.switch_ms.get(k, 0.0) / (SWITCH_SHARE * max(self.dense_ms.get(k, 1.0), 1e-3))
+            self.try_every[k] = min(max(2 * self.try_every.get(k, PROBE_EVERY), math.ceil(spaced)), TRY_EVERY_MAX)
             self.trying.add(k)
             return plan
         return as_dense
