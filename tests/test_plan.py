@@ -107,7 +107,7 @@ def run_steps(planner: Planner, steps: int, spec_ms, dense_ms: float = 10.0) -> 
     a drafted step): the depths chosen. The table says drafting pays; these times say what it made."""
     depths = []
     for _ in range(steps):
-        plan = planner.choose([0], [0], [4])
+        plan = planner.dense_ahead([0]) or planner.choose([0], [0], [4])  # as SpecStepper._planned_step asks
         made = plan.depth + 1
         planner.timed(plan, (spec_ms(plan.depth) if plan.depth else dense_ms) / 1e3, made)
         planner.observe([0], plan, [plan.depth], [None])

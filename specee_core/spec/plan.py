@@ -390,7 +390,7 @@ class StepTimes:
                 self.held.discard(k)
             else:
                 self.held.add(k)
-        if spec >= dense and (in_trial or k not in self.held):
+        if self._drafting(k, spec, dense):
             if not in_trial:
                 self.try_every[k] = PROBE_EVERY
             # a lead under PROBE_MARGIN is held against a fresh dense step every PROBE_EVERY steps: dense's rate
@@ -401,10 +401,7 @@ class StepTimes:
                 self.probing.add(k)
                 return as_dense
             return plan
-        if spec < dense:
-            self.held.add(k)  # a try that fell behind (the interval it doubled stands), or drafting that did
-        self.trial.pop(k, None)
-        self.since_try[k] = self.since_try.get(k, 0) + 1
+        self._dense_instead(k, spec, dense)
         if self.since_try[k] >= self.try_every.get(k, PROBE_EVERY):
             self.since_try[k] = 0
             # the next try (should this one fail) twice as far, and far enough that catching the draft head up, as
@@ -422,13 +419,24 @@ class StepTimes:
         plain dense step: no lookups, no plan (at 32 rows that host work cost 4% of a step)."""
         k = batch_bucket(n)
         spec, dense = self.rate.get(("spec", k)), self.rate.get(("dense", k))
-        if self.decay >= 1.0 or spec is None or dense is None or (spec >= dense and k not in self.held):
+        if self.decay >= 1.0 or spec is None or dense is None or self._drafting(k, spec, dense):
             return False
         if self.since_try.get(k, 0) + 1 >= self.try_every.get(k, PROBE_EVERY):
             return False  # a try is due: the step is planned
-        self.since_try[k] = self.since_try.get(k, 0) + 1
-        self.trial.pop(k, None)
+        self._dense_instead(k, spec, dense)
         return True
+
+    def _drafting(self, k: int, spec: float, dense: float) -> bool:
+        """Whether drafted steps may run at bucket k: a try's steps under way while they keep up with dense, or
+        drafting ahead of dense and not held back by a try that fell short."""
+        return spec >= dense and (k in self.trial or k not in self.held)
+
+    def _dense_instead(self, k: int, spec: float, dense: float) -> None:
+        """A step at bucket k that runs dense because drafting may not: counted toward the next try."""
+        if spec < dense:
+            self.held.add(k)  # a try that fell behind (the interval it doubled stands), or drafting that did
+        self.trial.pop(k, None)
+        self.since_try[k] = self.since_try.get(k, 0) + 1
 
     def overhead(self, b: int) -> float:
         k = batch_bucket(b)
