@@ -16,10 +16,7 @@ class DenseStepper:
 
     def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
         batch, m = self.batch, self.model
-        if rows is None:  # every row of the cache is alive: no gathers
-            fed, positions = batch.next_tokens, batch.positions
-        else:
-            fed, positions = batch.next_tokens[rows], batch.positions[torch.tensor(alive)]
+        fed, positions = batch.fed(alive, rows)
         h = m.forward(fed.unsqueeze(1), positions.unsqueeze(1).to(m.device), self.cache, rows)[:, 0]  # [N, D]
         logits = m.logits(h)
         toks = sample(batch.processed(logits, alive), batch.params, generator).tolist()

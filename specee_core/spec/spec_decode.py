@@ -212,9 +212,8 @@ class SpecStepper:
         the proposer still learns the verified features."""
         t0 = time.perf_counter()
         m, batch = self.model, self.batch
-        fed = batch.next_tokens if rows is None else batch.next_tokens[rows]
-        positions = batch.positions[torch.tensor(alive)].to(m.device)[:, None]
-        h = m.forward(fed[:, None], positions, self.cache, rows)  # [N, 1, D]
+        fed, positions = batch.fed(alive, rows)
+        h = m.forward(fed[:, None], positions.to(m.device)[:, None], self.cache, rows)  # [N, 1, D]
         hn = m.final_norm(h)
         logits = m.lm_head(hn[:, 0])
         toks = sample(batch.processed(logits, alive), batch.params, generator).tolist()

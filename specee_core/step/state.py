@@ -174,6 +174,13 @@ class Batch:
         return process_logits(logits, self.params, texts, self.stop_ids, [self.matchers[b] for b in rows], paths,
                               keys, self.mask_memo)
 
+    def fed(self, alive: list[int], rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a dense step of the rows `alive` feeds: their next tokens [N] (device) and positions [N] (host);
+        rows [N] (device) indexes them, None when every row is alive (no gathers)."""
+        if rows is None:
+            return self.next_tokens, self.positions
+        return self.next_tokens[rows], self.positions[torch.tensor(alive)]
+
     def room(self, b: int) -> int:
         """Tokens row b may still emit."""
         return self.max_new[b] - self.n_generated(b)
