@@ -378,14 +378,16 @@ def test_a_long_backlog_is_fed_apart_with_the_same_draft_features(tiny, monkeypa
         for b, c in enumerate(backlog):
             prop.push([b], [torch.randint(0, tiny.model.config.vocab_size, (c,), generator=gen).tolist()],
                       [torch.randn(c, d, generator=gen)])
+        assert prop.backlog(list(range(len(backlog)))) == sum(backlog) and prop.backlog([1, 3]) == 65
         synced, counts, f = prop._feed(list(range(len(backlog))))
-        caught_up = prop.take_catch_up()
+        caught_up, pairs = prop.take_catch_up()
         # the time spent on long backlogs is kept apart from the step's (the planner weighs what drafting costs
-        # a step); a feed of a few pairs per row is a step's own work
-        assert (caught_up > 0) == (max(backlog) > apart) and prop.take_catch_up() == 0.0
+        # a step), with the pairs fed then; a feed of a few pairs per row is a step's own work
+        assert (caught_up > 0) == (max(backlog) > apart) and prop.take_catch_up() == (0.0, 0)
+        assert pairs == sum(c for c in backlog if c > apart) and prop.backlog(list(range(len(backlog)))) == 0
         prop.push([0], [[1]], [torch.randn(1, d, generator=gen)])
         prop._feed([0])
-        assert prop.take_catch_up() == 0.0
+        assert prop.take_catch_up() == (0.0, 0)
         return synced, counts, f, prop.cache
 
     s1, c1, f1, cache1 = fed(16)

@@ -42,7 +42,8 @@ class Proposer:
         self.queue_tokens: list[list[int]] = [[] for _ in range(rows)]  # per row: pairs' tokens not fed yet
         self.queue_feats: list[list[torch.Tensor]] = [[] for _ in range(rows)]  # ... their features, [c, D] each
         self.index = NgramIndex(ngram)
-        self.catch_up_s = 0.0  # seconds spent feeding long backlogs (take_catch_up)
+        self.catch_up_s = 0.0  # seconds spent feeding long backlogs (take_catch_up) ...
+        self.catch_up_pairs = 0  # ... and the pairs fed then
 
     def caches(self) -> list:
         """The KV caches it keeps (the draft head's), which grow with the target's."""
@@ -104,15 +105,22 @@ class Proposer:
     def _timed_catch_up(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """_feed_chunk for rows with a long backlog, its time added to catch_up_s: what a drafted step spent
         catching the draft head up (a prompt, a dense stretch) is not what drafting costs a step."""
+        pairs = self.backlog(rows)
         t0 = time.perf_counter()
         out = self._feed_chunk(rows)
         self.catch_up_s += time.perf_counter() - t0
+        self.catch_up_pairs += pairs
         return out
 
-    def take_catch_up(self) -> float:
-        """Seconds spent catching up since the last call (and reset)."""
-        s, self.catch_up_s = self.catch_up_s, 0.0
-        return s
+    def take_catch_up(self) -> tuple[float, int]:
+        """Seconds spent catching up since the last call, and the pairs fed then (and reset)."""
+        out = (self.catch_up_s, self.catch_up_pairs)
+        self.catch_up_s, self.catch_up_pairs = 0.0, 0
+        return out
+
+    def backlog(self, rows: list[int]) -> int:
+        """The pairs these rows have queued for the draft head: what it feeds before it can draft for them."""
+        return sum(len(self.queue_tokens[b]) for b in rows) if self.draft is not None else 0
 
     def _feed_chunk(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """_feed for rows fed together in one chunk."""

@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 T_GRID = (1, 2, 3, 5, 9, 17)  # verify rows per sequence that are measured; others interpolated (near-linear in T)
 PROBE_EVERY = 16  # StepTimes.check: steps between a measured check of dense (or of drafting, once behind)
-PROBE_MARGIN = 1.25  # drafting's lead over dense's measured rate under which dense is measured anew
+PROBE_MARGIN = 1.25  # drafting's lead over dense's measured rate under which dense is measured anew ...
+PROBE_AHEAD = 4  # ... every PROBE_EVERY steps; above it, every PROBE_AHEAD x PROBE_EVERY
 TRY_EVERY_MAX = 256
 TRIAL_STEPS = 4  # StepTimes: drafted steps a try of drafting (while dense was ahead) is judged on, as their mean
 # ... and the lead over dense they must show to bring drafting back: a tie does not pay for switching (the draft
@@ -66,6 +67,15 @@ class CostTable:
         if b <= 0 or not self.draft:
             return 0.0
         return _interp_batch({k: [v] for k, v in self.draft.items()}, b, lambda row: row[0])
+
+    def pair_ms(self) -> float:
+        """What the draft head takes per (token, feature) pair it catches up on, before any catching up was
+        timed: a draft level's cost per row at the largest batch measured (at 64 rows on the AMD EPYC 34 us,
+        against 30-45 us per pair timed catching up)."""
+        if not self.draft:
+            return 0.0
+        b = max(self.draft)
+        return self.draft[b] / b
 
     def to_json(self) -> dict:
         return {"key": self.key, "tokens": list(self.tokens),
@@ -201,6 +211,15 @@ def expected_tokens_upto(alpha: float, depth: int) -> list[float]:
     return out
 
 
+def tokens_var(alpha: float, depth: int) -> float:
+    """The variance of the tokens a verify step commits from a chain of `depth` drafted tokens, each accepted
+    with probability alpha while every one before it was: j tokens (j <= depth) with alpha^(j-1) (1 - alpha),
+    depth + 1 with alpha^depth."""
+    p = [alpha ** (j - 1) * (1 - alpha) for j in range(1, depth + 1)] + [alpha ** depth]
+    mean = sum(j * q for j, q in enumerate(p, 1))
+    return max(0.0, sum(j * j * q for j, q in enumerate(p, 1)) - mean * mean)
+
+
 # ---- the choice -------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -225,6 +244,7 @@ class StepPlan:
     expected_tokens: float  # over the batch
     est_ms: float
     dense_ms: float
+    token_var: float = 0.0  # the variance of the tokens one row commits in such a step (mean over the rows)
 
     @property
     def rate_gain(self) -> float:
@@ -278,7 +298,20 @@ def best_step(costs: CostTable, rows: list[RowView], max_depth: int, has_draft: 
             if tokens / ms > best_rate:
                 best = StepPlan(d, tuple(kinds), tuple(depths), tokens, ms, dense_ms)
                 best_rate = tokens / ms
-    return best
+    if best.depth == 0:
+        return best
+    alphas = {"lookup": lambda r: r.alpha_lookup, "draft": lambda r: r.alpha_draft, "forced": lambda r: r.alpha_forced}
+    var = sum(tokens_var(alphas[k](r), d) for r, k, d in zip(rows, best.kinds, best.depths) if k) / n
+    return StepPlan(best.depth, best.kinds, best.depths, best.expected_tokens, best.est_ms, best.dense_ms, var)
+
+
+@dataclass(frozen=True)
+class Outlook:
+    """What switching a batch to drafting could still earn and what it costs first: horizon, the tokens its rows
+    have left on average (the dense steps drafting could shorten); catch_up_ms, the draft head's catching up on
+    the rows' backlog (their prompts and dense stretch: the pairs queued, at the ms per pair timed so far)."""
+    horizon: float
+    catch_up_ms: float
 
 
 def could_pay(costs: CostTable, b: int, max_depth: int, has_draft: bool, alpha: float = 0.9) -> bool:
@@ -307,8 +340,12 @@ class StepTimes:
         self.held: set[int] = set()  # buckets whose last try fell short of TRIAL_MARGIN: dense until the next try
         self.dense_steps: dict[int, int] = {}  # dense steps timed per bucket (the first TRIAL_STEPS: the baseline)
         self.dense_ms: dict[int, float] = {}  # a dense step's wall time per bucket (the last)
-        self.switch_ms: dict[int, float] = {}  # the last try's catching up per bucket
+        self.switch_ms: dict[int, float] = {}  # what the last try cost per bucket (catching up, its steps, its tail)
         self.probing: set[int] = set()  # buckets whose next dense step re-measures dense behind a thin lead
+        # per bucket, from the last drafted plan the table chose: (ms saved per table dense step's tokens, the
+        # table dense step's ms, tokens a row commits per drafted step, their variance): what _pays weighs
+        self.prospect: dict[int, tuple[float, float, float, float]] = {}
+        self.pair_ms: float | None = None  # ms per pair the draft head caught up on (learned from every catch-up)
 
     def record(self, kind: str, b: int, est_ms: float, ms: float) -> None:
         """One step's wall time against its estimate. A sample counts at most 3x the estimate (a step that
@@ -323,7 +360,8 @@ class StepTimes:
             i = self.idle_decay
             self.ratio["spec", bucket] = self.ratio["spec", bucket] * i + self.ratio[key] * (1 - i)
 
-    def made(self, kind: str, b: int, tokens: int, ms: float, dense_ms: float, catch_up_ms: float = 0.0) -> None:
+    def made(self, kind: str, b: int, tokens: int, ms: float, dense_ms: float, catch_up_ms: float = 0.0,
+             catch_up_pairs: int = 0) -> None:
         """The tokens one step of b rows committed per row over its wall time, in units of the table's dense step
         at b rows (dense_ms): a bucket holds several batch sizes (17 to 32 rows), and a step of 17 rows makes
         more per row and ms than one of 32; counted raw, a drafted step measured while rows were joining beat
@@ -332,13 +370,22 @@ class StepTimes:
         against the other kind's current rate, not a rate kept from minutes before. A try's steps also carry
         the draft head's catching up on the rows' backlog (their prompts, their dense stretch), spread over the
         PROBE_EVERY steps drafting runs at least if the try succeeds: the cost of switching, which a try must pay
-        (at 16 rows on the AMD EPYC ~50 ms, 2 dense steps, each time)."""
+        (at 16 rows on the AMD EPYC ~50 ms, 2 dense steps, each time). catch_up_pairs: the pairs it caught up on
+        (what the next switch's catching up is estimated from). What a try cost all told (switch_ms: its catching
+        up, the time its steps took over what dense steps would have taken for their tokens, and the tail its rows'
+        spread leaves) spaces the next (check)."""
         bucket = batch_bucket(b)
+        if catch_up_pairs > 0:
+            per = catch_up_ms / catch_up_pairs
+            self.pair_ms = per if self.pair_ms is None else self.pair_ms * self.decay + per * (1 - self.decay)
         if kind == "dense":
             self.dense_ms[bucket] = ms
         if kind == "spec" and bucket in self.trying:
-            self.switch_ms[bucket] = catch_up_ms
+            self.switch_ms[bucket] = catch_up_ms + self._tail_ms(b, TRIAL_STEPS)
         if kind == "spec" and (bucket in self.trying or bucket in self.trial):
+            dense_rate = self.rate.get(("dense", bucket))
+            if dense_rate:
+                self.switch_ms[bucket] += max(0.0, ms - tokens / b * dense_ms / dense_rate)
             ms += catch_up_ms / PROBE_EVERY
         r = tokens / b * dense_ms / max(ms, 1e-6)
         key = (kind, bucket)
@@ -359,7 +406,7 @@ class StepTimes:
             self.trial[bucket] = 1
         fresh.discard(bucket)
 
-    def check(self, plan: StepPlan) -> StepPlan:
+    def check(self, plan: StepPlan, outlook: Outlook | None = None) -> StepPlan:
         """The table's choice held against what steps really made here: the first TRIAL_STEPS steps at a batch
         size are dense, the baseline (one step's rate, a lane's first, was 15% off), the next drafted ones a try (a
         cached table may be from a slower or faster hour); a drafted step becomes a dense step while dense steps
@@ -367,16 +414,19 @@ class StepTimes:
         (drafting is tried again after PROBE_EVERY steps, then at doubling intervals); while drafting makes less
         than 1.25x dense's measured rate, one step in PROBE_EVERY is dense, to measure it anew. What this guards:
         a table measured on a bad minute, or host work a table cannot see (on a GPU, launches), that would make
-        auto slower than dense."""
+        auto slower than dense. A try is made only where it could pay for switching (_pays, given the outlook)."""
         if self.decay >= 1.0 or plan.depth == 0:
             return plan
         n = len(plan.kinds)
         k = batch_bucket(n)
+        self.prospect[k] = (plan.rate_gain, plan.dense_ms, plan.expected_tokens / n, plan.token_var)
         spec, dense = self.rate.get(("spec", k)), self.rate.get(("dense", k))
         as_dense = StepPlan(0, ("",) * n, (0,) * n, float(n), plan.dense_ms, plan.dense_ms)
         if dense is None or self.dense_steps.get(k, 0) < TRIAL_STEPS:
             return as_dense  # the first steps at a batch size are dense, whatever the (cached) table says: the baseline
         if spec is None:  # then drafting, as a try: the table's choice is held to what its first steps make
+            if not self._pays(n, outlook):
+                return as_dense
             self.trying.add(k)
             return plan
         in_trial = k in self.trial
@@ -392,39 +442,80 @@ class StepTimes:
                 self.held.add(k)
         if self._drafting(k, spec, dense):
             if not in_trial:
+                if not self._pays(n, outlook, spec / dense):  # drafting on to the end must pay, at its measured lead
+                    self._dense_instead(k, spec, dense)
+                    return as_dense
                 self.try_every[k] = PROBE_EVERY
             # a lead under PROBE_MARGIN is held against a fresh dense step every PROBE_EVERY steps: dense's rate
             # goes stale while only drafted steps run (this VM's speed moves by 1.8x in minutes; contexts grow),
-            # and a stale one keeps drafting that now loses. A probe costs at most the thin lead, once in 16.
+            # and a stale one keeps drafting that now loses. A probe costs at most the thin lead, once in 16. A
+            # larger lead is held against one every PROBE_AHEAD x 16 steps: a dense rate taken from a process's
+            # first steps at a size (their shapes' first runs) once made drafting at 8 rows look 1.25x ahead for
+            # good while it lost 11% end to end.
             self.since_probe[k] = self.since_probe.get(k, 0) + 1
-            if spec < PROBE_MARGIN * dense and self.since_probe[k] >= PROBE_EVERY:
+            every = PROBE_EVERY if spec < PROBE_MARGIN * dense else PROBE_AHEAD * PROBE_EVERY
+            if self.since_probe[k] >= every:
                 self.probing.add(k)
                 return as_dense
             return plan
         self._dense_instead(k, spec, dense)
-        if self.since_try[k] >= self.try_every.get(k, PROBE_EVERY):
+        if self.since_try[k] >= self.try_every.get(k, PROBE_EVERY) and self._pays(n, outlook):
             self.since_try[k] = 0
-            # the next try (should this one fail) twice as far, and far enough that catching the draft head up, as
-            # the last try did, costs at most SWITCH_SHARE of the dense steps between (at 32 rows ~100 ms a try
-            # against 26 ms a step: every 190 steps, where doubling from 16 tried 3 times in a 64-token call)
+            # the next try (should this one fail) twice as far, and far enough that what the last try cost (catching
+            # the draft head up, its steps' deficit, its tail) is at most SWITCH_SHARE of the dense steps between (at
+            # 32 rows ~100 ms of catching up alone against 26 ms a step: every 190 steps, where doubling from 16
+            # tried 3 times in a 64-token call)
             spaced = self.switch_ms.get(k, 0.0) / (SWITCH_SHARE * max(self.dense_ms.get(k, 1.0), 1e-3))
             self.try_every[k] = min(max(2 * self.try_every.get(k, PROBE_EVERY), math.ceil(spaced)), TRY_EVERY_MAX)
             self.trying.add(k)
             return plan
         return as_dense
 
-    def dense_ahead(self, n: int) -> bool:
-        """Whether a step of n rows is dense whatever the table would choose (dense steps make more here than
-        drafted ones and no try of drafting is due), counted as check counts such a step. The stepper then runs a
-        plain dense step: no lookups, no plan (at 32 rows that host work cost 4% of a step)."""
+    def dense_ahead(self, n: int, outlook: Outlook | None = None) -> bool:
+        """Whether a step of n rows is dense whatever the table would choose (past the baseline, drafting may not
+        run, and no try of drafting is due or could pay), counted as check counts such a step. The stepper then
+        runs a plain dense step: no lookups, no plan (at 32 rows that host work cost 4% of a step)."""
         k = batch_bucket(n)
         spec, dense = self.rate.get(("spec", k)), self.rate.get(("dense", k))
-        if self.decay >= 1.0 or spec is None or dense is None or self._drafting(k, spec, dense):
+        if self.decay >= 1.0 or dense is None or self.dense_steps.get(k, 0) < TRIAL_STEPS:
             return False
-        if self.since_try.get(k, 0) + 1 >= self.try_every.get(k, PROBE_EVERY):
+        if spec is None:  # no try yet: planned until the table's choice is seen not to pay for switching
+            return k in self.prospect and not self._pays(n, outlook)
+        if self._drafting(k, spec, dense):
+            if k in self.trial or self._pays(n, outlook, spec / dense):
+                return False
+        elif self.since_try.get(k, 0) + 1 >= self.try_every.get(k, PROBE_EVERY) and self._pays(n, outlook):
             return False  # a try is due: the step is planned
         self._dense_instead(k, spec, dense)
         return True
+
+    def _pays(self, n: int, outlook: Outlook | None, lead: float | None = None) -> bool:
+        """Whether drafting n rows from now on could pay for itself: at `lead` over dense (by default the table's,
+        for the last drafted plan at this size: what a try tests), the tokens the rows have left would save more
+        time than the draft head's catching up and the tail that drafting leaves. Rows drafted to the end finish
+        unevenly (a step commits 1 to depth + 1 tokens a row), and the last steps run for the rows furthest behind:
+        at n rows the last is about sqrt(2 ln n) standard deviations of a row's tokens behind (those steps are
+        costed as dense steps of n rows). At 32 rows on the AMD EPYC a 64-token call could not earn those steps
+        and the catching up back at the table's 10% lead, and its tries lost 6%; at 8 rows drafting that led
+        dense's steps by a few percent lost 11% end to end. Where rows keep coming, the rows' horizon is what the
+        ones running now have left: the tail is then counted though new rows would fill it."""
+        k = batch_bucket(n)
+        if outlook is None or k not in self.prospect:
+            return True
+        table_lead, dense_ms, per_step, _ = self.prospect[k]
+        saved = (1 - 1 / max(table_lead if lead is None else lead, 1.0)) * dense_ms  # per dense step's tokens
+        return saved * outlook.horizon >= outlook.catch_up_ms + self._tail_ms(n, outlook.horizon / max(per_step, 1.0))
+
+    def _tail_ms(self, n: int, steps: float) -> float:
+        """What the rows furthest behind cost at the end after n rows drafted `steps` steps as the last drafted
+        plan at this size would (its tokens a row per step, their variance): about sqrt(2 ln n) standard
+        deviations of a row's tokens, in steps, each costed as a dense step of n rows."""
+        got = self.prospect.get(batch_bucket(n))
+        if got is None or n <= 1:
+            return 0.0
+        _, dense_ms, per_step, var = got
+        per_step = max(per_step, 1.0)
+        return math.sqrt(2 * math.log(n) * steps * var) / per_step * dense_ms
 
     def _drafting(self, k: int, spec: float, dense: float) -> bool:
         """Whether drafted steps may run at bucket k: a try's steps under way while they keep up with dense, or
@@ -465,37 +556,47 @@ class Planner:
             self.lookup[b], self.draft[b] = Acceptance(), Acceptance()
             self.forced[b] = Acceptance(prior=FORCED_PRIOR)
 
+    def outlook(self, left: list[int] | None, backlog: int) -> Outlook | None:
+        """left: the tokens each row may still make; backlog: the pairs the draft head would catch up on first."""
+        if not left:
+            return None
+        pair_ms = self.times.pair_ms if self.times.pair_ms is not None else self.costs.pair_ms()
+        return Outlook(sum(left) / len(left), backlog * pair_ms if self.has_draft else 0.0)
+
     def choose(self, alive: list[int], lookup_lens: list[int], rooms: list[int],
-               forced_lens: list[int] | None = None) -> StepPlan:
+               forced_lens: list[int] | None = None, left: list[int] | None = None, backlog: int = 0) -> StepPlan:
+        """The step's plan. rooms: the drafted tokens each row may use now; left, backlog: the outlook of a switch
+        to drafting (Planner.outlook; without left, any try the guard would make is made)."""
         forced_lens = forced_lens or [0] * len(alive)
         views = [RowView(room=room, lookup=ln, alpha_lookup=self.lookup[b].alpha,
                          alpha_draft=self.draft[b].alpha if self.has_draft else 0.0,
                          forced=fl, alpha_forced=self.forced[b].alpha)
                  for b, ln, room, fl in zip(alive, lookup_lens, rooms, forced_lens)]
         plan = best_step(self.costs, views, self.max_depth, self.has_draft, overhead=self.times.overhead(len(alive)))
-        plan = self.times.check(plan)
+        plan = self.times.check(plan, self.outlook(left, backlog))
         self.steps[plan.depth] = self.steps.get(plan.depth, 0) + 1
         return plan
 
-    def dense_ahead(self, alive: list[int]) -> StepPlan | None:
+    def dense_ahead(self, alive: list[int], left: list[int] | None = None, backlog: int = 0) -> StepPlan | None:
         """The dense plan of a step that is dense whatever the table says (StepTimes.dense_ahead), else None."""
         n = len(alive)
-        if not self.times.dense_ahead(n):
+        if not self.times.dense_ahead(n, self.outlook(left, backlog)):
             return None
         self.steps[0] = self.steps.get(0, 0) + 1
         ms = self.costs.verify_ms(n, 1)
         return StepPlan(0, ("",) * n, (0,) * n, float(n), ms, ms)
 
-    def timed(self, plan: StepPlan, seconds: float, tokens: int, catch_up: float = 0.0) -> None:
+    def timed(self, plan: StepPlan, seconds: float, tokens: int, catch_up: float = 0.0, catch_up_pairs: int = 0) -> None:
         """The wall time the planned step took, drafting and commit included, and the tokens it committed;
-        catch_up: seconds the draft head spent on long backlogs first (not in seconds)."""
+        catch_up: seconds the draft head spent on long backlogs first (not in seconds), catch_up_pairs: on how many
+        pairs."""
         n = len(plan.kinds)
         if plan.depth == 0:
             self.times.record("dense", n, plan.dense_ms, seconds * 1e3)
         else:  # against the table's own estimate, before the overhead was applied
             self.times.record("spec", n, plan.est_ms / self.times.overhead(n), seconds * 1e3)
         self.times.made("dense" if plan.depth == 0 else "spec", n, tokens, seconds * 1e3, plan.dense_ms,
-                        catch_up * 1e3)
+                        catch_up * 1e3, catch_up_pairs)
 
     def observe(self, alive: list[int], plan: StepPlan, accepted: list[int], shadow: list[int | None]) -> None:
         """After a step: accepted[r] of row r's drafted tokens were accepted. shadow[r]: for a row that did
@@ -716,5 +817,5 @@ def _describe_step(p: StepPlan) -> dict:
             "est_gain_over_dense": round(p.rate_gain, 2)}
 
 
-__all__ = ["Acceptance", "CostTable", "Planner", "RowView", "SpecPlan", "StepPlan", "best_step",
+__all__ = ["Acceptance", "CostTable", "Outlook", "Planner", "RowView", "SpecPlan", "StepPlan", "best_step",
            "could_pay", "expected_tokens", "measure_costs", "monotone"]

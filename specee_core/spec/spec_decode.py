@@ -134,13 +134,15 @@ class SpecStepper:
         """mode="auto": the planner picks dense or a chain depth, and per row lookup's chain or the draft
         head's, from measured costs and the acceptance seen so far; the step's outcome updates it."""
         t0 = time.perf_counter()
-        plan = self.planner.dense_ahead(alive)
+        batch = self.batch
+        left, backlog = [batch.room(b) for b in alive], self.proposer.backlog(alive)  # what a switch could earn, costs
+        plan = self.planner.dense_ahead(alive, left, backlog)
         if plan is not None:  # dense whatever the table says: no lookups, no plan; the rows' estimates drift back
             out = self._dense_step(alive, rows, generator, 0.0)
             self.planner.timed(plan, time.perf_counter() - t0, len(alive))
             self.planner.observe(alive, plan, [0] * len(alive), [None] * len(alive))
             return out
-        batch, greedy = self.batch, self.batch.params.greedy
+        greedy = batch.params.greedy
         use_lookup = self.opts.lookup != "off" and (greedy or self.proposer.draft is None)
         conts = [self.proposer.continuation(b, batch, self.depth) if use_lookup else [] for b in alive]
         rooms = [max(0, min(self.depth, batch.room(b) - 1)) for b in alive]
@@ -148,7 +150,7 @@ class SpecStepper:
         # with probability 1, so rejection sampling keeps the target's distribution)
         forced = ([self.proposer.forced(b, batch, room) if room else [] for b, room in zip(alive, rooms)]
                   if batch.params.structured else [[] for _ in alive])  # nothing to ask a row without a grammar
-        plan = self.planner.choose(alive, [len(c) for c in conts], rooms, [len(f) for f in forced])
+        plan = self.planner.choose(alive, [len(c) for c in conts], rooms, [len(f) for f in forced], left, backlog)
         if plan.depth == 0:
             out = self._dense_step(alive, rows, generator, time.perf_counter() - t0)
             accepted = [0] * len(alive)
@@ -160,8 +162,8 @@ class SpecStepper:
             accepted = [len(t) - 1 for t in out.tokens]
         # the step's time without catching the draft head up on a long backlog (the first draft after a prompt
         # or a dense stretch): the planner weighs what drafting costs a step; a try is also charged that once
-        catch_up = self.proposer.take_catch_up()
-        self.planner.timed(plan, time.perf_counter() - t0 - catch_up, sum(map(len, out.tokens)), catch_up)
+        catch_up, pairs = self.proposer.take_catch_up()
+        self.planner.timed(plan, time.perf_counter() - t0 - catch_up, sum(map(len, out.tokens)), catch_up, pairs)
         shadow = [None if not c or k == "lookup" else int(c[0] == t[0]) for c, k, t in zip(conts, plan.kinds, out.tokens)]
         self.planner.observe(alive, plan, accepted, shadow)
         return out
