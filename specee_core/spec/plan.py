@@ -342,8 +342,8 @@ class StepTimes:
         self.dense_ms: dict[int, float] = {}  # a dense step's wall time per bucket (the last)
         self.switch_ms: dict[int, float] = {}  # what the last try cost per bucket (catching up, its steps, its tail)
         self.probing: set[int] = set()  # buckets whose next dense step re-measures dense behind a thin lead
-        # per bucket, from the last drafted plan the table chose: (ms saved per table dense step's tokens, the
-        # table dense step's ms, tokens a row commits per drafted step, their variance): what _pays weighs
+        # per bucket, from the last drafted plan the table chose: (its lead over dense's rate, the table's dense step
+        # ms, the tokens a row commits per drafted step, their variance): what _pays and _tail_ms weigh
         self.prospect: dict[int, tuple[float, float, float, float]] = {}
         self.pair_ms: float | None = None  # ms per pair the draft head caught up on (learned from every catch-up)
 
