@@ -10,8 +10,8 @@ import torch
 from specee_core import SpecEEEngine
 from specee_core.machine import choose_dtype
 from specee_core.spec.plan import (FORCED_PRIOR, PROBE_AHEAD, PROBE_EVERY, T_GRID, TRIAL_STEPS, Acceptance, CostTable,
-                                   Outlook, Planner, RowView, StepPlan, StepTimes, best_step, could_pay, expected_tokens,
-                                   batch_bucket, monotone, tokens_var)
+                                   Outlook, Planner, RowView, StepPlan, StepTimes, batch_bucket, best_step,
+                                   chains_could_pay, could_pay, expected_tokens, monotone, tokens_var)
 from tests.conftest import BUNDLED, make_hf_model
 
 CODE = ["import os\nimport sys\n\n\ndef main(argv=None):\n", "class Point:\n    def __init__(self, x, y):\n",
@@ -50,6 +50,25 @@ def test_cost_linear_in_t_steps_dense_even_with_perfect_drafts():
     p = best_step(LINEAR, rows, max_depth=4, has_draft=True)
     assert p.depth == 0 and p.est_ms == p.dense_ms == LINEAR.verify_ms(8, 1)
     assert not could_pay(LINEAR, 1, 4, True)
+
+
+def test_chains_could_pay_bounds_best_step_from_above():
+    """Where no chain could beat dense for rows whose every chain is accepted with at most the rows' best alpha,
+    best_step picks dense: on random rows and tables (the planner then skips best_step's loop)."""
+    gen = torch.Generator().manual_seed(0)
+    skipped = 0
+    for _ in range(400):
+        slope, n = float(torch.rand(1, generator=gen)) * 12, int(torch.randint(1, 33, (1,), generator=gen))
+        costs = table(lambda b, t: 10.0 * b ** 0.5 + slope * (t - 1) * b ** 0.5, draft_ms=float(torch.rand(1, generator=gen)))
+        rows = [RowView(room=int(torch.randint(0, 5, (1,), generator=gen)), lookup=int(torch.randint(0, 5, (1,), generator=gen)),
+                        alpha_lookup=float(torch.rand(1, generator=gen)), alpha_draft=float(torch.rand(1, generator=gen)))
+                for _ in range(n)]
+        best = max(max(r.alpha_lookup if r.lookup else 0.0, r.alpha_draft) for r in rows)
+        if not chains_could_pay(costs, n, best, 4):
+            skipped += 1
+            assert best_step(costs, rows, 4, True).depth == 0
+    assert 50 < skipped < 350, skipped  # both sides seen
+    assert not chains_could_pay(LINEAR, 8, 0.99, 4) and chains_could_pay(FLAT, 8, Acceptance().alpha, 4)
 
 
 def test_a_row_without_room_or_lookup_hit_verifies_its_root_alone():

@@ -38,6 +38,7 @@ PROBE_EVERY = 16  # StepTimes.check: steps between a measured check of dense (or
 PROBE_MARGIN = 1.25  # drafting's lead over dense's measured rate under which dense is measured anew ...
 PROBE_AHEAD = 4  # ... every PROBE_EVERY steps; above it, every PROBE_AHEAD x PROBE_EVERY
 TRY_EVERY_MAX = 256
+STEP_MARGIN = 1.1  # best_step: the lead over dense's estimated rate a drafted shape must show
 TRIAL_STEPS = 4  # StepTimes: drafted steps a try of drafting (while dense was ahead) is judged on, as their mean
 # ... and the lead over dense they must show to bring drafting back: a tie does not pay for switching (the draft
 # head first catches up on every row's dense stretch: ~100 ms, 4 dense steps, at 32 rows on the AMD EPYC)
@@ -254,7 +255,7 @@ class StepPlan:
 
 
 def best_step(costs: CostTable, rows: list[RowView], max_depth: int, has_draft: bool,
-              margin: float = 1.1, overhead: float = 1.0) -> StepPlan:
+              margin: float = STEP_MARGIN, overhead: float = 1.0) -> StepPlan:
     """The step shape with the most expected tokens per millisecond for these rows: a dense step, or
     for each depth d <= max_depth, every row's best chain (lookup's, the draft head's or its grammar's
     forced tokens, each no longer than the row's room), verified in one forward of 1 + (longest chain)
@@ -312,6 +313,16 @@ class Outlook:
     the rows' backlog (their prompts and dense stretch: the pairs queued, at the ms per pair timed so far)."""
     horizon: float
     catch_up_ms: float
+
+
+def chains_could_pay(costs: CostTable, n: int, alpha: float, max_depth: int, overhead: float = 1.0) -> bool:
+    """An upper bound on best_step for n rows whose every chain is accepted with probability at most alpha:
+    whether any depth could beat a dense step by STEP_MARGIN were every row to draft that deep at no draft cost.
+    False means best_step picks dense for such rows (one row's sums, not the shapes' loop over every row: that loop
+    was 0.8% of a dense step at 8 rows held to AVX2, where the table makes every step dense)."""
+    dense_rate = n / costs.verify_ms(n, 1) * STEP_MARGIN
+    upto = expected_tokens_upto(alpha, max_depth)
+    return any(n * upto[d] / (costs.verify_ms(n, 1 + d) * overhead) > dense_rate for d in range(1, max_depth + 1))
 
 
 def could_pay(costs: CostTable, b: int, max_depth: int, has_draft: bool, alpha: float = 0.9) -> bool:
@@ -568,11 +579,20 @@ class Planner:
         """The step's plan. rooms: the drafted tokens each row may use now; left, backlog: the outlook of a switch
         to drafting (Planner.outlook; without left, any try the guard would make is made)."""
         forced_lens = forced_lens or [0] * len(alive)
+        n, over = len(alive), self.times.overhead(len(alive))
+        # the rows' best acceptance over the chains they have (a lookup chain found, forced tokens, the draft head's)
+        best = max(max(self.lookup[b].alpha if ln else 0.0, self.forced[b].alpha if fl else 0.0,
+                       self.draft[b].alpha if self.has_draft else 0.0)
+                   for b, ln, fl in zip(alive, lookup_lens, forced_lens))
+        if not chains_could_pay(self.costs, n, best, self.max_depth, over):  # best_step would pick dense: skip its loop
+            ms = self.costs.verify_ms(n, 1)
+            self.steps[0] = self.steps.get(0, 0) + 1
+            return StepPlan(0, ("",) * n, (0,) * n, float(n), ms, ms)
         views = [RowView(room=room, lookup=ln, alpha_lookup=self.lookup[b].alpha,
                          alpha_draft=self.draft[b].alpha if self.has_draft else 0.0,
                          forced=fl, alpha_forced=self.forced[b].alpha)
                  for b, ln, room, fl in zip(alive, lookup_lens, rooms, forced_lens)]
-        plan = best_step(self.costs, views, self.max_depth, self.has_draft, overhead=self.times.overhead(len(alive)))
+        plan = best_step(self.costs, views, self.max_depth, self.has_draft, overhead=over)
         plan = self.times.check(plan, self.outlook(left, backlog))
         self.steps[plan.depth] = self.steps.get(plan.depth, 0) + 1
         return plan
@@ -818,4 +838,4 @@ def _describe_step(p: StepPlan) -> dict:
 
 
 __all__ = ["Acceptance", "CostTable", "Outlook", "Planner", "RowView", "SpecPlan", "StepPlan", "best_step",
-           "could_pay", "expected_tokens", "measure_costs", "monotone"]
+           "chains_could_pay", "could_pay", "expected_tokens", "measure_costs", "monotone"]
