@@ -470,17 +470,21 @@ class StepTimes:
                 return as_dense
             return plan
         self._dense_instead(k, spec, dense)
-        if self.since_try[k] >= self.try_every.get(k, PROBE_EVERY) and self._pays(n, outlook):
+        if self.since_try[k] >= self._try_gap(k) and self._pays(n, outlook):
             self.since_try[k] = 0
-            # the next try (should this one fail) twice as far, and far enough that what the last try cost (catching
-            # the draft head up, its steps' deficit, its tail) is at most SWITCH_SHARE of the dense steps between (at
-            # 32 rows ~100 ms of catching up alone against 26 ms a step: every 190 steps, where doubling from 16
-            # tried 3 times in a 64-token call)
-            spaced = self.switch_ms.get(k, 0.0) / (SWITCH_SHARE * max(self.dense_ms.get(k, 1.0), 1e-3))
-            self.try_every[k] = min(max(2 * self.try_every.get(k, PROBE_EVERY), math.ceil(spaced)), TRY_EVERY_MAX)
+            self.try_every[k] = min(2 * self.try_every.get(k, PROBE_EVERY), TRY_EVERY_MAX)  # the next, should this fail
             self.trying.add(k)
             return plan
         return as_dense
+
+    def _try_gap(self, k: int) -> int:
+        """Steps from a try of drafting at bucket k that fell short to the next: try_every (PROBE_EVERY, doubling with
+        each try), and far enough that what the last try cost (catching the draft head up, its steps' deficit, its
+        tail) is at most SWITCH_SHARE of the dense steps between; at most TRY_EVERY_MAX. At 32 rows catching up alone
+        cost ~100 ms against 26 ms a dense step: every 190 steps, where doubling from 16 tried 3 times in a 64-token
+        call; the first try's cost spaces the second too (before, the second came 16 steps after the first)."""
+        spaced = self.switch_ms.get(k, 0.0) / (SWITCH_SHARE * max(self.dense_ms.get(k, 1.0), 1e-3))
+        return min(max(self.try_every.get(k, PROBE_EVERY), math.ceil(spaced)), TRY_EVERY_MAX)
 
     def dense_ahead(self, n: int, outlook: Outlook | None = None) -> bool:
         """Whether a step of n rows is dense whatever the table would choose (past the baseline, drafting may not
@@ -495,7 +499,7 @@ class StepTimes:
         if self._drafting(k, spec, dense):
             if k in self.trial or self._pays(n, outlook, spec / dense):
                 return False
-        elif self.since_try.get(k, 0) + 1 >= self.try_every.get(k, PROBE_EVERY) and self._pays(n, outlook):
+        elif self.since_try.get(k, 0) + 1 >= self._try_gap(k) and self._pays(n, outlook):
             return False  # a try is due: the step is planned
         self._dense_instead(k, spec, dense)
         return True
