@@ -13,6 +13,10 @@ Per N, in one run, the peers alternating round by round:
   call's time to the last first token; llama.cpp: S_PP, its prompt-processing speed at N sequences.
 
     python -m jobs.bench_batched --llama-bench /work/llamacpp-src/bb/bin/llama-batched-bench --out docs/bench_batched.json
+    python -m jobs.bench_batched --replot docs/bench_batched.json   # its plot again, from the JSON alone
+
+With --out, a plot beside the JSON (.png): decode tokens/s per batch size for each variant and llama.cpp build, and
+with modes auto and dense, auto / dense per round and their medians' ratio.
 """
 from __future__ import annotations
 
@@ -104,8 +108,12 @@ def main() -> None:
     ap.add_argument("--batch1-prompts", type=int, default=8,
                     help="at N=1 ours decodes this many held-out prompts one after another")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", type=Path, help="the JSON; its plot is written beside it (.png)")
+    ap.add_argument("--replot", type=Path, help="only plot this JSON (written by this benchmark) beside it")
     args = ap.parse_args()
+    if args.replot:
+        print(plot_batched(json.loads(args.replot.read_text()), args.replot.with_suffix(".png")))
+        return
     sizes = [int(s) for s in args.sizes.split(",")]
     weights = args.weights.split(",")
     modes = args.mode.split(",")
@@ -158,6 +166,59 @@ def main() -> None:
                    "parallel sequences); prefill: N prompts of prompt-tokens tokens, prefix cache off, to the last "
                    "first token (llama.cpp: S_PP); ratios against llama.cpp's fastest build at each size"}
     emit(out, args.out)
+    if args.out:
+        plot_batched(out, args.out.with_suffix(".png"))
+
+
+def _decode_sizes(result: dict, name: str) -> list[int]:
+    return sorted(int(k.rsplit("@", 1)[1]) for k in result["tokens_per_s_median"] if k.startswith(f"{name}_decode@"))
+
+
+def plot_batched(result: dict, path: Path) -> Path:
+    """Left: decode tokens/s (medians) against batch size, per variant and llama.cpp build. Right, where the run
+    has modes auto and dense: each round's auto / dense per batch size, and the medians' ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    med, runs = result["tokens_per_s_median"], result["tokens_per_s_runs"]
+    names = sorted({k.rsplit("_decode@", 1)[0] for k in med if "_decode@" in k}, key=lambda n: (n.startswith("llama"), n))
+    pairs = sorted({(n.rsplit("/", 1)[0]) for n in names if n.endswith("/auto") and n[:-5] + "/dense" in names})
+    fig, axes = plt.subplots(1, 2 if pairs else 1, figsize=(11 if pairs else 6, 4.2), squeeze=False)
+    ax = axes[0][0]
+    for name in names:
+        sizes = _decode_sizes(result, name)
+        ax.plot(sizes, [med[f"{name}_decode@{n}"] for n in sizes], marker="o", ls="--" if name.startswith("llama") else "-",
+                label=name if name.startswith("llama") else f"weights {name.replace('/', ', mode ')}")
+    ax.set_xscale("log", base=2)
+    every = sorted({n for name in names for n in _decode_sizes(result, name)})
+    ax.set_xticks(every, [str(n) for n in every])
+    ax.set_xlabel("batch size (rows decoding at once)")
+    ax.set_ylabel("decode tokens/s (median)")
+    ax.legend(fontsize=7)
+    if pairs:
+        ax = axes[0][1]
+        for w in pairs:
+            sizes = _decode_sizes(result, f"{w}/auto")
+            for i, n in enumerate(sizes):
+                a, d = runs[f"{w}/auto_decode@{n}"], runs[f"{w}/dense_decode@{n}"]
+                ax.scatter([i] * len(a), [x / y for x, y in zip(a, d)], color="tab:blue", s=14, alpha=0.6,
+                           label="a round" if i == 0 else None)
+                ax.scatter([i], [statistics.median(a) / statistics.median(d)], color="tab:red", marker="_", s=300,
+                           label="medians" if i == 0 else None)
+            ax.set_xticks(range(len(sizes)), [str(n) for n in sizes])
+        ax.axhline(1.0, color="grey", lw=0.6)
+        ax.axhline(0.95, color="grey", lw=0.6, ls=":")
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("auto / dense decode tokens/s")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{Path(result['config']['model']).name}, {result['machine'].get('machine', '?')}, "
+                 f"{result['machine'].get('threads', '?')} threads, commit {result['git_commit']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":
