@@ -356,7 +356,9 @@ class StepTimes:
         # per bucket, from the last drafted plan the table chose: (its lead over dense's rate, the table's dense step
         # ms, the tokens a row commits per drafted step, their variance): what _pays and _tail_ms weigh
         self.prospect: dict[int, tuple[float, float, float, float]] = {}
-        self.pair_ms: float | None = None  # ms per pair the draft head caught up on (learned from every catch-up)
+        # ms per pair the draft head caught up on: the fastest catching up timed (noise only adds time, and a slow
+        # first one, a shape's first run, kept as the estimate would rule out tries that are never made to correct it)
+        self.pair_ms: float | None = None
 
     def record(self, kind: str, b: int, est_ms: float, ms: float) -> None:
         """One step's wall time against its estimate. A sample counts at most 3x the estimate (a step that
@@ -388,7 +390,7 @@ class StepTimes:
         bucket = batch_bucket(b)
         if catch_up_pairs > 0:
             per = catch_up_ms / catch_up_pairs
-            self.pair_ms = per if self.pair_ms is None else self.pair_ms * self.decay + per * (1 - self.decay)
+            self.pair_ms = per if self.pair_ms is None else min(self.pair_ms, per)
         if kind == "dense":
             self.dense_ms[bucket] = ms
         if kind == "spec" and bucket in self.trying:
