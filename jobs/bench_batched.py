@@ -183,7 +183,8 @@ def plot_batched(result: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     med, runs = result["tokens_per_s_median"], result["tokens_per_s_runs"]
-    names = sorted({k.rsplit("_decode@", 1)[0] for k in med if "_decode@" in k}, key=lambda n: (n.startswith("llama"), n))
+    names = sorted({k.rsplit("_decode@", 1)[0] for k in med if "_decode@" in k},
+                   key=lambda n: (n.startswith("llama"), n))  # ours first
     pairs = sorted({(n.rsplit("/", 1)[0]) for n in names if n.endswith("/auto") and n[:-5] + "/dense" in names})
     fig, axes = plt.subplots(1, 2 if pairs else 1, figsize=(11 if pairs else 6, 4.2), squeeze=False)
     ax = axes[0][0]

@@ -57,12 +57,16 @@ def test_chains_could_pay_bounds_best_step_from_above():
     best_step picks dense: on random rows and tables (the planner then skips best_step's loop)."""
     gen = torch.Generator().manual_seed(0)
     skipped = 0
+    def uniform() -> float:
+        return float(torch.rand(1, generator=gen))
+
+    def upto(k: int) -> int:
+        return int(torch.randint(0, k, (1,), generator=gen))
+
     for _ in range(400):
-        slope, n = float(torch.rand(1, generator=gen)) * 12, int(torch.randint(1, 33, (1,), generator=gen))
-        costs = table(lambda b, t: 10.0 * b ** 0.5 + slope * (t - 1) * b ** 0.5, draft_ms=float(torch.rand(1, generator=gen)))
-        rows = [RowView(room=int(torch.randint(0, 5, (1,), generator=gen)), lookup=int(torch.randint(0, 5, (1,), generator=gen)),
-                        alpha_lookup=float(torch.rand(1, generator=gen)), alpha_draft=float(torch.rand(1, generator=gen)))
-                for _ in range(n)]
+        slope, n = uniform() * 12, 1 + upto(32)
+        costs = table(lambda b, t: 10.0 * b ** 0.5 + slope * (t - 1) * b ** 0.5, draft_ms=uniform())
+        rows = [RowView(room=upto(5), lookup=upto(5), alpha_lookup=uniform(), alpha_draft=uniform()) for _ in range(n)]
         best = max(max(r.alpha_lookup if r.lookup else 0.0, r.alpha_draft) for r in rows)
         if not chains_could_pay(costs, n, best, 4):
             skipped += 1

@@ -310,7 +310,7 @@ def best_step(costs: CostTable, rows: list[RowView], max_depth: int, has_draft: 
 class Outlook:
     """What switching a batch to drafting could still earn and what it costs first: horizon, the tokens its rows
     have left on average (the dense steps drafting could shorten); catch_up_ms, the draft head's catching up on
-    the rows' backlog (their prompts and dense stretch: the pairs queued, at the ms per pair timed so far)."""
+    the rows' backlog (their prompts and dense stretch: the pairs queued, at the fewest ms per pair timed so far)."""
     horizon: float
     catch_up_ms: float
 
@@ -612,7 +612,8 @@ class Planner:
         ms = self.costs.verify_ms(n, 1)
         return StepPlan(0, ("",) * n, (0,) * n, float(n), ms, ms)
 
-    def timed(self, plan: StepPlan, seconds: float, tokens: int, catch_up: float = 0.0, catch_up_pairs: int = 0) -> None:
+    def timed(self, plan: StepPlan, seconds: float, tokens: int, catch_up: float = 0.0,
+              catch_up_pairs: int = 0) -> None:
         """The wall time the planned step took, drafting and commit included, and the tokens it committed;
         catch_up: seconds the draft head spent on long backlogs first (not in seconds), catch_up_pairs: on how many
         pairs."""
