@@ -43,7 +43,7 @@ TRIAL_STEPS = 4  # StepTimes: drafted steps a try of drafting (while dense was a
 # ... and the lead over dense they must show to bring drafting back: a tie does not pay for switching (the draft
 # head first catches up on every row's dense stretch: ~100 ms, 4 dense steps, at 32 rows on the AMD EPYC)
 TRIAL_MARGIN = 1.1
-SWITCH_SHARE = 0.02  # tries of drafting are spaced so their catching up costs at most this share of dense's time
+SWITCH_SHARE = 0.02  # tries of drafting are spaced so what they cost is at most this share of dense's time
 PLAN_VERSION = 3  # bump when what is measured changes: older cache files are then measured again
 
 
@@ -247,6 +247,11 @@ class StepPlan:
     dense_ms: float
     token_var: float = 0.0  # the variance of the tokens one row commits in such a step (mean over the rows)
 
+    @classmethod
+    def dense(cls, n: int, dense_ms: float) -> StepPlan:
+        """A dense step of n rows (the table's dense_ms)."""
+        return cls(0, ("",) * n, (0,) * n, float(n), dense_ms, dense_ms)
+
     @property
     def rate_gain(self) -> float:
         """Expected tokens/s of this step over a dense step's."""
@@ -266,7 +271,7 @@ def best_step(costs: CostTable, rows: list[RowView], max_depth: int, has_draft: 
     its acceptance or its cost loses more than it could gain."""
     n = len(rows)
     dense_ms = costs.verify_ms(n, 1)
-    best = StepPlan(0, ("",) * n, (0,) * n, float(n), dense_ms, dense_ms)
+    best = StepPlan.dense(n, dense_ms)
     best_rate = n / dense_ms * margin
     # each row's expected tokens at every depth, once per step (not once per shape tried: at 32 rows the shapes'
     # loop called expected_tokens ~800 times a step)
@@ -434,7 +439,7 @@ class StepTimes:
         k = batch_bucket(n)
         self.prospect[k] = (plan.rate_gain, plan.dense_ms, plan.expected_tokens / n, plan.token_var)
         spec, dense = self.rate.get(("spec", k)), self.rate.get(("dense", k))
-        as_dense = StepPlan(0, ("",) * n, (0,) * n, float(n), plan.dense_ms, plan.dense_ms)
+        as_dense = StepPlan.dense(n, plan.dense_ms)
         if dense is None or self.dense_steps.get(k, 0) < TRIAL_STEPS:
             return as_dense  # the first steps at a batch size are dense, whatever the (cached) table says: the baseline
         if spec is None:  # then drafting, as a try: the table's choice is held to what its first steps make
@@ -591,15 +596,14 @@ class Planner:
                        self.draft[b].alpha if self.has_draft else 0.0)
                    for b, ln, fl in zip(alive, lookup_lens, forced_lens))
         if not chains_could_pay(self.costs, n, best, self.max_depth, over):  # best_step would pick dense: skip its loop
-            ms = self.costs.verify_ms(n, 1)
-            self.steps[0] = self.steps.get(0, 0) + 1
-            return StepPlan(0, ("",) * n, (0,) * n, float(n), ms, ms)
-        views = [RowView(room=room, lookup=ln, alpha_lookup=self.lookup[b].alpha,
-                         alpha_draft=self.draft[b].alpha if self.has_draft else 0.0,
-                         forced=fl, alpha_forced=self.forced[b].alpha)
-                 for b, ln, room, fl in zip(alive, lookup_lens, rooms, forced_lens)]
-        plan = best_step(self.costs, views, self.max_depth, self.has_draft, overhead=over)
-        plan = self.times.check(plan, self.outlook(left, backlog))
+            plan = StepPlan.dense(n, self.costs.verify_ms(n, 1))
+        else:
+            views = [RowView(room=room, lookup=ln, alpha_lookup=self.lookup[b].alpha,
+                             alpha_draft=self.draft[b].alpha if self.has_draft else 0.0,
+                             forced=fl, alpha_forced=self.forced[b].alpha)
+                     for b, ln, room, fl in zip(alive, lookup_lens, rooms, forced_lens)]
+            plan = best_step(self.costs, views, self.max_depth, self.has_draft, overhead=over)
+            plan = self.times.check(plan, self.outlook(left, backlog))
         self.steps[plan.depth] = self.steps.get(plan.depth, 0) + 1
         return plan
 
@@ -609,8 +613,7 @@ class Planner:
         if not self.times.dense_ahead(n, self.outlook(left, backlog)):
             return None
         self.steps[0] = self.steps.get(0, 0) + 1
-        ms = self.costs.verify_ms(n, 1)
-        return StepPlan(0, ("",) * n, (0,) * n, float(n), ms, ms)
+        return StepPlan.dense(n, self.costs.verify_ms(n, 1))
 
     def timed(self, plan: StepPlan, seconds: float, tokens: int, catch_up: float = 0.0,
               catch_up_pairs: int = 0) -> None:

@@ -145,7 +145,7 @@ class SpecStepper:
         greedy = batch.params.greedy
         use_lookup = self.opts.lookup != "off" and (greedy or self.proposer.draft is None)
         conts = [self.proposer.continuation(b, batch, self.depth) if use_lookup else [] for b in alive]
-        rooms = [max(0, min(self.depth, batch.room(b) - 1)) for b in alive]
+        rooms = [max(0, min(self.depth, room - 1)) for room in left]
         # structured output: the tokens a row's grammar forces next, drafted with no draft forward (sampling: drawn
         # with probability 1, so rejection sampling keeps the target's distribution)
         forced = ([self.proposer.forced(b, batch, room) if room else [] for b, room in zip(alive, rooms)]
