@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -17,7 +19,7 @@ from specee_core.model.loader import find_model_dir, load_model, load_tokenizer
 from specee_core.model.model import LlamaModel
 from specee_core.machine import choose_dtype
 from specee_core.spec.plan import CostTable, Planner, SpecPlan, StepTimes, cost_key, could_pay, load_costs
-from specee_core.decode.core import EngineCore, Request
+from specee_core.decode.core import EngineCore, Request, Runner
 from specee_core.decode.dense import DenseStepper
 from specee_core.decode.memory import default_kv_bytes
 from specee_core.step.sampling import SamplingParams
@@ -74,6 +76,8 @@ class SpecEEEngine:
             eos.add(tokenizer.eos_token_id)
         self.rules = TextRules(frozenset(eos), self._decode, model.num_layers, self._grammar_tokenizer)
         self._core: EngineCore | None = None
+        self._runner: Runner | None = None
+        self._runner_lock = threading.Lock()
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -268,6 +272,52 @@ class SpecEEEngine:
         max_disagreement (mode "specee"): exit thresholds calibrated so that at most this share of
         exited tokens differs from the full model's choice (specee_core.early_exit.calibration); None: the
         engine's own setting."""
+        requests, order = self._requests(prompts, max_new_tokens, temperature, top_p, top_k, stop, seed, mode,
+                                         ignore_eos, on_token, spec, max_disagreement, sampling_params)
+        return _in_order(len(prompts), order, self.core.run_all(requests))
+
+    def submit(self, prompts: list[str], mode: str = "auto", spec: dict | None = None,
+               max_disagreement: float | None = None,
+               sampling_params: SamplingParams | list[SamplingParams] | None = None,
+               on_token: Callable[[int, int], None] | None = None) -> Future:
+        """generate without waiting (any thread): the prompts join the rows the engine core is decoding now,
+        on its own thread (specee_core.decode.core.Runner), and the Future's result is their
+        GenerationResults in prompt order, or the first error of one. Calls made while others run share
+        their decode steps. Bad prompts or options raise here, before anything is queued."""
+        requests, order = self._requests(prompts, 128, 0.0, 1.0, 0, None, None, mode, False, on_token, spec,
+                                         max_disagreement, sampling_params or SamplingParams())
+        futures = [self.runner.submit(r) for r in requests]
+        out: Future = Future()
+        left = [len(futures)]
+        lock = threading.Lock()
+
+        def one_done(_: Future) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            failed = next((f.exception() for f in futures if f.exception() is not None), None)
+            if failed is not None:
+                out.set_exception(failed)
+            else:
+                out.set_result(_in_order(len(prompts), order, [f.result() for f in futures]))
+
+        for f in futures:
+            f.add_done_callback(one_done)
+        return out
+
+    @property
+    def runner(self) -> Runner:
+        """The engine core stepping on its own thread (made on first use): what submit queues on."""
+        with self._runner_lock:
+            if self._runner is None:
+                self._runner = Runner(self.core)
+            return self._runner
+
+    def _requests(self, prompts, max_new_tokens, temperature, top_p, top_k, stop, seed, mode, ignore_eos, on_token,
+                  spec, max_disagreement, sampling_params) -> tuple[list[Request], list[list[int]]]:
+        """generate's arguments as engine-core Requests (one per distinct SamplingParams; rows of every
+        request share decode steps) and, per request, the prompt indices it holds."""
         if isinstance(prompts, str):
             raise PromptError("prompts must be a list of strings, got a single string")
         self.stepper_factory(mode, spec, max_disagreement)  # a mode or options it cannot run fail before any prompt
@@ -292,11 +342,7 @@ class SpecEEEngine:
             hook = None if on_token is None else (lambda j, tok, *entry, m=members: on_token(m[j], tok, *entry))
             requests.append(Request([ids[i] for i in members], per_prompt[members[0]], mode, spec=spec,
                                     max_disagreement=max_disagreement, on_token=hook))
-        results: list[GenerationResult | None] = [None] * len(prompts)
-        for members, got in zip(groups.values(), self.core.run_all(requests)):
-            for i, r in zip(members, got):
-                results[i] = r
-        return results
+        return requests, list(groups.values())
 
     def weights_info(self) -> dict:
         """The weight format in use, why, and its resident bytes (recorded beside the dtype everywhere)."""
@@ -416,6 +462,15 @@ class SpecEEEngine:
         request = Request([list(p) for p in prompt_ids], params, mode, spec=spec, max_disagreement=max_disagreement,
                           on_token=on_token, stepper=custom)
         return self.core.run(request)
+
+
+def _in_order(n: int, order: list[list[int]], got: list[list[GenerationResult]]) -> list[GenerationResult]:
+    """Per-request results back in prompt order (order[r]: the prompt indices of request r)."""
+    results: list[GenerationResult | None] = [None] * n
+    for members, res in zip(order, got):
+        for i, r in zip(members, res):
+            results[i] = r
+    return results
 
 def default_context_len(c: ModelConfig) -> int:
     """max_position_embeddings, stretched by the factor of dynamic (NTK) RoPE, which extrapolates."""
