@@ -81,6 +81,7 @@ class _SamplingRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)  # extension (as in vLLM): -1 or 0 = off
+    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)  # extension (as in vLLM): 0 = off
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stream: bool | None = None
@@ -164,7 +165,8 @@ class _SamplingRequest(BaseModel):
         return {"max_new_tokens": max_tokens,
                 "temperature": 1.0 if self.temperature is None else float(self.temperature),
                 "top_p": 1.0 if self.top_p is None else float(self.top_p),
-                "top_k": max(self.top_k or 0, 0), "stop": tuple(stop or ()), "seed": self.seed,
+                "top_k": max(self.top_k or 0, 0), "min_p": float(self.min_p or 0.0), "stop": tuple(stop or ()),
+                "seed": self.seed,
                 "frequency_penalty": float(self.frequency_penalty or 0.0),
                 "presence_penalty": float(self.presence_penalty or 0.0),
                 "repetition_penalty": float(self.repetition_penalty or 1.0),

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the reader's tasks use row_fields only: they need not impor
 
 # vLLM's name -> SamplingParams field, for the parameters a row may set
 SUPPORTED = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+             "min_p": "min_p",
              "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos", "presence_penalty": "presence_penalty",
              "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
              "min_tokens": "min_tokens", "stop_token_ids": "stop_token_ids", "logit_bias": "logit_bias",
@@ -31,7 +32,7 @@ SUPPORTED = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_
              "response_format": "structured", "structured_outputs": "structured", "guided_decoding": "structured"}
 # vLLM sampling parameters a row may not set yet, with the values that mean "off": a row may state those; any
 # other value makes it an error row
-NOT_YET = {"best_of": (1,), "min_p": (0,), "prompt_logprobs": (), "bad_words": ([],),
+NOT_YET = {"best_of": (1,), "prompt_logprobs": (), "bad_words": ([],),
            "allowed_token_ids": (), "include_stop_str_in_output": (False,), "truncate_prompt_tokens": ()}
 STRUCTURED = ("response_format", "structured_outputs", "guided_decoding")
 COLUMN = "sampling_params"  # the column holding all of them at once

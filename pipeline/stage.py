@@ -333,9 +333,10 @@ class GenerateRows:
         try:
             results = self.engine.generate(prompts, mode=self.cfg.mode, spec=dict(self.cfg.spec) or None,
                                            sampling_params=params)
-            for r in {lane_of(p): r for p, r in zip(params, results)}.values():  # one planner per lane
-                for k, v in r.stats.get("plan_steps", {}).items():
-                    self.plan_steps[k] = self.plan_steps.get(k, 0) + v
+            # the rows share one lane (one mode): its planner's counts, as the row that finished last saw them
+            last = max(results, key=lambda r: sum(r.stats.get("plan_steps", {}).values()))
+            for k, v in last.stats.get("plan_steps", {}).items():
+                self.plan_steps[k] = self.plan_steps.get(k, 0) + v
             return results
         except Exception as e:  # noqa: BLE001 -- an engine failure must cost its rows, not the job
             if len(prompts) == 1:
@@ -382,12 +383,6 @@ def error_kind(e: BaseException) -> str:
             "out of memory" in text.lower() or "CUDA error" in text or "device-side assert" in text:
         return "machine"
     return "input"
-
-
-def lane_of(p: SamplingParams) -> tuple:
-    """Which of a generate call's lanes rows with these parameters decode in: the engine core shares a lane
-    among equal SamplingParams.lane_key()s, but gives each seeded sampled request (its own generator) one."""
-    return (*p.lane_key(), repr(p) if p.seed is not None and not p.greedy else None)
 
 
 def worker_name() -> str:

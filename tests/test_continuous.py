@@ -70,17 +70,42 @@ def test_a_short_request_is_not_starved_by_a_long_one(engine, code_ids):
     assert big.results[5].token_ids == alone(engine, code_ids[5], big.params, "dense", None).token_ids
 
 
-def test_requests_with_different_sampling_run_in_lanes_of_their_own(engine, code_ids):
-    sch = EngineCore(engine, max_rows=4)
-    greedy = sch.submit(Request([code_ids[0]], SamplingParams(max_new_tokens=8), "dense"))
-    seeded = sch.submit(Request([code_ids[1]], SamplingParams(max_new_tokens=8, temperature=1.0, seed=7), "dense"))
-    spec = sch.submit(Request([code_ids[2]], SamplingParams(max_new_tokens=8), "spec"))
+def mixed_settings(n: int) -> list[SamplingParams]:
+    """n requests' sampling, each its own: greedy, seeded draws of several temperatures, top-k / top-p / min-p,
+    penalties, logit_bias, logprobs, and draws from torch's generator (no seed)."""
+    kinds = [dict(), dict(temperature=0.8, seed=11), dict(temperature=1.2, top_k=20, seed=12),
+             dict(temperature=0.6, top_p=0.8, seed=13), dict(temperature=1.0, min_p=0.1, seed=14, logprobs=2),
+             dict(frequency_penalty=0.8, repetition_penalty=1.3), dict(temperature=0.9, presence_penalty=0.5, seed=15),
+             dict(temperature=0.7), dict(logit_bias={13: 3.0}, temperature=0.5, seed=16)]
+    return [SamplingParams(max_new_tokens=10 + i % 5, ignore_eos=True, **kinds[i % len(kinds)]) for i in range(n)]
+
+
+@pytest.mark.parametrize("mode, spec", [("dense", None), ("spec", None), ("spec", {"proposer": "lookup"}),
+                                        ("spec", {"width": 2, "depth": 3})])
+def test_rows_of_any_sampling_share_one_step_and_draw_what_they_draw_alone(engine, code_ids, mode, spec):
+    """16 requests, each with its own sampling, decode in one lane (one forward per step for all 16), and every
+    greedy or seeded row gets exactly the tokens it gets alone in a core of one row, and in a lossless mode
+    the tokens dense decoding gives it: a seeded row's draws depend on nothing but its seed."""
+    params = mixed_settings(16)
+    sch = EngineCore(engine, max_rows=16)
+    reqs = [sch.submit(Request([code_ids[i % len(code_ids)]], p, mode, spec)) for i, p in enumerate(params)]
     sch.step()
-    assert len(sch.lanes) == 3
-    while not all(r.done for r in (greedy, seeded, spec)):
+    assert len(sch.lanes) == 1
+    while not all(r.done for r in reqs):
         sch.step()
-    assert seeded.results[0].token_ids == alone(engine, code_ids[1], seeded.params, "dense", None).token_ids
-    assert spec.results[0].token_ids == alone(engine, code_ids[2], spec.params, "dense", None).token_ids
+    assert max(r.peak_batch for r in reqs) == 16
+    for req in reqs:
+        assert req.error is None and len(req.results[0].token_ids) == req.params.max_new_tokens
+        if req.params.seed is None and not req.params.greedy:
+            continue  # drawn from torch's generator: nothing to compare
+        ref = alone(engine, req.prompt_ids[0], req.params, mode, spec)
+        assert req.results[0].token_ids == ref.token_ids, req.params
+        assert req.results[0].token_ids == alone(engine, req.prompt_ids[0], req.params, "dense", None).token_ids
+        if req.params.logprobs is not None:
+            got, want = ([e["top_logprobs"] for e in r.logprobs] for r in (req.results[0], ref))
+            assert [[t for t, _ in e] for e in got] == [[t for t, _ in e] for e in want]
+            torch.testing.assert_close(torch.tensor([[v for _, v in e] for e in got]),
+                                       torch.tensor([[v for _, v in e] for e in want]), atol=1e-4, rtol=0)
 
 
 def test_the_prompts_of_one_call_share_one_lane_whatever_their_lengths(engine, code_ids):
@@ -192,26 +217,29 @@ def test_lanes_grow_with_their_rows_and_give_their_memory_back(engine, code_ids)
     assert not sch.lanes and sch.budget.used == 0  # an emptied lane gives its blocks back
 
 
-@pytest.mark.parametrize("mode", ["spec", "specee"])
-def test_lanes_side_by_side_keep_their_own_draft_state(engine, code_ids, mode):
-    """Two lanes of one mode at once (their sampling differs): each stepper drafts with its own draft
-    cache (each lane's Proposer), so both give their solo results."""
+@pytest.mark.parametrize("lanes", [(("spec", {"depth": 3}), ("spec", {"depth": 4, "lookup": "off"})),
+                                   (("specee", None), ("spec", None))], ids=["spec", "specee"])
+def test_lanes_side_by_side_keep_their_own_draft_state(engine, code_ids, lanes):
+    """Two lanes that draft with the draft head at once (their steps differ): each stepper drafts with its own
+    draft cache (each lane's Proposer), so both give their solo results."""
+    (mode_a, spec_a), (mode_b, spec_b) = lanes
     sch = EngineCore(engine, max_rows=2)
-    short = sch.submit(Request([code_ids[0], code_ids[1]], SamplingParams(max_new_tokens=10), mode))
-    long = sch.submit(Request([code_ids[2], code_ids[3]], SamplingParams(max_new_tokens=60, ignore_eos=True), mode))
+    short = sch.submit(Request([code_ids[0], code_ids[1]], SamplingParams(max_new_tokens=10), mode_a, spec_a))
+    long = sch.submit(Request([code_ids[2], code_ids[3]], SamplingParams(max_new_tokens=60, ignore_eos=True), mode_b,
+                              spec_b))
     sch.step()
     assert len(sch.lanes) == 2
     while not (short.done and long.done):
         sch.step()
     for req in (short, long):
         for p, got in zip(req.prompt_ids, req.results):
-            assert got.token_ids == alone(engine, p, req.params, mode, None).token_ids
+            assert got.token_ids == alone(engine, p, req.params, req.mode, req.spec).token_ids
 
 
 def test_generate_takes_sampling_params_per_prompt(engine):
-    """generate(sampling_params=[...]): prompts with equal parameters share a lane, the lanes decode side by
-    side, and each prompt gets what a call with its own parameters gives (seeded sampling included); the
-    results come back in the prompts' order."""
+    """generate(sampling_params=[...]): every prompt decodes in one lane whatever its parameters, and each gets
+    what a call with its own parameters gives (seeded sampling included); the results come back in the prompts'
+    order."""
     greedy, short = SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=4, stop=["\n"])
     sampled = SamplingParams(max_new_tokens=10, temperature=0.8, seed=7)
     params = [greedy, sampled, short, greedy]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specee_core import SamplingParams, SpecEEEngine
-from specee_core.step.sampling import process_logits
+from specee_core.step.sampling import process_logits, token_counts
 from tests.conftest import BUNDLED, drafting_plan
 
 CODE = ["import os\nimport sys\n\n\ndef main(argv=None):\n", "class Point:\n    def __init__(self, x, y):\n",
@@ -19,27 +19,41 @@ def tiny():
     return SpecEEEngine.from_pretrained(BUNDLED, dtype="float32")
 
 
+def process_texts(logits, params, texts, stop_ids, matchers=None, paths=None):
+    """process_logits over (prompt, output) texts, one per logits row."""
+    v = logits.shape[-1]
+    seen = token_counts([prompt for prompt, _ in texts], v) > 0
+    return process_logits(logits, params, [len(out) for _, out in texts], [stop_ids] * len(texts),
+                          token_counts([out for _, out in texts], v), seen, matchers, paths)
+
+
 def test_logits_processing_matches_a_plain_reference():
+    """Each row by its own params (one row with all of them, one with others, one with none) against a plain
+    loop over the vocabulary."""
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 12, generator=g) * 3
+    logits = torch.randn(4, 12, generator=g) * 3
     p = SamplingParams(frequency_penalty=0.7, presence_penalty=0.4, repetition_penalty=1.5, logit_bias={2: 4.0, 9: -3.0},
                        min_tokens=2, stop_token_ids=[5])
-    texts = [([1, 2], [3, 3, 4]), ([7], []), ([0], [11, 0, 11, 11])]
-    got = process_logits(logits, p, texts, frozenset({5, 6}))
+    other = SamplingParams(frequency_penalty=-0.3, repetition_penalty=0.8, logit_bias={3: 1.0}, min_tokens=5)
+    plain = SamplingParams()
+    params = [p, other, plain, p]
+    texts = [([1, 2], [3, 3, 4]), ([7], [7, 3]), ([0], [1, 1]), ([0], [11, 0, 11, 11])]
+    got = process_texts(logits, params, texts, frozenset({5, 6}))
     want = logits.clone()
     for r, (prompt, output) in enumerate(texts):
+        q = params[r]
         for v in range(12):
-            x = want[r, v] + p.logit_bias.get(v, 0.0)
+            x = want[r, v] + q.logit_bias.get(v, 0.0)
             if v in prompt or v in output:
-                x = x / 1.5 if x > 0 else x * 1.5
+                x = x / q.repetition_penalty if x > 0 else x * q.repetition_penalty
             c = output.count(v)
-            x = x - 0.7 * c - (0.4 if c else 0.0)
-            if len(output) < 2 and v in (5, 6):
+            x = x - q.frequency_penalty * c - (q.presence_penalty if c else 0.0)
+            if len(output) < q.min_tokens and v in (5, 6):
                 x = float("-inf")
             want[r, v] = x
     torch.testing.assert_close(got, want)
-    plain = SamplingParams()
-    assert process_logits(logits, plain, texts, frozenset({5})) is logits  # nothing asked: untouched
+    assert got[2].equal(logits[2])  # a row that asks nothing keeps its logits
+    assert process_texts(logits, [plain] * 4, texts, frozenset({5})) is logits  # nothing asked: untouched
     with pytest.raises(ValueError, match="frequency_penalty"):
         SamplingParams(frequency_penalty=3.0)
     with pytest.raises(ValueError, match="logprobs"):
@@ -179,13 +193,13 @@ def test_greedy_masks_only_rows_whose_best_token_the_grammar_refuses(tiny):
     allowed_next = opening[len(paths[3]) : len(paths[3]) + 1][0]  # the token the grammar takes at row 3
     logits[3, allowed_next] = 100.0  # row 3's best token is allowed: it keeps its logits
     params = SamplingParams(structured={"type": "json_schema", "schema": SCHEMA})
-    got = process_logits(logits, params, [([], [])] * len(paths), frozenset(), matchers, paths)
+    got = process_texts(logits, [params] * len(paths), [([], [])] * len(paths), frozenset(), matchers, paths)
     want = mask_logits(logits.clone(), matchers, paths)
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
     assert got[3].equal(logits[3]) and not want[0].equal(logits[0])  # row 0 was masked: its best was refused
     best_ok = torch.full_like(logits[:1], -5.0)
     best_ok[0, allowed_next] = 1.0
-    assert process_logits(best_ok, params, [([], [])], frozenset(), [m], [[]]) is best_ok
+    assert process_texts(best_ok, [params], [([], [])], frozenset(), [m], [[]]) is best_ok
 
 
 def test_structured_output_holds_and_keeps_every_lossless_mode_equal_to_dense(tiny):
@@ -216,7 +230,7 @@ def structured_output_in_every_mode(tiny) -> None:
             max_new_tokens=48, temperature=1.0, seed=3, structured={"type": "json_schema", "schema": SCHEMA}))
         for r in sampled:
             jsonschema.validate(json.loads(r.text), SCHEMA)
-    assert sum(r.stats["forced_drafted"] for r in sampled) > 0  # sampling too drafts the forced keys (one-hot q)
+    assert sum(r.stats["forced_drafted"] for r in sampled) > 0  # sampling too drafts the forced keys
     anything = tiny.generate(CODE[:1], mode="dense", sampling_params=SamplingParams(
         max_new_tokens=48, structured={"type": "json_object"}))[0]
     assert anything.text.startswith("{")  # any object: it may not close within max_tokens
@@ -230,3 +244,64 @@ def structured_output_in_every_mode(tiny) -> None:
         SamplingParams(structured={"type": "xml"})
     with pytest.raises(ValueError, match="compile"):
         tiny.generate(CODE[:1], sampling_params=SamplingParams(structured={"type": "regex", "pattern": "(("}))
+
+
+def test_each_row_draws_from_its_own_distribution():
+    """choose over rows of other settings in one batch (greedy, temperature, top-k, top-p, min-p): over many keys a
+    sampled row's draws follow a plain reference of its distribution (chi-square), a greedy row takes the argmax,
+    and a row's draw depends on its key and index alone, not on the rows beside it."""
+    from specee_core.step.sampling import RowSampling, choose, row_key
+    from tests.test_spec_decode import chi_square
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, generator=g)
+    settings = [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=4),
+                SamplingParams(temperature=1.0, top_p=0.7), SamplingParams(temperature=0.9, min_p=0.2)]
+
+    def reference(p: SamplingParams) -> torch.Tensor:
+        x = logits / p.temperature
+        order = x.argsort(descending=True).tolist()
+        keep = set(order[: p.top_k] if p.top_k else order)
+        probs, acc = x.softmax(-1), 0.0
+        for t in order:  # the smallest set of most likely tokens whose mass reaches top_p
+            if acc >= p.top_p:
+                keep.discard(t)
+            acc += float(probs[t])
+        keep = {t for t in keep if probs[t] >= p.min_p * probs.max()}
+        y = torch.tensor([float(x[t]) if t in keep else float("-inf") for t in range(12)])
+        return y.softmax(-1)
+
+    n = 4000
+    rows = RowSampling.of(settings * n, [row_key(s) for s in range(len(settings) * n)])
+    drawn = choose(logits.expand(len(settings) * n, 12), rows, [7] * (len(settings) * n)).view(n, len(settings))
+    assert (drawn[:, 0] == logits.argmax()).all()
+    for c, p in enumerate(settings[1:], start=1):
+        counts = torch.bincount(drawn[:, c], minlength=12).float()
+        want = reference(p)
+        assert chi_square(counts, want) < 32.9, p  # 11 degrees of freedom at most, p = 0.0005
+        with pytest.raises(AssertionError):  # another row's distribution is told apart
+            assert chi_square(counts, reference(settings[1 + c % 4])) < 32.9
+    alone = choose(logits[None], RowSampling.of([settings[2]], [row_key(5)]), [7])
+    beside = choose(torch.stack([logits.flip(0), logits]), RowSampling.of([settings[0], settings[2]], [1, row_key(5)]),
+                    [3, 7])
+    assert alone.item() == beside[1].item()
+    assert len({choose(logits[None], RowSampling.of([settings[1]], [row_key(5)]), [i]).item() for i in range(40)}) > 3
+
+
+def test_a_draw_past_the_head_follows_the_tail():
+    """A flat distribution over 150 tokens, most of whose mass lies past the HEAD most likely tokens: draws
+    follow it (chi-square, 149 degrees of freedom), head and tail alike."""
+    from specee_core.step.sampling import HEAD, RowSampling, choose, row_key
+    from tests.test_spec_decode import chi_square
+
+    logits = torch.randn(150, generator=torch.Generator().manual_seed(1)) * 0.3
+    n = 15000
+    drawn = choose(logits.expand(n, 150), RowSampling.of([SamplingParams(temperature=1.0)] * n,
+                                                          [row_key(s) for s in range(n)]), [3] * n)
+    counts = torch.bincount(drawn, minlength=150).float()
+    probs = logits.softmax(-1)
+    head = probs.topk(HEAD).indices
+    assert 1 - probs[head].sum() > 0.4  # much of it lies past the head
+    assert chi_square(counts, probs) < 215.0  # p ~ 0.0005
+    with pytest.raises(AssertionError):
+        assert chi_square(counts, (logits * 1.5).softmax(-1)) < 215.0

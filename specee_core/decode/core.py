@@ -12,13 +12,14 @@ Requests (prompts with one mode and sampling parameters) are queued; each `step(
   specee, T3);
 - finishing: a settled row's result is handed to its request, its row freed at once.
 
-A *lane* is the rows that can share decode steps (same mode, spec options and sampling parameters;
-max_tokens and stop strings are per row): one KV cache (contiguous per row, so attention and the
+A *lane* is the rows that can share decode steps: those of one mode and one set of spec / early-exit
+options, whatever their sampling (every SamplingParams field is a row's own: specee_core.step.sampling): one KV cache (contiguous per row, so attention and the
 fused decode kernel read it in place), one Batch (specee_core.step.state) and one stepper. Its cache
 takes blocks from the budget (specee_core.decode.memory) as its rows grow. When a step would need
 blocks the budget does not have (after evicting prefix blocks), the most
 recently admitted row is preempted: its blocks are freed, its tokens kept, and it resumes by
-prefilling its context again (a stream sends no token twice; a seeded request's generator is its own).
+prefilling its context again (a stream sends no token twice; a sampled row draws the same tokens after it:
+its draws are keyed by its own seed and token index).
 
 Not thread-safe except where said: one thread at a time runs `step()` (a lock makes `run()` from
 another thread wait its turn); other threads hand requests over through `submit` (a queue) and stop
@@ -34,14 +35,14 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from specee_core.decode.dense import DenseStepper
 from specee_core.decode.memory import KVBudget, PrefixBlock, PrefixCache
-from specee_core.step.sampling import SamplingParams, logprob_entries, sample
+from specee_core.step.sampling import SamplingParams, row_key
 from specee_core.step.state import FREE, PREFILL, Batch, GenerationResult, PromptError, SavedRow
 from specee_core.step.stepper import StepperFactory
 
@@ -81,13 +82,6 @@ class Request:
         self.running = 0  # prompts in lanes (prefilling or decoding) or preempted
         self.done = False
         self._cancelled = threading.Event()
-        self._generator: torch.Generator | None = None
-
-    def generator(self, device: torch.device) -> torch.Generator | None:
-        """A seeded request's own generator: its rows draw from it wherever they run, preempted or not."""
-        if self.params.seed is not None and self._generator is None:
-            self._generator = torch.Generator(device=device).manual_seed(self.params.seed)
-        return self._generator
 
     def cancel(self) -> None:
         """Stop this request's rows at the next step boundary (any thread)."""
@@ -99,12 +93,11 @@ class Request:
 
     @functools.cached_property
     def lane_key(self) -> tuple:
-        """Requests with equal keys can share decode steps (computed once: admission compares it often)."""
-        p = self.params
-        seed = ("seeded", self.uid) if (p.seed is not None and not p.greedy) else None  # one generator per lane
+        """Requests with equal keys share decode steps: the step's kind, not the sampling (computed once:
+        admission compares it often)."""
         custom = None if self.stepper is None else ("stepper", id(self.stepper[0]))
         spec = tuple(sorted((self.spec or {}).items()))
-        return (self.mode, spec, self.max_disagreement, *p.lane_key(), custom, seed)
+        return (self.mode, spec, self.max_disagreement, custom)
 
 
 @dataclass(eq=False)
@@ -122,6 +115,11 @@ class Row:
     computing: list[bytes] = field(default_factory=list)  # prefix-cache keys of the blocks its prefill computes
     resume_after: int = 0  # a preempted row waits until the core has finished more rows than this
     admitted: int = 0  # admission order (preemption takes the latest)
+    key: int = 0  # its sampling key (sampling.row_key): of its seed, else drawn once, kept through preemption
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            self.key = row_key(self.request.params.seed)
 
 
 class Lane:
@@ -131,16 +129,12 @@ class Lane:
         engine = core.engine
         self.core, self.key, self.slots, self.max_len = core, key, slots, max_len
         m = engine.model
-        p = request.params
-        # the lane's params: sampling and ignore_eos shared, max_new_tokens and stops per row
-        self.params = replace(p, max_new_tokens=1, stop=[])
-        self.generator = request.generator(engine.device)
         self.mode = request.mode
         factory, self.headroom = core.stepper_of(request)
         self.cache = m.new_cache(slots, capacity)
         dev = m.device
-        self.batch = Batch.empty(slots, m.config.hidden_size, m.dtype, dev, self.params, engine.rules, request.mode,
-                                 on_token=self._on_token)
+        self.batch = Batch.empty(slots, m.config.hidden_size, m.config.vocab_size, m.dtype, dev, engine.rules,
+                                 request.mode, on_token=self._on_token)
         # a stepper over no prompt yet: rows are admitted one by one
         empty = torch.zeros(slots, 1, m.config.hidden_size, dtype=m.dtype, device=dev)
         self.stepper = (factory or DenseStepper)(engine, self.batch, self.cache, empty,
@@ -183,7 +177,7 @@ class Lane:
         """Row takes a free slot; prefix: cached blocks of its first tokens, copied into its KV."""
         s = self.free_slots()[0]
         self.rows[s] = row
-        self.batch.reserve(s)
+        self.batch.reserve(s, row.request.params, row.key, row.prompt, row.saved.generated if row.saved else [])
         row.done_tokens, row.hidden = 0, []
         if prefix:
             self.cache.write_prefix(s, torch.cat([p.k for p in prefix], 2), torch.cat([p.v for p in prefix], 2))
@@ -256,14 +250,14 @@ class Lane:
             hidden[r, : len(row.tokens)] = torch.cat(row.hidden)
             row.hidden = []
         last = hidden[torch.arange(len(whole)), lens - 1]  # [N, D]
-        logits, p = m.logits(last), self.params
-        chosen_from = self.batch.processed(logits, slots, texts=[(row.prompt, []) for _, row in whole])
-        first = sample(chosen_from, p, self.generator)
+        logits = m.logits(last)
+        first = self.batch.choose(self.batch.processed(logits, slots, fresh=True), slots,
+                                  [len(row.prompt) for _, row in whole])
         saved = [row.saved for _, row in whole]
         for r, (_, row) in enumerate(whole):  # a resumed row goes on with the token it had chosen
             if row.saved is not None:
                 first[r] = row.saved.generated[-1]
-        first_logprobs = None if p.logprobs is None else logprob_entries(logits, first.tolist(), p.logprobs)
+        first_logprobs = self.batch.logprob_entries(logits, slots, first.tolist())
         self.batch.start(slots, [row.prompt for _, row in whole], [row.max_new for _, row in whole],
                          [row.request.params.stop for _, row in whole], first, last, saved, first_logprobs)
         for _, row in whole:
@@ -285,7 +279,7 @@ class Lane:
             req = self.rows[s].request
             req.peak_batch = max(req.peak_batch, len(alive))
         rows = None if len(alive) == self.slots else torch.tensor(alive, device=self.core.engine.device)
-        self.batch.commit(alive, rows, self.stepper.step(alive, rows, self.generator))
+        self.batch.commit(alive, rows, self.stepper.step(alive, rows))
 
     def finished(self) -> list[tuple[Row, GenerationResult | None]]:
         """Rows that finished (with their results) or were cancelled (None), their slots freed."""

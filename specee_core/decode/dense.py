@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import torch
 
-from specee_core.step.sampling import logprob_entries, sample
 from specee_core.step.state import Batch
 from specee_core.step.stepper import StepEngine, StepOutput
 
@@ -14,15 +13,13 @@ class DenseStepper:
     def __init__(self, engine: StepEngine, batch: Batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor):
         self.model, self.batch, self.cache = engine.model, batch, cache
 
-    def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
+    def step(self, alive: list[int], rows: torch.Tensor | None) -> StepOutput:
         batch, m = self.batch, self.model
         fed, positions = batch.fed(alive, rows)
         h = m.forward(fed.unsqueeze(1), positions.unsqueeze(1).to(m.device), self.cache, rows)[:, 0]  # [N, D]
         logits = m.logits(h)
-        toks = sample(batch.processed(logits, alive), batch.params, generator).tolist()
-        k = batch.params.logprobs
-        lps = None if k is None else [[e] for e in logprob_entries(logits, toks, k)]
-        return StepOutput([[t] for t in toks], [[m.num_layers]] * len(alive), h, logprobs=lps)
+        toks = batch.choose(batch.processed(logits, alive), alive).tolist()
+        return StepOutput([[t] for t in toks], [[m.num_layers]] * len(alive), h, logprobs=batch.step_logprobs(logits, alive, toks))
 
     def row_stats(self, b: int) -> dict:
         return {}

@@ -21,7 +21,6 @@ import torch
 from specee_core.draft.lookup import LOOKUP_NGRAM, NgramIndex
 from specee_core.draft.tree import Draft, TreeShape
 from specee_core.step.grammar import allowed_tokens, refusing
-from specee_core.step.sampling import SamplingParams, probabilities
 
 if TYPE_CHECKING:
     from specee_core.draft.head import DraftModel
@@ -182,31 +181,32 @@ class Proposer:
         structured output cut before the first token the row's grammar refuses (verification would reject it
         and every token after it)."""
         chain = self.index.continuation(b, batch.tokens[b], depth) if depth > 0 else []
-        matcher = batch.matchers[b] if chain and batch.params.structured else None
+        matcher = batch.matchers[b] if chain else None
         return chain if matcher is None else chain[: matcher.validate_tokens(chain)]
 
     def forced(self, b: int, batch: Batch, depth: int, path: list[int] | None = None) -> list[int]:
         """Up to depth tokens row b's structured output forces after its last token (and path): a chain that
         needs no draft forward ([] without a grammar, or where the grammar leaves a choice)."""
-        matcher = batch.matchers[b] if batch.params.structured else None
-        return [] if matcher is None else batch.grammar.forced(matcher, path or [], depth)
+        matcher = batch.matchers[b]
+        return [] if matcher is None else batch.grammars[b].forced(matcher, path or [], depth)
 
     def tree(self, rows: list[int], batch: Batch, depths: list[int], shape: TreeShape,
-             params: SamplingParams | None = None, generator: torch.Generator | None = None,
              max_nodes: int | None = None) -> Draft:
         """The draft head's draft after each row's root, no deeper than depths[r] and with at most max_nodes
-        drafted nodes (None: shape.nodes): a tree of its most likely tokens (deterministic, q None), or,
-        sampling with width 1, a chain drawn from its distribution, recorded in q for rejection sampling. With
-        structured output a chain's every level is drafted among the tokens the row's grammar allows there."""
+        drafted nodes (None: shape.nodes): a tree of its most likely tokens, or, with width 1 where some row
+        samples, a chain each row chooses from the draft's distribution as it chooses from the target's
+        (Batch.choose: greedy rows its argmax, sampled rows their draw at their own uniform of each index, which
+        the target's choice there shares). With structured output a chain's every level is drafted among the
+        tokens the row's grammar allows there."""
         roots = [batch.last(b) for b in rows]
-        matchers = [batch.matchers[b] for b in rows] if batch.params.structured else None
+        matchers = [batch.matchers[b] for b in rows] if batch.constrained(rows) else None
         synced, counts, f = self._feed(rows)
         if max(depths) == 0:  # every row is one token from its end: the base's token alone
             return Draft.chains(roots, [[] for _ in rows])
         base = synced + counts  # [N] host: the draft cache slot of the first drafted node
         try:
-            if params is not None and not params.greedy and shape.width == 1:
-                return self._sampled_chain(rows, roots, depths, f, base, params, generator, matchers)
+            if shape.width == 1 and not batch.greedy(rows):
+                return self._chosen_chain(rows, batch, roots, depths, f, base, matchers)
             return self._expand(rows, roots, depths, f, base, shape, max_nodes or shape.nodes,
                                 matchers if shape.width == 1 else None, batch)
         finally:
@@ -284,27 +284,25 @@ class Proposer:
         allowed = allowed_tokens(masked, chain, self.draft.base.config.vocab_size, keys, memo)
         return self.draft.top_log_probs(feats, w, allowed if feats.dim() == 2 else allowed[:, None])
 
-    def _sampled_chain(self, rows, roots, depths, f, base, params, generator, matchers=None) -> Draft:
+    def _chosen_chain(self, rows, batch: Batch, roots, depths, f, base, matchers=None) -> Draft:
+        """Chains of depths[r] tokens, each level chosen by each row from the draft head's distribution
+        (Batch.choose at the index the token would take)."""
         draft, dev = self.draft, self.device
         sub = self._cache_rows(rows)
-        drafted, qs = [], []
+        drafted = []
         vocab = draft.base.config.vocab_size
+        first = [len(batch.tokens[b]) for b in rows]  # where the first drafted token would stand
         for step in range(max(depths)):
             allowed = None
             if matchers is not None:  # the grammar's tokens after the chain so far
                 allowed = allowed_tokens(matchers, torch.stack(drafted, 1).tolist() if drafted else [[] for _ in rows],
                                          vocab)
-            q = probabilities(draft.full_logits(f, allowed), params)  # [N, V] the draft's distribution
-            tok = torch.multinomial(q, 1, generator=generator).squeeze(1)
-            qs.append(q.cpu())
+            tok = batch.choose(draft.full_logits(f, allowed), rows, [i + step for i in first])
             drafted.append(tok)
             if step + 1 < max(depths):
                 f = draft.forward(self.cache, tok[:, None], f[:, None], (base + step)[:, None].to(dev), sub)[:, 0]
         drafted = torch.stack(drafted, 1).tolist()
-        out = Draft.chains(roots, [d[:k] for d, k in zip(drafted, depths)])
-        q = torch.stack(qs, 1)[:, : out.size - 1]  # [N, T-1, V]
-        out.q = torch.cat((torch.zeros_like(q[:, :1]), q), 1)
-        return out
+        return Draft.chains(roots, [d[:k] for d, k in zip(drafted, depths)])
 
 
 def _select(roots, depths, tok, score, parent, depth, cand, cand_prob, max_nodes: int) -> Draft:

@@ -20,9 +20,6 @@ class Draft:
     tokens: torch.Tensor  # [N, T] node tokens; node 0 = the root
     parent: torch.Tensor  # [N, T] parent node (-1 for the root and for padding); parent[j] < j
     valid: torch.Tensor  # [N, T] bool; rows with fewer nodes are padded
-    # [N, T, V] the distribution node j's token was drawn from (row 0 unused); None: deterministic
-    # drafts (the draft head's top tokens, prompt lookup)
-    q: torch.Tensor | None = None
     # [N, T, K] the draft's K most likely tokens after each node (-1: none drafted there); the exit
     # predictors of spec+T3 score them. None: the proposer ranks no candidates (prompt lookup)
     cand: torch.Tensor | None = None
@@ -89,9 +86,7 @@ class Draft:
                      cand=widen(self.cand, -1), cand_prob=widen(self.cand_prob, 0.0))
     @classmethod
     def by_rows(cls, n: int, parts: list[tuple[list[int], Draft]]) -> Draft:
-        """One draft of n rows from drafts of some of them: parts [(row indices, draft of those rows)]. Where one
-        part was sampled (q), the deterministic ones get a one-hot q: rejection sampling then accepts their node
-        with the target's probability of it and takes it out of the residual otherwise, as it does with q None."""
+        """One draft of n rows from drafts of some of them: parts [(row indices, draft of those rows)]."""
         t = max(d.size for _, d in parts)
         k = max((d.cand.shape[2] for _, d in parts if d.cand is not None), default=0)
         tokens = torch.zeros(n, t, dtype=torch.int64)
@@ -100,8 +95,6 @@ class Draft:
         cand = torch.full((n, t, k), -1, dtype=torch.int64) if k else None
         scored = k and all(d.cand_prob is not None for _, d in parts if d.cand is not None)
         cand_prob = torch.zeros(n, t, k) if scored else None
-        sampled = [d.q for _, d in parts if d.q is not None]
-        q = torch.zeros(n, t, sampled[0].shape[-1]) if sampled else None
         for rows, d in parts:
             idx = torch.tensor(rows)
             tokens[idx, : d.size], parent[idx, : d.size], valid[idx, : d.size] = d.tokens, d.parent, d.valid
@@ -109,14 +102,4 @@ class Draft:
                 cand[idx, : d.size] = d.cand
                 if scored:
                     cand_prob[idx, : d.size] = d.cand_prob
-            if q is not None:  # a deterministic part's nodes were drawn with probability 1: q one-hot on them
-                q[idx, : d.size] = d.q if d.q is not None else _one_hot(d, q.shape[-1])
-        return cls(tokens, parent, valid, q=q, cand=cand, cand_prob=cand_prob)
-
-
-def _one_hot(d: Draft, vocab: int) -> torch.Tensor:
-    """[N, T, V] q of a deterministic draft: 1 at each drafted node's token (the root and padding: zeros)."""
-    q = torch.zeros(*d.tokens.shape, vocab)
-    q[:, 1:].scatter_(2, d.tokens[:, 1:, None], 1.0)
-    q[~d.valid] = 0
-    return q
+        return cls(tokens, parent, valid, cand=cand, cand_prob=cand_prob)

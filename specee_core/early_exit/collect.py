@@ -52,7 +52,7 @@ class CollectStepper:
         self.shadow = None if shadow is None else Proposer(shadow, batch.size, cache.max_len, m.device)
 
     @torch.inference_mode()
-    def step(self, alive, rows, generator):
+    def step(self, alive, rows):
         m, batch = self.model, self.batch
         idx = torch.tensor(alive, device=m.device)
         toks = batch.next_tokens[idx]

@@ -19,7 +19,6 @@ import torch
 from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration, calibrate_command, check_tolerance
 from specee_core.early_exit.predictors import (DraftRecord, LayerPredictor, PredictorBank, candidate_probs,
                                                exit_choice, exit_probability, predictor_features)
-from specee_core.step.sampling import logprob_entries, sample
 from specee_core.early_exit.scheduler import OnlineWindow, PayOffGate, Schedule
 from specee_core.draft.head import DraftHead, DraftModel
 from specee_core.draft.lookup import lookup_tokens, lookup_veto
@@ -395,10 +394,10 @@ class Stepper:
         return [none if self.exited_last[b] else self.pred_layers & frozenset(self.windows[b].active_layers())
                 for b in alive]
 
-    def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
+    def step(self, alive: list[int], rows: torch.Tensor | None) -> StepOutput:
         t_start = time.perf_counter()
         if self.gate is not None and self.gate.dense_next():
-            result, layer_s = self._dense_step(alive, rows, generator)
+            result, layer_s = self._dense_step(alive, rows)
             dt = time.perf_counter() - t_start
             self.t_total += dt
             self.dense_steps += 1
@@ -413,7 +412,7 @@ class Stepper:
                 self._probs_below(i + 1, walk)
             walk.h = self._run_layer(i, prop, walk)
             if i + 1 < L:
-                exits = self._decide_exits(i + 1, prop, walk, out, generator)
+                exits = self._decide_exits(i + 1, prop, walk, out)
                 if exits and prop.audit:  # decided, but every layer still runs (exact KV, nothing pending)
                     for r in exits:
                         walk.done[walk.running[r]] = True
@@ -423,7 +422,7 @@ class Stepper:
                         break
         if prop.audit:
             self._audit(walk, prop, out)
-        self._full_depth(walk, out, generator)
+        self._full_depth(walk, out, alive)
         self._commit(prop, out)
         dt = time.perf_counter() - t_start
         self.t_total += dt
@@ -432,17 +431,18 @@ class Stepper:
             skipped = (sum(L - l for l in out.layers) / len(out.layers) if self.compact
                        else L - max(out.layers))
             self.gate.record_specee(skipped, None if prop.audit else dt)
-        return self._output(out)
+        return self._output(out, alive)
 
-    def _output(self, out: Decisions) -> StepOutput:
+    def _output(self, out: Decisions, alive: list[int]) -> StepOutput:
         """The step's tokens and layers; with logprobs asked for, each token's from the LM head over the hidden
         state it was chosen from (an exit layer's for an exited token: one more LM-head product per row)."""
         toks = out.tokens.tolist()
-        k = self.batch.params.logprobs
-        lps = None if k is None else [[e] for e in logprob_entries(self.model.lm_head(out.hidden), toks, k)]
+        lps = None
+        if any(self.batch.sampling[b].logprobs is not None for b in alive):
+            lps = self.batch.step_logprobs(self.model.lm_head(out.hidden), alive, toks)
         return StepOutput([[t] for t in toks], [[l] for l in out.layers], normed=out.hidden, logprobs=lps)
 
-    def _dense_step(self, alive: list[int], rows: torch.Tensor | None, generator) -> tuple[StepOutput, float]:
+    def _dense_step(self, alive: list[int], rows: torch.Tensor | None) -> tuple[StepOutput, float]:
         """A step of the gate's: every layer for every row (with "recompute", the pending positions too),
         no draft and no predictors; the proposer takes the step's pairs in with its next candidates.
         Returns the step's output and the seconds spent in the layers."""
@@ -457,9 +457,9 @@ class Stepper:
         for i in range(self.model.num_layers):
             walk.h = self._run_layer(i, prop, walk)
         layer_s = time.perf_counter() - t0
-        self._full_depth(walk, out, generator)
+        self._full_depth(walk, out, alive)
         self._commit(prop, out)
-        return self._output(out), layer_s
+        return self._output(out, alive), layer_s
 
     def _fed(self, alive: list[int], rows: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(the alive rows' index on the device, None when every batch row is alive; the tokens [N] they feed
@@ -525,7 +525,7 @@ class Stepper:
         else:
             walk.prev[js_dev] = probs
 
-    def _decide_exits(self, layer: int, prop: Proposal, walk: Walk, out: Decisions, generator) -> list[int]:
+    def _decide_exits(self, layer: int, prop: Proposal, walk: Walk, out: Decisions) -> list[int]:
         """The predictors scheduled after `layer` for the running rows; a row exits when its
         predictor fires and its token is verified. Writes the exits' decisions into out; returns
         them as rows of walk.h."""
@@ -534,7 +534,7 @@ class Stepper:
             return []
         t0 = time.perf_counter()
         fired, h_fired, local = self._score(layer, sel, prop, walk)
-        exits = self._verify(layer, fired, h_fired, local, prop, walk, out, generator) if fired else []
+        exits = self._verify(layer, fired, h_fired, local, prop, walk, out) if fired else []
         self.t_pred += time.perf_counter() - t0
         return exits
 
@@ -562,20 +562,28 @@ class Stepper:
         return [sel[q] for q in fired], hs[f_dev], local[f_dev]
 
     def _verify(self, layer: int, fired: list[int], h_fired: torch.Tensor, local: torch.Tensor, prop: Proposal,
-                walk: Walk, out: Decisions, generator) -> list[int]:
+                walk: Walk, out: Decisions) -> list[int]:
         """Of the rows `fired` (of h, hidden h_fired [F, D], exit tokens `local` [F]), those whose token is
         verified exit at `layer`: "local" takes the predictors' exit token (greedy); "full" (and
-        sampling) samples the full LM head and, greedy, accepts it only among the candidates."""
-        m, params, dev = self.model, self.batch.params, self.model.device
+        sampling) samples the full LM head and, greedy, accepts it only among the candidates. Each row by its
+        own sampling: a sampled row draws its token from the exit layer's distribution."""
+        m, dev = self.model, self.model.device
         hn = m.final_norm(h_fired)  # [F, D]
-        if self.ee.options.verify == "local" and params.greedy:
+        js = [walk.running[r] for r in fired]  # as step rows
+        greedy = [self.batch.sampling[prop.alive[j]].greedy for j in js]
+        local_exit = self.ee.options.verify == "local"
+        if local_exit and all(greedy):
             tok, ok, choice = local, [True] * len(fired), local
         else:  # one full LM-head product, only for the rows whose predictor fired
             logits = m.lm_head(hn)
-            tok = sample(logits, params, generator)
-            choice = tok if params.greedy else logits.argmax(-1)
-            fired_cand = prop.cand[torch.tensor([walk.running[r] for r in fired], device=dev)]
-            ok = (tok[:, None] == fired_cand).any(1).tolist() if params.greedy else [True] * len(fired)
+            tok = self.batch.choose(logits, [prop.alive[j] for j in js])
+            choice = logits.argmax(-1)
+            in_cand = (tok[:, None] == prop.cand[torch.tensor(js, device=dev)]).any(1).tolist()
+            ok = [c or not g for c, g in zip(in_cand, greedy)]
+            if local_exit:  # greedy rows take their predictor's exit token, as in an all-greedy step
+                g_idx = torch.tensor([a for a, g in enumerate(greedy) if g], dtype=torch.int64, device=dev)
+                tok[g_idx] = choice[g_idx] = local[g_idx]
+                ok = [True if g else o for o, g in zip(ok, greedy)]
         accepted = [a for a, good in enumerate(ok) if good]  # positions in fired
         if not accepted:
             return []
@@ -641,7 +649,7 @@ class Stepper:
             stats.audit_exits[l - 1] += 1
             stats.audit_disagree[l - 1] += 0 if ok else 1
 
-    def _full_depth(self, walk: Walk, out: Decisions, generator) -> None:
+    def _full_depth(self, walk: Walk, out: Decisions, alive: list[int]) -> None:
         """The rows that ran every layer get the normal LM head (rows that exited but kept running
         under skip "batch" keep their exit's decision)."""
         m, dev = self.model, self.model.device
@@ -653,7 +661,7 @@ class Stepper:
         if not walk.running:
             return
         hn = m.final_norm(walk.h[:, 0])
-        tok = sample(m.lm_head(hn), self.batch.params, generator)
+        tok = self.batch.choose(m.lm_head(hn), [alive[j] for j in walk.running])
         r_dev = _index(walk.running, len(out.layers), dev)
         if r_dev is None:
             out.tokens, out.hidden = tok, hn

@@ -1,8 +1,9 @@
 """Acceptance of a verified draft: which drafted nodes a row keeps and the token after them.
 
-Greedy: the longest root-to-node path whose every token is the base model's argmax after its
-parent, plus the base's argmax after the path (the bonus token): equal to dense greedy decoding.
-Sampling: rejection sampling down the tree, which keeps the base model's distribution exactly.
+The longest root-to-node path whose every token is the base model's choice after its parent, plus the
+base's choice after the path (the bonus token). The choice is each row's own (specee_core.step.sampling):
+the argmax for a greedy row, for a sampled row the token its uniform for that index draws, so the committed
+tokens are dense decoding's, token for token, and follow the base model's distribution exactly.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _children(parent: list[int], valid: list[bool]) -> list[list[int]]:
 
 
 def accept_greedy(draft: Draft, base_next: torch.Tensor) -> Verdict:
-    """base_next [N, T]: the base model's greedy token after each node."""
+    """base_next [N, T]: the base model's chosen token after each node (its argmax, or its draw)."""
     toks, parent, valid = draft.tokens.tolist(), draft.parent.tolist(), draft.valid.tolist()
     nxt = base_next.tolist()
     accepted, out = [], []
@@ -42,49 +43,4 @@ def accept_greedy(draft: Draft, base_next: torch.Tensor) -> Verdict:
         path = longest(0)
         accepted.append(path)
         out.append([tr[j] for j in path] + [nr[path[-1] if path else 0]])
-    return Verdict(accepted, out)
-
-
-def accept_sampled(draft: Draft, p: torch.Tensor, generator: torch.Generator | None) -> Verdict:
-    """p [N, T, V]: the base's distribution after each node. From the root, each child in turn is
-    tested against the residual r (the base's distribution after the current node, less what earlier
-    rejected children took): a child x drawn from q is accepted with probability min(1, r(x) / q(x))
-    and on rejection r becomes max(0, r - q); a deterministic child (q None) is accepted with
-    probability r(x) and on rejection r loses x. An accepted child becomes the current node; when
-    every child is rejected the committed token is drawn from the normalised residual. Each test
-    draws the token the base distribution would, so the committed tokens follow p exactly."""
-    toks, parent, valid = draft.tokens.tolist(), draft.parent.tolist(), draft.valid.tolist()
-    accepted, out = [], []
-    for r in range(len(toks)):
-        kids = _children(parent[r], valid[r])
-        path, node = [], 0
-        while True:
-            res = p[r, node].clone()
-            nxt = None
-            for c in kids[node]:
-                x = toks[r][c]
-                res /= res.sum()
-                u = float(torch.rand((), generator=generator))
-                if draft.q is None:
-                    if u < float(res[x]):
-                        nxt = c
-                        break
-                    res[x] = 0
-                else:
-                    q = draft.q[r, c]
-                    if u * float(q[x]) < float(res[x]):  # u < r(x) / q(x), without dividing
-                        nxt = c
-                        break
-                    res = (res - q).clamp_(min=0)
-                if float(res.sum()) <= 0:  # nothing left to reject into (r was q's): sample r itself
-                    res = p[r, node].clone()
-                    break
-            if nxt is None:
-                path_tokens = [toks[r][j] for j in path]
-                extra = int(torch.multinomial(res / res.sum(), 1, generator=generator))
-                accepted.append(path)
-                out.append(path_tokens + [extra])
-                break
-            path.append(nxt)
-            node = nxt
     return Verdict(accepted, out)

@@ -1,7 +1,9 @@
 """Speculative decoding (mode="spec", and mode="auto" through a planner): per step a proposer drafts a
 continuation of each row, the base model verifies every drafted token in one forward, and the step
-commits the longest verified path plus one token from the base model. Greedy output equals dense
-decoding token for token (fp32); sampled output keeps the base model's distribution. In mode="auto"
+commits the longest verified path plus one token from the base model. Each row's committed tokens are the
+ones dense decoding chooses (greedy: the argmax; sampled: the draw at the row's own uniform for that token,
+specee_core.step.sampling), token for token (fp32), so sampled output keeps the base model's distribution
+exactly and a seeded row's text does not depend on how its steps were drafted. In mode="auto"
 a Planner (specee_core.spec.plan) sizes each step from measured costs, down to a plain dense step.
 
     propose  -> Draft     (specee_core.draft.proposer: the EAGLE-style draft head's tree, prompt lookup's chains)
@@ -16,17 +18,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specee_core.spec.acceptance import Verdict, accept_greedy, accept_sampled
+from specee_core.spec.acceptance import Verdict, accept_greedy
 from specee_core.spec.plan import Planner, StepPlan
 from specee_core.draft.proposer import Proposer
 from specee_core.draft.tree import Draft, TreeShape
-from specee_core.step.sampling import logprob_entries, probabilities, sample
 from specee_core.step.stepper import StepOutput
 from specee_core.spec.t3 import T3, Verified, verify_with_exits
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Draft", "SpecOptions", "SpecStepper", "Verdict", "accept_greedy", "accept_sampled"]
+__all__ = ["Draft", "SpecOptions", "SpecStepper", "Verdict", "accept_greedy"]
 
 
 @dataclass
@@ -40,7 +41,7 @@ class SpecOptions:
     # forward that step), the others the draft's tree. "first" by measurement (docs/bench_smollm2_spec.json:
     # SmolLM2 bf16 batch 1, 1.77x dense against 1.31x for the draft's chain alone, 1.55x for lookup alone)
     lookup: str = "first"
-    t3: bool = False  # SpecEE T3: exit predictors may end the verify forward early (lossy; greedy only)
+    t3: bool = False  # SpecEE T3: exit predictors may end the verify forward early (lossy; steps whose rows are all greedy)
     # nodes a fixed-shape step verifies across the batch, roots included: each row drafts at most
     # budget // rows - 1. None: no limit. mode="auto" ignores it: its planner sizes every step from
     # measured costs (specee_core.spec.plan)
@@ -78,8 +79,8 @@ class SpecStats:
 
 
 class SpecStepper:
-    """Decode steps of one batch in mode="spec" (a fixed shape) or "auto" (planned). Greedy acceptance at
-    temperature 0, rejection sampling otherwise."""
+    """Decode steps of one batch in mode="spec" (a fixed shape) or "auto" (planned). A drafted token is accepted
+    where it is the token its row chooses there (Batch.choose: greedy or its own draw)."""
 
     def __init__(self, draft, opts: SpecOptions, engine, batch, cache, prefill_hidden: torch.Tensor,
                  lens: torch.Tensor, t3: T3 | None = None, planner: Planner | None = None):
@@ -107,21 +108,20 @@ class SpecStepper:
         if self.planner is not None:
             self.planner.admit(rows)
 
-    def step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
+    def step(self, alive: list[int], rows: torch.Tensor | None) -> StepOutput:
         if self.planner is not None:
-            return self._planned_step(alive, rows, generator)
+            return self._planned_step(alive, rows)
         t0 = time.perf_counter()
-        draft = self.propose(alive, generator)
+        draft = self.propose(alive)
         t1 = time.perf_counter()
         if draft.size == 1:  # nothing drafted (the step budget): a dense step
-            return self._dense_step(alive, rows, generator, t1 - t0)
-        return self._verify_step(alive, rows, draft, generator, t1 - t0)
+            return self._dense_step(alive, rows, t1 - t0)
+        return self._verify_step(alive, rows, draft, t1 - t0)
 
-    def _verify_step(self, alive: list[int], rows: torch.Tensor | None, draft: Draft, generator,
-                     t_draft: float) -> StepOutput:
+    def _verify_step(self, alive: list[int], rows: torch.Tensor | None, draft: Draft, t_draft: float) -> StepOutput:
         t1 = time.perf_counter()
         start = self.batch.positions[torch.tensor(alive)].clone()  # [N] host: the root's position = cache length
-        v = self.verify(alive, draft, start, rows, generator)
+        v = self.verify(alive, draft, start, rows)
         t2 = time.perf_counter()
         out = self.commit(alive, rows, start, v)
         s = self.stats
@@ -130,7 +130,7 @@ class SpecStepper:
         s.t_commit += time.perf_counter() - t2
         return out
 
-    def _planned_step(self, alive: list[int], rows: torch.Tensor | None, generator) -> StepOutput:
+    def _planned_step(self, alive: list[int], rows: torch.Tensor | None) -> StepOutput:
         """mode="auto": the planner picks dense or a chain depth, and per row lookup's chain or the draft
         head's, from measured costs and the acceptance seen so far; the step's outcome updates it."""
         t0 = time.perf_counter()
@@ -138,27 +138,26 @@ class SpecStepper:
         left, backlog = [batch.room(b) for b in alive], self.proposer.backlog(alive)  # what a switch could earn, costs
         plan = self.planner.dense_ahead(alive, left, backlog)
         if plan is not None:  # dense whatever the table says: no lookups, no plan; the rows' estimates drift back
-            out = self._dense_step(alive, rows, generator, 0.0)
+            out = self._dense_step(alive, rows, 0.0)
             self.planner.timed(plan, time.perf_counter() - t0, len(alive))
             self.planner.observe(alive, plan, [0] * len(alive), [None] * len(alive))
             return out
-        greedy = batch.params.greedy
-        use_lookup = self.opts.lookup != "off" and (greedy or self.proposer.draft is None)
+        use_lookup = self.opts.lookup != "off"
         conts = [self.proposer.continuation(b, batch, self.depth) if use_lookup else [] for b in alive]
         rooms = [max(0, min(self.depth, room - 1)) for room in left]
-        # structured output: the tokens a row's grammar forces next, drafted with no draft forward (sampling: drawn
-        # with probability 1, so rejection sampling keeps the target's distribution)
+        # structured output: the tokens a row's grammar forces next, drafted with no draft forward
+        constrained = batch.constrained(alive)
         forced = ([self.proposer.forced(b, batch, room) if room else [] for b, room in zip(alive, rooms)]
-                  if batch.params.structured else [[] for _ in alive])  # nothing to ask a row without a grammar
+                  if constrained else [[] for _ in alive])  # nothing to ask a row without a grammar
         plan = self.planner.choose(alive, [len(c) for c in conts], rooms, [len(f) for f in forced], left, backlog)
         if plan.depth == 0:
-            out = self._dense_step(alive, rows, generator, time.perf_counter() - t0)
+            out = self._dense_step(alive, rows, time.perf_counter() - t0)
             accepted = [0] * len(alive)
         else:
-            draft = self._planned_draft(alive, plan, conts, forced, generator)
-            if greedy and batch.params.structured:
+            draft = self._planned_draft(alive, plan, conts, forced)
+            if constrained:
                 draft = self._with_forced_tails(alive, draft)
-            out = self._verify_step(alive, rows, draft, generator, time.perf_counter() - t0)
+            out = self._verify_step(alive, rows, draft, time.perf_counter() - t0)
             accepted = [len(t) - 1 for t in out.tokens]
         # the step's time without catching the draft head up on a long backlog (the first draft after a prompt
         # or a dense stretch): the planner weighs what drafting costs a step; a try is also charged that once
@@ -168,14 +167,14 @@ class SpecStepper:
         self.planner.observe(alive, plan, accepted, shadow)
         return out
 
-    def _planned_draft(self, alive: list[int], plan: StepPlan, conts: list[list[int]], forced: list[list[int]],
-                       generator) -> Draft:
+    def _planned_draft(self, alive: list[int], plan: StepPlan, conts: list[list[int]], forced: list[list[int]]
+                       ) -> Draft:
         """The plan's draft: lookup rows verify their lookup chain, forced rows their grammar's forced tokens,
         draft rows the proposer's chain, the others their root alone."""
         batch = self.batch
         drafted = [r for r, k in enumerate(plan.kinds) if k == "draft"]
         if len(drafted) == len(alive):
-            return self.proposer.tree(alive, batch, list(plan.depths), self.shape, batch.params, generator)
+            return self.proposer.tree(alive, batch, list(plan.depths), self.shape)
         roots = [batch.last(b) for b in alive]
         given = {"lookup": conts, "forced": forced}
         for r, k in enumerate(plan.kinds):
@@ -185,8 +184,7 @@ class SpecStepper:
         if not drafted:
             return Draft.chains(roots, chains)
         rest = sorted(set(range(len(alive))) - set(drafted))
-        tree = self.proposer.tree([alive[r] for r in drafted], batch, [plan.depths[r] for r in drafted], self.shape,
-                                  batch.params, generator)
+        tree = self.proposer.tree([alive[r] for r in drafted], batch, [plan.depths[r] for r in drafted], self.shape)
         return Draft.by_rows(len(alive), [(rest, Draft.chains([roots[r] for r in rest], [chains[r] for r in rest])),
                                           (drafted, tree)])
 
@@ -209,7 +207,7 @@ class SpecStepper:
             self.stats.per_row_forced[b] += len(tail)
         return draft.with_chains(tails) if longer else draft
 
-    def _dense_step(self, alive: list[int], rows: torch.Tensor | None, generator, t_draft: float) -> StepOutput:
+    def _dense_step(self, alive: list[int], rows: torch.Tensor | None, t_draft: float) -> StepOutput:
         """The roots alone through every layer, as dense decoding does (no tree mask, no KV compaction);
         the proposer still learns the verified features."""
         t0 = time.perf_counter()
@@ -218,18 +216,16 @@ class SpecStepper:
         h = m.forward(fed[:, None], positions.to(m.device)[:, None], self.cache, rows)  # [N, 1, D]
         hn = m.final_norm(h)
         logits = m.lm_head(hn[:, 0])
-        toks = sample(batch.processed(logits, alive), batch.params, generator).tolist()
+        toks = batch.choose(batch.processed(logits, alive), alive).tolist()
         tokens = [[t] for t in toks]
         self.proposer.push(alive, tokens, list(hn.unbind(0)))
-        k = batch.params.logprobs
         for b in alive:
             self.stats.per_row_steps[b] += 1
         self.stats.t_draft += t_draft
         self.stats.t_verify += time.perf_counter() - t0
-        lps = None if k is None else [[e] for e in logprob_entries(logits, toks, k)]
-        return StepOutput(tokens, [[m.num_layers]] * len(alive), h[:, 0], logprobs=lps)
+        return StepOutput(tokens, [[m.num_layers]] * len(alive), h[:, 0], logprobs=batch.step_logprobs(logits, alive, toks))
 
-    def propose(self, alive: list[int], generator) -> Draft:
+    def propose(self, alive: list[int]) -> Draft:
         """Each row's draft: no deeper than it may still emit (minus the bonus token), no more nodes than
         the step budget leaves it; with nothing to draft, the root alone (a dense step). Prompt lookup alone
         drafts chains; with the draft head, opts.lookup says how lookup's chain joins its tree."""
@@ -242,7 +238,7 @@ class SpecStepper:
         if p.draft is None:
             return Draft.chains(roots, [p.continuation(b, batch, d) for b, d in zip(alive, depths)])
         max_nodes = None if self.step_budget is None else allowance
-        if mode == "first" and batch.params.greedy:  # a row whose lookup finds a chain verifies it alone
+        if mode == "first":  # a row whose lookup finds a chain verifies it alone
             conts = [p.continuation(b, batch, d) for b, d in zip(alive, depths)]
             found = [r for r, c in enumerate(conts) if c]
             rest = [r for r, c in enumerate(conts) if not c]
@@ -250,41 +246,42 @@ class SpecStepper:
                 chains = Draft.chains([roots[r] for r in found], [conts[r] for r in found])
                 if not rest:
                     return chains
-                tree = p.tree([alive[r] for r in rest], batch, [depths[r] for r in rest], self.shape, batch.params,
-                              generator, max_nodes)
+                tree = p.tree([alive[r] for r in rest], batch, [depths[r] for r in rest], self.shape, max_nodes)
                 return Draft.by_rows(len(alive), [(found, chains), (rest, tree)])
-        tree = p.tree(alive, batch, depths, self.shape, batch.params, generator, max_nodes)
-        if mode == "merge" and tree.q is None:  # lookup's chain joins the tree
+        tree = p.tree(alive, batch, depths, self.shape, max_nodes)
+        if mode == "merge":  # lookup's chain joins the tree
             tree = tree.with_chains([p.continuation(b, batch, d) for b, d in zip(alive, depths)])
-        if batch.params.structured and tree.q is None and self.shape.width == 1 and self.step_budget is None:
+        if batch.constrained(alive) and self.shape.width == 1 and self.step_budget is None:
             tree = self._with_forced_tails(alive, tree)  # a chain's tail stays within depth (a tree's nodes would not)
         return tree
 
-    def verify(self, alive: list[int], draft: Draft, start: torch.Tensor, rows: torch.Tensor | None,
-               generator) -> Verified:
+    def verify(self, alive: list[int], draft: Draft, start: torch.Tensor, rows: torch.Tensor | None) -> Verified:
         """One forward of the base model over every node (node j at position start + depth(j), seeing
-        its ancestors) and what each row accepts, from the logits as the params process them (each node's
-        over its row's output and the drafted tokens on its path); with T3 the forward may stop at a
-        scheduled layer."""
-        m, params = self.model, self.batch.params
+        its ancestors) and what each row accepts: the path whose every token is the one its row chooses after
+        the node before (Batch.choose, from the logits as the row's params process them over its output and
+        the drafted tokens on the path; a sampled row draws at its uniform for that token's index). With T3 (and
+        every row greedy) the forward may stop at a scheduled layer."""
+        m, batch = self.model, self.batch
         depth, anc = draft.depth_and_ancestors()
         positions = (start[:, None] + depth).to(m.device)
-        if self.t3 is not None and params.greedy and draft.cand is not None:
+        greedy = batch.greedy(alive)
+        if self.t3 is not None and greedy and draft.cand is not None:
             return verify_with_exits(m, self.cache, draft, positions, anc, rows, self.t3)
         h = m.forward(draft.tokens.to(m.device), positions, self.cache, rows, tree=anc)  # [N, T, D]
         hn = m.final_norm(h)
         logits = m.lm_head(hn)  # [N, T, V]
-        if params.processes:
-            n, t = draft.tokens.shape
+        n, t = draft.tokens.shape
+        flat_rows = [b for b in alive for _ in range(t)]
+        flat = logits.reshape(n * t, -1)
+        if any(batch.sampling[b].processes for b in alive):
             toks, on_path = draft.tokens.tolist(), anc.tolist()
             paths = [[toks[r][i] for i in range(1, t) if on_path[r][j][i]] for r in range(n) for j in range(t)]
-            flat = self.batch.processed(logits.reshape(n * t, -1), [b for b in alive for _ in range(t)], paths)
-            logits = flat.reshape(n, t, -1)
-        if params.greedy:
-            verdict = accept_greedy(draft, logits.max(-1).indices.cpu())
-        else:
-            verdict = accept_sampled(draft, probabilities(logits, params).cpu(), generator)
-        return Verified(h, hn, verdict, m.num_layers)
+            flat = batch.processed(flat, flat_rows, paths)
+        if greedy:
+            choice = flat.max(-1).indices
+        else:  # the token after node j stands at index start + 1 + depth(j) of its row
+            choice = batch.choose(flat, flat_rows, (start[:, None] + 1 + depth).flatten().tolist())
+        return Verified(h, hn, accept_greedy(draft, choice.reshape(n, t).cpu()), m.num_layers)
 
     def commit(self, alive: list[int], rows: torch.Tensor | None, start: torch.Tensor, v: Verified) -> StepOutput:
         """Keep the accepted nodes' KV at consecutive slots after each row's prefix (after a T3 exit, the
@@ -306,22 +303,24 @@ class SpecStepper:
             s.per_row_steps[b] += 1
             s.per_row_accepted[b] += len(path)
         return StepOutput(v.verdict.tokens, [[v.layers] * len(t) for t in v.verdict.tokens], hidden,
-                          logprobs=self._logprobs(keep, v))
+                          logprobs=self._logprobs(alive, keep, v))
 
-    def _logprobs(self, keep: list[list[int]], v: Verified) -> list[list] | None:
+    def _logprobs(self, alive: list[int], keep: list[list[int]], v: Verified) -> list[list | None] | None:
         """Per row, per committed token: its logprob entry, from the raw logits of the node it was chosen at
-        (the root and the accepted nodes; after a T3 exit, the exit layer's)."""
-        k = self.batch.params.logprobs
-        if k is None:
+        (the root and the accepted nodes; after a T3 exit, the exit layer's); None for rows that ask none."""
+        asks = [r for r, b in enumerate(alive) if self.batch.sampling[b].logprobs is not None]
+        if not asks:
             return None
         m, dev = self.model, self.model.device
-        rows = torch.tensor([r for r, nodes in enumerate(keep) for _ in nodes], device=dev)
-        nodes = torch.tensor([j for nodes in keep for j in nodes], device=dev)
-        entries = logprob_entries(m.lm_head(v.hn[rows, nodes]), [t for toks in v.verdict.tokens for t in toks], k)
-        out, i = [], 0
-        for toks in v.verdict.tokens:
-            out.append(entries[i : i + len(toks)])
-            i += len(toks)
+        rows = [r for r in asks for _ in keep[r]]
+        nodes = torch.tensor([j for r in asks for j in keep[r]], device=dev)
+        entries = self.batch.logprob_entries(m.lm_head(v.hn[torch.tensor(rows, device=dev), nodes]),
+                                             [alive[r] for r in rows], [t for r in asks for t in v.verdict.tokens[r]])
+        out: list = [None] * len(alive)
+        i = 0
+        for r in asks:
+            out[r] = entries[i : i + len(keep[r])]
+            i += len(keep[r])
         return out
 
     def _fill_skipped_layers(self, rows, start: torch.Tensor, nodes: torch.Tensor, counts: torch.Tensor,

@@ -4,6 +4,7 @@ step's decisions through its methods; steppers and proposers only read it. Below
 imports the other for it."""
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -11,7 +12,7 @@ from typing import Callable
 import torch
 
 from specee_core.step.grammar import Grammar
-from specee_core.step.sampling import SamplingParams, process_logits
+from specee_core.step.sampling import RowSampling, SamplingParams, choose, logprob_entries, process_logits
 from specee_core.step.stops import StopMatcher
 
 FREE = "free"  # finish of an empty row (not None: not alive)
@@ -73,11 +74,18 @@ class TextRules:
     num_layers: int
     grammar_tokenizer: Callable[[], object] | None = None
 
+    _grammars: dict = field(default_factory=dict, repr=False)  # compiled constraints by spec (the latest 64)
+
     def grammar(self, spec: dict) -> Grammar:
         """The compiled constraint of a structured-output spec (ValueError when it does not compile)."""
         if self.grammar_tokenizer is None:
             raise ValueError("structured output needs the model's tokenizer")
-        return Grammar(spec, self.grammar_tokenizer())
+        key = json.dumps(spec, sort_keys=True)
+        g = self._grammars.pop(key, None) or Grammar(spec, self.grammar_tokenizer())
+        self._grammars[key] = g  # most recent last
+        while len(self._grammars) > 64:
+            self._grammars.pop(next(iter(self._grammars)))
+        return g
 
 
 @dataclass
@@ -95,11 +103,10 @@ class SavedRow:
 class Batch:
     """Decode state of the rows of one KV cache (a lane of the engine core). Row b of every tensor is
     cache row b; a row is FREE, PREFILL (its prompt being prefilled) or alive (finish None) until it
-    settles ("stop" / "length"). Built by Batch.empty only."""
+    settles ("stop" / "length"). Each row samples by its own SamplingParams (reserve). Built by Batch.empty only."""
     # per row: its whole token history, the prompt then every generated token (the one copy: lookup reads it)
     tokens: list[list[int]]
     n_prompt: list[int]  # per row: how many of its tokens are the prompt
-    params: SamplingParams  # the lane's sampling; max_new and the stop strings are per row
     max_new: list[int]  # per row, clipped to the context
     exit_layers: list[list[int]]
     finish: list[str | None]
@@ -108,10 +115,11 @@ class Batch:
     next_tokens: torch.Tensor  # [B] device: the token to feed next
     last_hidden: torch.Tensor  # [B, D] hidden state of the last fed token (draft heads use it)
     rules: TextRules
+    vocab_size: int
     mode: str = "dense"
     on_token: Callable[[int, int], None] | None = None  # (row, token id) for every token recorded
     stop_matchers: list[StopMatcher] = field(init=False)  # per row: the stop-string search of its text
-    logprobs: list[list | None] = field(init=False)  # per row, when the params ask: one entry per generated token
+    logprobs: list[list | None] = field(init=False)  # per row, when its params ask: one entry per generated token
     t_first: list[float] = field(init=False)  # per row: when its first token was chosen
     t_done: list[float] = field(init=False)  # per row: when it settled
 
@@ -119,19 +127,25 @@ class Batch:
         n = len(self.tokens)
         self.stop_matchers = [StopMatcher(()) for _ in range(n)]
         self.logprobs = [None] * n
-        self.matchers: list = [None] * n  # per row, with structured output: its llguidance matcher
+        self.sampling: list[SamplingParams | None] = [None] * n  # per row: its own sampling
+        self.keys = [0] * n  # per row: its sampling key (sampling.row_key)
+        self.stop_ids: list[frozenset[int]] = [frozenset()] * n  # per row: EOS unless ignore_eos, its stop_token_ids
+        self.grammars: list[Grammar | None] = [None] * n  # per row, with structured output: its constraint
+        self.matchers: list = [None] * n  # ... and its llguidance matcher
         # grammar masks by (row, drafted path) since the matchers last advanced (grammar._bitmask's memo)
         self.mask_memo: dict = {}
-        self.grammar = None if self.params.structured is None else self.rules.grammar(self.params.structured)
-        self.stop_ids = frozenset(self.params.stop_token_ids) | (frozenset() if self.params.ignore_eos
-                                                                 else self.rules.eos_ids)
+        # [B, V] fp32 output token counts and [B, V] bool prompt tokens, kept for the rows whose params penalize
+        # (made when one first does)
+        self.counts: torch.Tensor | None = None
+        self.prompt_seen: torch.Tensor | None = None
+        self._sampling_memo: dict[tuple, RowSampling] = {}  # RowSampling by the rows it describes
         self.t_first, self.t_done = [0.0] * n, [0.0] * n
 
     @classmethod
-    def empty(cls, rows: int, hidden_size: int, dtype: torch.dtype, device: torch.device, params: SamplingParams,
+    def empty(cls, rows: int, hidden_size: int, vocab_size: int, dtype: torch.dtype, device: torch.device,
               rules: TextRules, mode: str, on_token: Callable[[int, int], None] | None = None) -> Batch:
         """`rows` FREE rows."""
-        return cls(tokens=[[] for _ in range(rows)], n_prompt=[0] * rows, params=params, max_new=[0] * rows,
+        return cls(tokens=[[] for _ in range(rows)], n_prompt=[0] * rows, max_new=[0] * rows, vocab_size=vocab_size,
                    exit_layers=[[] for _ in range(rows)], finish=[FREE] * rows,
                    texts=[None] * rows, positions=torch.zeros(rows, dtype=torch.int64),
                    next_tokens=torch.zeros(rows, dtype=torch.int64, device=device),
@@ -161,18 +175,74 @@ class Batch:
         return self.tokens[b][-1]
 
     def processed(self, logits: torch.Tensor, rows: list[int], paths: list[list[int]] | None = None,
-                  texts: list[tuple[list[int], list[int]]] | None = None) -> torch.Tensor:
-        """logits [R, V] of batch rows `rows` (one per logits row; repeats allowed) as the lane's params
+                  fresh: bool = False) -> torch.Tensor:
+        """logits [R, V] of batch rows `rows` (one per logits row; repeats allowed) as each row's params
         process them (sampling.process_logits); paths[r]: the drafted tokens between row rows[r]'s output and
-        the choice made from logits row r; texts: (prompt, output) per logits row, for rows not started yet
-        (their first token). The same tensor when the params process nothing."""
-        if not self.params.processes:
+        the choice made from logits row r; fresh: the rows have not started yet (their first token). The same
+        tensor when no row's params process anything."""
+        params = [self.sampling[b] for b in rows]
+        if not any(p.processes for p in params):
             return logits
-        if texts is None:
-            texts = [(self.prompt(b), self.output(b) + (paths[r] if paths else [])) for r, b in enumerate(rows)]
+        counts = seen = None
+        if any(p.penalizes for p in params):
+            idx = torch.tensor(rows, device=logits.device)
+            counts, seen = self.counts[idx], self.prompt_seen[idx]
+            drafted = [(r, t) for r, path in enumerate(paths or []) for t in path]
+            if drafted:  # the drafted ancestors count as output
+                r_idx, t_idx = zip(*drafted)
+                counts.index_put_((torch.tensor(r_idx, device=logits.device), torch.tensor(t_idx, device=logits.device)),
+                                  torch.ones(len(drafted), device=logits.device), accumulate=True)
+        n_out = [0] * len(rows) if fresh else [self.n_generated(b) + (len(paths[r]) if paths else 0)
+                                               for r, b in enumerate(rows)]
         keys = [(b, tuple(paths[r]) if paths else ()) for r, b in enumerate(rows)]
-        return process_logits(logits, self.params, texts, self.stop_ids, [self.matchers[b] for b in rows], paths,
-                              keys, self.mask_memo)
+        return process_logits(logits, params, n_out, [self.stop_ids[b] for b in rows], counts, seen,
+                              [self.matchers[b] for b in rows], paths, keys, self.mask_memo)
+
+    def row_sampling(self, rows: list[int]) -> RowSampling:
+        """The choice's parameters of batch rows `rows` (repeats allowed), kept while the rows stay."""
+        key = tuple(rows)
+        s = self._sampling_memo.get(key)
+        if s is None:
+            if len(self._sampling_memo) >= 64:
+                self._sampling_memo.clear()
+            s = self._sampling_memo[key] = RowSampling.of([self.sampling[b] for b in rows], [self.keys[b] for b in rows],
+                                                          self.next_tokens.device)
+        return s
+
+    def choose(self, logits: torch.Tensor, rows: list[int], index: list[int] | None = None) -> torch.Tensor:
+        """Token ids [R] chosen from (processed) logits [R, V] of batch rows `rows` by each row's params
+        (sampling.choose); index[r]: where the token will stand in its row's token list (default: next)."""
+        s = self.row_sampling(rows)
+        if s.all_greedy:
+            return logits.max(dim=-1).indices
+        return choose(logits, s, [len(self.tokens[b]) for b in rows] if index is None else index)
+
+    def greedy(self, rows: list[int]) -> bool:
+        """Whether every one of these rows chooses greedily."""
+        return all(self.sampling[b].greedy for b in rows)
+
+    def constrained(self, rows: list[int]) -> bool:
+        """Whether any of these rows has structured output."""
+        return any(self.matchers[b] is not None for b in rows)
+
+    def logprob_entries(self, logits: torch.Tensor, rows: list[int], tokens: list[int]) -> list | None:
+        """Per logits row r (of batch row rows[r]): the logprob entry of tokens[r] from raw logits [R, V] with its
+        row's top_logprobs, or None where the row asks for none; None when no row asks."""
+        ks = [self.sampling[b].logprobs for b in rows]
+        want = [r for r, k in enumerate(ks) if k is not None]
+        if not want:
+            return None
+        sub = logits if len(want) == len(rows) else logits[torch.tensor(want, device=logits.device)]
+        entries = logprob_entries(sub, [tokens[r] for r in want], max(ks[r] for r in want))
+        out: list = [None] * len(rows)
+        for r, (lp, ids, vals) in zip(want, entries):
+            out[r] = (lp, ids[: ks[r]], vals[: ks[r]])
+        return out
+
+    def step_logprobs(self, logits: torch.Tensor, rows: list[int], tokens: list[int]) -> list | None:
+        """logprob_entries as a StepOutput of one token per row holds them."""
+        entries = self.logprob_entries(logits, rows, tokens)
+        return None if entries is None else [None if e is None else [e] for e in entries]
 
     def fed(self, alive: list[int], rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """What a dense step of the rows `alive` feeds: their next tokens [N] (device) and positions [N] (host);
@@ -186,12 +256,28 @@ class Batch:
         return self.max_new[b] - self.n_generated(b)
 
     # ---- a row's life -------------------------------------------------------------------------
-    def reserve(self, b: int) -> None:
-        """Row b takes a prompt whose prefill has not finished yet (with structured output, a fresh matcher:
-        its first token is masked too)."""
+    def reserve(self, b: int, params: SamplingParams, key: int, prompt: list[int], generated: list[int] = ()) -> None:
+        """Row b takes a prompt whose prefill has not finished yet, to be sampled by params with sampling key
+        `key` (sampling.row_key); generated: a preempted row's tokens so far. With structured output, a fresh
+        matcher: its first token is masked too."""
         self.finish[b] = PREFILL
-        self.matchers[b] = None if self.grammar is None else self.grammar.matcher()
+        self.sampling[b], self.keys[b] = params, key
+        self.stop_ids[b] = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.rules.eos_ids)
+        self.grammars[b] = None if params.structured is None else self.rules.grammar(params.structured)
+        self.matchers[b] = None if self.grammars[b] is None else self.grammars[b].matcher()
         self.mask_memo.clear()
+        self._sampling_memo.clear()
+        if params.penalizes:
+            dev = self.next_tokens.device
+            if self.counts is None:
+                self.counts = torch.zeros(self.size, self.vocab_size, device=dev)
+                self.prompt_seen = torch.zeros(self.size, self.vocab_size, dtype=torch.bool, device=dev)
+            self.counts[b] = 0
+            if generated:
+                self.counts[b].index_put_((torch.tensor(list(generated), device=dev),),
+                                          torch.ones(len(generated), device=dev), accumulate=True)
+            self.prompt_seen[b] = False
+            self.prompt_seen[b, torch.tensor(prompt, device=dev)] = True
 
     def start(self, rows: list[int], prompts: list[list[int]], max_new: list[int], stops: list[list[str]],
               first: torch.Tensor, last_hidden: torch.Tensor, saved: list[SavedRow | None] | None = None,
@@ -208,7 +294,7 @@ class Batch:
             self.n_prompt[b], self.max_new[b] = len(prompts[r]), max_new[r]
             if old is None:
                 self.tokens[b], self.exit_layers[b], self.texts[b] = list(prompts[r]), [], None
-                self.logprobs[b] = None if self.params.logprobs is None else []
+                self.logprobs[b] = None if self.sampling[b].logprobs is None else []
                 self.stop_matchers[b] = StopMatcher(stops[r])
                 self.t_first[b] = now
                 fresh.append(r)
@@ -240,6 +326,8 @@ class Batch:
 
     def release(self, b: int) -> None:
         self.finish[b] = FREE
+        self.matchers[b] = self.grammars[b] = None
+        self._sampling_memo.clear()
 
     # ---- a decode step ------------------------------------------------------------------------
     def commit(self, alive: list[int], rows: torch.Tensor | None, out: StepOutput) -> None:
@@ -264,12 +352,15 @@ class Batch:
         now = time.perf_counter()
         self.mask_memo.clear()  # the matchers advance
         for i, (b, block, block_layers) in enumerate(zip(alive, toks, layers)):
+            entries = None if logprobs is None else logprobs[i]
             for j, (tok, layer) in enumerate(zip(block, block_layers)):
                 if self.finish[b] is None:
-                    self._record_one(b, tok, layer, now, None if logprobs is None else logprobs[i][j])
+                    self._record_one(b, tok, layer, now, None if entries is None else entries[j])
 
     def _record_one(self, b: int, tok: int, layer: int, now: float, logprob=None) -> None:
         self.tokens[b].append(tok)
+        if self.counts is not None and self.sampling[b].penalizes:
+            self.counts[b, tok] += 1
         if self.logprobs[b] is not None:
             self.logprobs[b].append(logprob)
         if self.on_token is not None:
@@ -281,7 +372,7 @@ class Batch:
         matcher = self.matchers[b]
         if matcher is not None:
             matcher.consume_token(tok)
-        if tok in self.stop_ids or (matcher is not None and matcher.is_stopped()):  # the constraint is complete
+        if tok in self.stop_ids[b] or (matcher is not None and matcher.is_stopped()):  # the constraint is complete
             self.finish[b] = "stop"
         elif self.stop_matchers[b].stops:
             # the whole id list is decoded (a character split across tokens comes out right); only

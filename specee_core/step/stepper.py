@@ -29,9 +29,9 @@ class Stepper(Protocol):
     """Decode steps of one lane's rows. Built once per lane by a StepperFactory over rows that are all
     free; each prompt then joins through admit."""
 
-    def step(self, alive: list[int], rows: torch.Tensor | None, generator: torch.Generator | None) -> StepOutput:
+    def step(self, alive: list[int], rows: torch.Tensor | None) -> StepOutput:
         """One step for the batch rows `alive`; rows [N] (device) indexes them in the KV cache, None
-        when every cache row is alive."""
+        when every cache row is alive. Each row's token is chosen by its own sampling (Batch.choose)."""
         ...
 
     def row_stats(self, b: int) -> dict:
