@@ -18,7 +18,7 @@ Input rows need `messages` (chat messages, {"role", "content"}, through the mode
 `prompt`: a string (through the chat template as the user's message when the model has one, unless
 apply_chat_template=False) or a list of chat messages. `id` is optional (a new one where missing). A row
 may set its own sampling with vLLM's names, in `sampling_params` or columns of their own (max_tokens,
-temperature, top_p, top_k, seed, stop, ignore_eos; pipeline.sampling); the rest take the config's.
+temperature, top_p, top_k, min_p, seed, stop, ignore_eos, ...; pipeline.sampling); the rest take the config's.
 Stages:
 1. an optional user `preprocess` (row -> row, Dataset.map);
 2. prepare (light CPU actors: the tokenizer loaded once each): the chat template, the row's sampling,

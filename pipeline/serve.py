@@ -199,8 +199,8 @@ class Work:
 
     def engine_requests(self, on_token=None) -> list[EngineRequest]:
         """The engine requests that run this work: one for all choices, or, when sampling with a seed,
-        one per choice seeded with seed + its index (as vLLM does): each choice has its own generator, so
-        it is the same whatever runs beside it (n, the other prompts, preemption)."""
+        one per choice seeded with seed + its index (as vLLM does): a row's draws are keyed by its seed, so
+        each choice is its own and the same whatever runs beside it (n, the other prompts, preemption)."""
         params = sampling_params(self.params)
         kw = {"max_disagreement": self.params.get("max_disagreement")}
         ids = [list(i) for i in self.ids]
@@ -423,7 +423,8 @@ class SpecEEServer:
         self.max_tokens_limit = args.max_tokens_limit or self.engine.context_len - 1
         tok = self.engine.tokenizer
         self.chat_template = getattr(tok, "chat_template", None)
-        # lanes with room for requests that join later: a request's rows decode beside the next ones'
+        # lanes with room for requests that join later: a request's rows decode beside the next ones' (every
+        # request of a mode shares its lane, whatever its sampling)
         self.engine.core.min_lane_rows = self.engine.core.max_rows
         self._runner = Runner(self.engine.core, args.stall_timeout_s)
         # JSON parsing, chat templates and tokenization of big inputs: off the event loop, beside the engine
@@ -439,7 +440,7 @@ class SpecEEServer:
             self.engine.stepper_factory(mode)
         if self.mode == "auto":  # its costs, measured (or read from the cache) now, not on a request
             self.engine.prepare_plan([args.max_batch_size])
-        # and the batching thread, with a lane for greedy requests in the default mode
+        # and the batching thread
         self._runner.submit(EngineRequest([self.engine.encode_prompt("Hello")], SamplingParams(max_new_tokens=2),
                                           self.mode)).result(timeout=600)
         log.info("serving %s as %r, mode=%s, context=%d, chat=%s, on host %s, api keys: %d", args.model,

@@ -73,7 +73,7 @@ class _Forced:
     def caches(self) -> list:
         return self.inner.caches()
 
-    def step(self, alive, rows, generator) -> StepOutput:
+    def step(self, alive, rows) -> StepOutput:
         batch, p = self.batch, self.probe
         truths = [p.targets[self.rows[b]][batch.n_generated(b)] for b in alive]
         if first := [b for b in alive if b in self.fresh]:  # the prefill's own choice was fed: feed the truth
@@ -81,7 +81,7 @@ class _Forced:
             batch.next_tokens[idx] = torch.tensor([p.targets[self.rows[b]][0] for b in first],
                                                   device=batch.next_tokens.device)
             self.fresh.difference_update(first)
-        out = self.inner.step(alive, rows, generator)
+        out = self.inner.step(alive, rows)
         if p.on_step is not None:  # what the stepper chose, before the true tokens replace it
             p.on_step(out, truths)
         truth_t = torch.tensor(truths, device=batch.next_tokens.device)

@@ -33,19 +33,22 @@ REGEX = {"type": "regex", "pattern": "([a-z]+ = [0-9]+\\n){40,80}"}  # structure
     ("dense", None, None), ("spec", None, None), ("spec", {"proposer": "lookup"}, None),
     ("spec", {"width": 2, "depth": 3}, None), ("spec", None, REGEX)])
 def test_preempted_rows_resume_with_their_tokens(engine, code_ids, mode, spec, structured):
-    """Two lanes (their stop rules differ), each of which alone fits the budget and together do not:
-    the newest rows are preempted as the lanes grow and resumed when memory is free again (under structured
-    output too: a resumed row takes its grammar state back)."""
+    """Two lanes of one step (the second request brings the mode's stepper factory as its own, which keys a
+    lane of its own), each of which alone fits the budget and together do not: the newest rows are preempted as
+    the lanes grow and resumed when memory is free again, each with the tokens it gets alone (the first lane's
+    rows sample with their own seed: they draw the same after a resume; under structured output a resumed row
+    takes its grammar state back)."""
     bs = 16
     core = EngineCore(engine, max_rows=2, prefill_chunk=64, kv_bytes=8 * bs * engine.slot_bytes(), block_size=bs,
                       prefix_cache=False)
     core.min_slots = 16
     streamed: dict[tuple[int, int], list[int]] = {}
-    long_params = SamplingParams(max_new_tokens=56, ignore_eos=True, structured=structured)
+    long_params = SamplingParams(max_new_tokens=56, ignore_eos=True, structured=structured, temperature=0.9, seed=3)
     reqs = [core.submit(Request([code_ids[0], code_ids[1]], long_params, mode, spec,
                                 on_token=lambda i, t: streamed.setdefault((0, i), []).append(t))),
             core.submit(Request([code_ids[2], code_ids[3]], SamplingParams(max_new_tokens=56, structured=structured),
-                                mode, spec, on_token=lambda i, t: streamed.setdefault((1, i), []).append(t)))]
+                                mode, spec, on_token=lambda i, t: streamed.setdefault((1, i), []).append(t),
+                                stepper=engine.stepper_factory(mode, spec)))]
     steps = 0
     while not all(r.done for r in reqs):
         core.step()

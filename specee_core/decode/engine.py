@@ -257,8 +257,8 @@ class SpecEEEngine:
         to options.max_batch_size of them at once (a row that finishes makes room for the next prompt).
 
         sampling_params (as vLLM's LLM.generate takes them): one SamplingParams for every prompt or one per
-        prompt, in place of the keyword arguments max_new_tokens .. ignore_eos. Prompts with equal
-        parameters decode in one lane; lanes of different parameters decode side by side.
+        prompt, in place of the keyword arguments max_new_tokens .. ignore_eos. Prompts of any parameters
+        share decode steps (each row samples by its own).
 
         mode: "auto" (default; lossless: per step a dense step or speculative decoding, whichever the
         measured plan expects to be faster), "dense", "spec" (speculative decoding with a fixed shape:
