@@ -249,13 +249,14 @@ class EngineRows:
         self.ledger = ledger
         self.quarantine: Quarantine | None = None
         self._quarantine_lock = threading.Lock()  # calls in flight that reach the quarantine take turns
-        self._peak_described = 0
+        self._calls = threading.Lock()
+        self._in_flight = self._peak = self._peak_described = 0  # calls of this actor running now, the most at once
         self._describe()
 
     def _describe(self) -> None:
         if self.ledger is not None:
-            self._peak_described = self.rows.gate.peak
-            self.ledger.engine.remote(self.rows.worker, self.rows.describe())
+            self._peak_described = self._peak
+            self.ledger.engine.remote(self.rows.worker, {**self.rows.describe(), "peak_batches_in_flight": self._peak})
 
     def _begin(self, key: str, ids: list[str]) -> tuple[int, bool, dict[str, str]]:
         if self.ledger is None:
@@ -305,7 +306,7 @@ class EngineRows:
             out = pa.concat_tables([out, *judged]) if out.num_rows else pa.concat_tables(judged)
         self._end(key)
         # the plan's choices so far in mode auto, and a new peak of calls in flight (else: as described at start)
-        if self.rows.cfg.mode == "auto" or self.rows.gate.peak > self._peak_described:
+        if self.rows.cfg.mode == "auto" or self._peak > self._peak_described:
             self._describe()
         return out
 
@@ -341,7 +342,14 @@ class EngineRows:
     def __call__(self, batch: pd.DataFrame) -> pa.Table:
         mine = pa.table({c: pa.array([None if is_missing(v) else v for v in batch[c].tolist()], pa.string())
                          for c in ("id", "prompt", "text", "input_error", "_sampling")})
-        out = self._generate(mine)
+        with self._calls:
+            self._in_flight += 1
+            self._peak = max(self._peak, self._in_flight)
+        try:
+            out = self._generate(mine)
+        finally:
+            with self._calls:
+                self._in_flight -= 1
         for name, same in RAY_DATA_LLM_COLUMNS.items():
             out = out.append_column(name, out[same])
         for name in batch.columns:

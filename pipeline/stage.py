@@ -283,14 +283,13 @@ class GenerateRows:
             self.store.report.remote(version, len(group), tokens, layer_tokens, hist, audit)
 
     def describe(self) -> dict:
-        """What this engine runs with: dtype (and why), the most batches it has had in flight at once and, in
-        mode auto, the measured plan and its choices."""
+        """What this engine runs with: dtype (and why), the batches in flight it takes and, in mode auto, the
+        measured plan and its choices."""
         e = self.engine
         out = {"dtype": str(e.model.dtype).removeprefix("torch."), "dtype_reason": e.dtype_reason,
                **e.weights_info(), "machine": machine_facts(e.device), "worker": self.worker,
                "node": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
-               "kv_memory": e.core.memory(), "max_concurrent_batches": self.cfg.max_concurrent_batches,
-               "peak_batches_in_flight": self.gate.peak}
+               "kv_memory": e.core.memory(), "max_concurrent_batches": self.cfg.max_concurrent_batches}
         if self.cfg.mode == "auto":
             out["plan"] = {**e.spec_plan(dict(self.cfg.spec) or None).to_json([self.cfg.batch_size]),
                            "steps_chosen": self.plan_steps.totals()}
