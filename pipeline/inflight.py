@@ -22,7 +22,8 @@ from typing import Callable, Iterator
 class EngineGate:
     """Shared use of the engine by the batches in flight; exclusive use waits for them to finish, and new
     shared users wait behind it (so that it cannot starve). on_idle() runs, under the gate's lock, each time
-    the last user leaves: nothing of this process's is decoding then."""
+    the last user leaves: nothing of this process's is decoding then. (pipeline.processor.EngineRows holds
+    the actor's calls in place and its quarantine apart with one too.)"""
 
     def __init__(self, on_idle: Callable[[], None] | None = None):
         self._cond = threading.Condition()

@@ -36,7 +36,8 @@ Stages:
    prompt as given otherwise. Detokenizing happens in the engine, as tokens are chosen, because stop
    strings are matched on the text. The input's other columns are carried through;
 4. an optional user `postprocess` (row -> row), run in the engine actors on their output rows (the
-   engine's columns keep their types even where a batch holds only error rows).
+   engine's columns keep their types even where a batch holds only error rows), on the threads of the
+   batches in flight: it may run for two batches at once.
 
 In mode "specee" the processor starts a schedule store actor (pipeline.schedule_store) on its first
 call: engines report exit statistics to it, pick up re-tuned versions (and, with a tolerance, the
@@ -74,6 +75,7 @@ import pyarrow as pa
 import ray
 from ray.data.extensions import ArrowPythonObjectArray
 
+from pipeline.inflight import EngineGate
 from pipeline.processor_config import ProcessorConfig
 from pipeline.quarantine import Died, Quarantine
 from pipeline.sampling import COLUMN as SAMPLING_COLUMN, ROW_COLUMNS as SAMPLING_COLUMNS, row_fields, to_sampling
@@ -236,7 +238,9 @@ class EngineRows:
     - only the call whose timer fired is marked hung (its rerun skips the whole-batch try); the others
       count a death as for a crash;
     - the quarantine narrows the fault down: the call whole in a process of its own, then its rows one by
-      one; calls that reach it take turns (one child process per actor).
+      one. Calls that reach it take turns (one child process per actor), and no call runs in place
+      meanwhile: a neighbour's crash cannot take the quarantine's progress with it, and the child has the
+      actor's CPUs.
     Every call that started and did not return runs again, and rows reach the output only with their call's
     return: every row once, whatever the number of calls in flight."""
 
@@ -248,7 +252,9 @@ class EngineRows:
         self.postprocess = postprocess
         self.ledger = ledger
         self.quarantine: Quarantine | None = None
-        self._quarantine_lock = threading.Lock()  # calls in flight that reach the quarantine take turns
+        # calls in place share the actor; a call in the quarantine has it alone (calls behind it wait, before their
+        # timeout starts)
+        self._placement = EngineGate()
         self._calls = threading.Lock()
         self._in_flight = self._peak = self._peak_described = 0  # calls of this actor running now, the most at once
         self._describe()
@@ -289,12 +295,12 @@ class EngineRows:
         if not todo.num_rows:
             out = todo
         elif deaths < IN_PLACE_TRIES and not hung:
-            with deadline(self.rows.cfg.batch_timeout_s, len(ids), lambda: self._hung(key)):
+            with self._placement.shared(), deadline(self.rows.cfg.batch_timeout_s, len(ids), lambda: self._hung(key)):
                 out = self.rows(todo)
         else:
             log.warning("a call of %d rows %s: running it in a quarantined process", len(ids),
                         "hung" if hung else f"died {deaths} time(s)")
-            with self._quarantine_lock:
+            with self._placement.exclusive():
                 try:
                     out = self._quarantined(todo, whole=not hung)
                 finally:  # its engine would double this actor's memory for the rest of the run
@@ -312,8 +318,8 @@ class EngineRows:
 
     def _quarantined(self, mine: pa.Table, whole: bool) -> pa.Table:
         """mine in a child process: whole (unless it hung: a hang would cost another timeout), then if that
-        dies row by row, each row up to row_attempts deaths before it becomes an error row. Under
-        _quarantine_lock."""
+        dies row by row, each row up to row_attempts deaths before it becomes an error row. With the actor to
+        itself (_placement)."""
         cfg = self.rows.cfg
         if self.quarantine is None:
             self.quarantine = Quarantine(cfg, self.rows.run_id, cfg.batch_timeout_s, self.rows.worker)
