@@ -677,3 +677,36 @@ def test_batches_in_flight_share_the_engines_steps_and_count_them_once():
     # iteration (per call, its running totals would count the steps both calls shared twice, or a call's last row's
     # totals instead of the lane's)
     assert sum(chosen.values()) == stage.engine.core.steps
+
+
+def test_a_call_that_raises_reruns_its_rows_alone_once_the_calls_in_flight_are_done():
+    """A call whose engine submission raises (a row's logit_bias names a token outside the vocabulary) while another
+    call decodes: its rows run again one at a time once the other call is done (nothing beside them, so a row
+    cannot fail for a neighbour), the bad row becomes its own error row, every other row is dense's answer."""
+    from pipeline.stage import GenerateRows
+    from specee_core import SpecEEEngine
+    from tests.conftest import BUNDLED, CODE_PROMPTS
+
+    stage = GenerateRows(StageConfig(model=str(BUNDLED), mode="dense", dtype="float32", batch_size=8, max_new_tokens=4,
+                                     max_concurrent_batches=2), "run-1")
+    long = json.dumps({"max_tokens": 40, "ignore_eos": True})
+    bad = json.dumps({"max_tokens": 4, "logit_bias": {str(10**7): 1.0}})
+    first = pa.table({"id": ["a0", "a1"], "prompt": CODE_PROMPTS[:2], "input_error": [None] * 2, "_sampling": [long] * 2})
+    second = pa.table({"id": ["b0", "bad", "b1"], "prompt": CODE_PROMPTS[2:5], "input_error": [None] * 3,
+                       "_sampling": [None, bad, None]})
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(a=stage(first)))
+    thread.start()
+    while stage.engine.core.load[0] == 0:  # the first call's rows are decoding
+        time.sleep(0.005)
+    b = {r["id"]: r for r in stage(second).to_pylist()}
+    thread.join(60)
+    a = out["a"].to_pylist()
+    assert b["bad"]["error"].startswith("ValueError: token ids [10000000]") and b["bad"]["error_kind"] == "input"
+    # 4 tokens beside 40 would end first: alone, they waited for the first call to end
+    assert b["b0"]["batch_started_at"] + b["b0"]["batch_s"] > a[0]["batch_started_at"] + a[0]["batch_s"]
+    engine = SpecEEEngine.from_pretrained(BUNDLED, dtype="float32")
+    assert [r["completion"] for r in a] == [d.text for d in engine.generate(CODE_PROMPTS[:2], max_new_tokens=40,
+                                                                            ignore_eos=True, mode="dense")]
+    dense = engine.generate([CODE_PROMPTS[2], CODE_PROMPTS[4]], max_new_tokens=stage.cfg.max_new_tokens, mode="dense")
+    assert [b["b0"]["completion"], b["b1"]["completion"]] == [d.text for d in dense]
