@@ -29,8 +29,8 @@ DEPRECATED = {"model": "model_source", "engine_options": "engine_kwargs", "chat"
 class ProcessorConfig:
     """The processor's settings, under Ray Data LLM's names (vLLMEngineProcessorConfig) where it has the
     setting: model_source, engine_kwargs, concurrency, batch_size, max_concurrent_batches, accelerator_type,
-    apply_chat_template, tokenize, detokenize, runtime_env. The old names model, engine_options and chat still work, with a
-    DeprecationWarning."""
+    apply_chat_template, tokenize, detokenize, runtime_env. The old names model, engine_options and chat still
+    work, with a DeprecationWarning."""
     model_source: str | None = None  # the model's directory (required)
     mode: str = "auto"  # auto (lossless, measured) | dense | spec | specee (lossy: early exit)
     # engine actors: n, or (min, max) for Ray Data's autoscaling actor pool

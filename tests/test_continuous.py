@@ -184,7 +184,8 @@ def test_a_submit_that_raises_leaves_none_of_its_prompts_decoding(engine):
     outside the vocabulary), those queued before it are cancelled: no prompt of a call that raised decodes on for
     nobody (the batch job's calls in flight share the engine with whatever is left running)."""
     tokens = []
-    params = [SamplingParams(max_new_tokens=400, ignore_eos=True), SamplingParams(max_new_tokens=4, logit_bias={10**7: 1.0})]
+    params = [SamplingParams(max_new_tokens=400, ignore_eos=True),
+              SamplingParams(max_new_tokens=4, logit_bias={10**7: 1.0})]
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.submit(CODE_PROMPTS[:2], mode="dense", sampling_params=params, on_token=lambda i, t: tokens.append(t))
     until = time.monotonic() + 60

@@ -691,7 +691,8 @@ def test_a_call_that_raises_reruns_its_rows_alone_once_the_calls_in_flight_are_d
                                      max_concurrent_batches=2), "run-1")
     long = json.dumps({"max_tokens": 40, "ignore_eos": True})
     bad = json.dumps({"max_tokens": 4, "logit_bias": {str(10**7): 1.0}})
-    first = pa.table({"id": ["a0", "a1"], "prompt": CODE_PROMPTS[:2], "input_error": [None] * 2, "_sampling": [long] * 2})
+    first = pa.table({"id": ["a0", "a1"], "prompt": CODE_PROMPTS[:2], "input_error": [None] * 2,
+                      "_sampling": [long] * 2})
     second = pa.table({"id": ["b0", "bad", "b1"], "prompt": CODE_PROMPTS[2:5], "input_error": [None] * 3,
                        "_sampling": [None, bad, None]})
     out = {}
