@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "generate_tokens_per_s leaves start-up out. Means over rounds; per-round values in rounds. Batches "
                 "are not made of the same rows across variants (Ray Data's block order, the waves' split), and in "
                 "bf16 a row's completion can depend on its batch mates (rounding): equal completions are checked "
-                "in fp32 by the tests, not here.",
+                "in fp32 by the tests, not here. engine is one engine with the threads of one of the job's actors "
+                "(layout): where the layout has more than one actor, the job runs that many engines against it.",
         "variants": summary,
     }
     pairs = []
