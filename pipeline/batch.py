@@ -380,6 +380,7 @@ def processor_config(cfg: BatchConfig, out: OutputDir, schedule: Schedule | None
                            torch_threads=st.torch_threads,
                            kv_cache_gb=st.kv_cache_gb, prefix_cache=st.prefix_cache,
                            batch_timeout_s=st.batch_timeout_s, row_attempts=st.row_attempts,
+                           max_concurrent_batches=st.max_concurrent_batches,
                            retune_every_tokens=cfg.retune_every_tokens, retune_min_exits=cfg.retune_min_exits,
                            schedule=None if schedule is None else str(out.schedule_path(schedule.version)),
                            runtime_env=cfg.runtime_env)

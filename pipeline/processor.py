@@ -25,7 +25,9 @@ Stages:
    validation; a row that cannot run keeps its reason in `input_error`;
 3. the engine: an actor pool (`map_batches` with `concurrency`, `batch_size`, `num_cpus` /
    `num_gpus`); each actor loads one engine (pipeline.stage.GenerateRows) and turns a batch into one
-   engine call and one output row per input row: `generated_text`, `num_input_tokens`,
+   engine call and one output row per input row, with up to `max_concurrent_batches` batches in flight
+   (threads of the actor whose rows share the engine's decode steps: a batch's last rows decode beside
+   the next batch's first, not alone): `generated_text`, `num_input_tokens`,
    `num_generated_tokens` (Ray Data LLM's names), `error` (null unless the row failed: InputError,
    PromptError, WorkerDied, or the engine's exception for that row alone), `error_kind` ("input": the
    row's own, "machine": out of memory, a device error, a lost worker; pipeline.stage.error_kind) and the
@@ -34,7 +36,8 @@ Stages:
    prompt as given otherwise. Detokenizing happens in the engine, as tokens are chosen, because stop
    strings are matched on the text. The input's other columns are carried through;
 4. an optional user `postprocess` (row -> row), run in the engine actors on their output rows (the
-   engine's columns keep their types even where a batch holds only error rows).
+   engine's columns keep their types even where a batch holds only error rows), on the threads of the
+   batches in flight: it may run for two batches at once.
 
 In mode "specee" the processor starts a schedule store actor (pipeline.schedule_store) on its first
 call: engines report exit statistics to it, pick up re-tuned versions (and, with a tolerance, the
@@ -42,13 +45,14 @@ audit's closed layers) between batches, and each row records the version it ran 
 `processor.schedule_state()` returns the store's state after the dataset has run.
 
 Fault tolerance is Ray Data's own, plus a ledger: the engine actors restart when they die (max_restarts
--1) and a batch that was running on a dead actor runs again on another (`max_task_retries`). A call that
+-1) and the batches that were running on a dead actor run again (`max_task_retries`). A call that
 runs past `batch_timeout_s` (a hang) stops its process, as a crash would. A RunLedger actor records which
 calls started and never finished: a call that hung, or whose process died twice, runs again in a quarantine
 (pipeline.quarantine: a child process of the actor with its own engine), whole (unless it hung), then row by
 row, and a
 row that kills or hangs a fresh process `row_attempts` times alone becomes an error row ("WorkerDied:
-...", error_kind "input"), whatever the number of such rows. An engine *exception* never fails the
+...", error_kind "input"), whatever the number of such rows. A death takes every batch in flight in the
+process with it, and each is charged one (EngineRows says how). An engine *exception* never fails the
 dataset either: it costs only its rows (error rows). Ray warns that actors whose constructor arguments live in the object store may not restart
 (ray-project/ray#53727); measured here (tests/pipeline/test_chaos.py: engine processes SIGKILLed mid-run,
 the schedule store too) they do restart while the dataset runs, and every row comes back exactly once.
@@ -71,6 +75,7 @@ import pyarrow as pa
 import ray
 from ray.data.extensions import ArrowPythonObjectArray
 
+from pipeline.inflight import EngineGate
 from pipeline.processor_config import ProcessorConfig
 from pipeline.quarantine import Died, Quarantine
 from pipeline.sampling import COLUMN as SAMPLING_COLUMN, ROW_COLUMNS as SAMPLING_COLUMNS, row_fields, to_sampling
@@ -222,7 +227,22 @@ class EngineRows:
     """Stage 3: one engine per actor (pipeline.stage.GenerateRows); the input's own columns are
     carried through to the output rows. A call runs under the per-batch timeout (a hang stops the
     process, as a crash would); a call that hung, or died IN_PLACE_TRIES times, runs again in a Quarantine
-    (RunLedger)."""
+    (RunLedger).
+
+    Calls run on up to max_concurrent_batches threads of the actor at once (Ray Data's
+    max_concurrent_calls_per_actor), their rows decoding side by side in the one engine. A process that
+    dies, by a crash or stopped at a call's timeout, takes every call in flight with it; how that is charged:
+    - each call in flight had told the ledger it began, and Ray Data runs each again: each counts a death
+      (RunLedger.begin), whichever call's row was the cause, so a call beside a crashing one may run in
+      quarantine too; there it runs whole, alone, and succeeds at the cost of one engine load;
+    - only the call whose timer fired is marked hung (its rerun skips the whole-batch try); the others
+      count a death as for a crash;
+    - the quarantine narrows the fault down: the call whole in a process of its own, then its rows one by
+      one. Calls that reach it take turns (one child process per actor), and no call runs in place
+      meanwhile: a neighbour's crash cannot take the quarantine's progress with it, and the child has the
+      actor's CPUs.
+    Every call that started and did not return runs again, and rows reach the output only with their call's
+    return: every row once, whatever the number of calls in flight."""
 
     def __init__(self, stage: StageConfig, run_id: str, store=None, ledger=None,
                  postprocess: Callable[[dict], dict] | None = None):
@@ -232,11 +252,17 @@ class EngineRows:
         self.postprocess = postprocess
         self.ledger = ledger
         self.quarantine: Quarantine | None = None
+        # calls in place share the actor; a call in the quarantine has it alone (calls behind it wait, before their
+        # timeout starts)
+        self._placement = EngineGate()
+        self._calls = threading.Lock()
+        self._in_flight = self._peak = self._peak_described = 0  # calls of this actor running now, the most at once
         self._describe()
 
     def _describe(self) -> None:
         if self.ledger is not None:
-            self.ledger.engine.remote(self.rows.worker, self.rows.describe())
+            self._peak_described = self._peak
+            self.ledger.engine.remote(self.rows.worker, {**self.rows.describe(), "peak_batches_in_flight": self._peak})
 
     def _begin(self, key: str, ids: list[str]) -> tuple[int, bool, dict[str, str]]:
         if self.ledger is None:
@@ -269,27 +295,31 @@ class EngineRows:
         if not todo.num_rows:
             out = todo
         elif deaths < IN_PLACE_TRIES and not hung:
-            with deadline(self.rows.cfg.batch_timeout_s, len(ids), lambda: self._hung(key)):
+            with self._placement.shared(), deadline(self.rows.cfg.batch_timeout_s, len(ids), lambda: self._hung(key)):
                 out = self.rows(todo)
         else:
             log.warning("a call of %d rows %s: running it in a quarantined process", len(ids),
                         "hung" if hung else f"died {deaths} time(s)")
-            try:
-                out = self._quarantined(todo, whole=not hung)
-            finally:  # its engine would double this actor's memory for the rest of the run
-                self.quarantine.close()
+            with self._placement.exclusive():
+                try:
+                    out = self._quarantined(todo, whole=not hung)
+                finally:  # its engine would double this actor's memory for the rest of the run
+                    if self.quarantine is not None:
+                        self.quarantine.close()
         if known:  # rows judged before (this call ran already, its answer lost with its actor): not run again
             judged = [self.rows.error_rows(mine.slice(r, 1), known[i], kind="input") for r, i in enumerate(ids)
                       if i in known]
             out = pa.concat_tables([out, *judged]) if out.num_rows else pa.concat_tables(judged)
         self._end(key)
-        if self.rows.cfg.mode == "auto":  # the plan's choices so far (other modes: as described at start)
+        # the plan's choices so far in mode auto, and a new peak of calls in flight (else: as described at start)
+        if self.rows.cfg.mode == "auto" or self._peak > self._peak_described:
             self._describe()
         return out
 
     def _quarantined(self, mine: pa.Table, whole: bool) -> pa.Table:
         """mine in a child process: whole (unless it hung: a hang would cost another timeout), then if that
-        dies row by row, each row up to row_attempts deaths before it becomes an error row."""
+        dies row by row, each row up to row_attempts deaths before it becomes an error row. With the actor to
+        itself (_placement)."""
         cfg = self.rows.cfg
         if self.quarantine is None:
             self.quarantine = Quarantine(cfg, self.rows.run_id, cfg.batch_timeout_s, self.rows.worker)
@@ -318,7 +348,14 @@ class EngineRows:
     def __call__(self, batch: pd.DataFrame) -> pa.Table:
         mine = pa.table({c: pa.array([None if is_missing(v) else v for v in batch[c].tolist()], pa.string())
                          for c in ("id", "prompt", "text", "input_error", "_sampling")})
-        out = self._generate(mine)
+        with self._calls:
+            self._in_flight += 1
+            self._peak = max(self._peak, self._in_flight)
+        try:
+            out = self._generate(mine)
+        finally:
+            with self._calls:
+                self._in_flight -= 1
         for name, same in RAY_DATA_LLM_COLUMNS.items():
             out = out.append_column(name, out[same])
         for name in batch.columns:
@@ -340,7 +377,7 @@ class EngineRows:
 def deadline(timeout_s: float | None, rows: int, on_hang: Callable[[], None]):
     """Stop this process if the block takes longer than timeout_s (after calling on_hang): a hung engine call
     cannot be interrupted from another thread, and a process that dies is what the actor pool recovers from
-    (the call runs again, in a quarantine)."""
+    (the call runs again, in a quarantine; the other calls in flight run again too)."""
     if timeout_s is None:
         yield
         return
@@ -424,6 +461,7 @@ class Processor:
                                                                 "defaults": stage.sampling()},
                             batch_format="pandas", concurrency=1, num_cpus=0, batch_size=cfg.batch_size)
         ds = blocks_of(ds, cfg.batch_size)
+        # compute: up to max_concurrent_batches calls at once per actor, on threads of their own
         ds = ds.map_batches(EngineRows, fn_constructor_kwargs={"stage": stage, "run_id": self.run_id,
                                                                "store": self._store(), "ledger": self._ledger(),
                                                                "postprocess": self.postprocess},

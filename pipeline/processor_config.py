@@ -28,14 +28,17 @@ DEPRECATED = {"model": "model_source", "engine_options": "engine_kwargs", "chat"
 @dataclass(frozen=True)
 class ProcessorConfig:
     """The processor's settings, under Ray Data LLM's names (vLLMEngineProcessorConfig) where it has the
-    setting: model_source, engine_kwargs, concurrency, batch_size, accelerator_type, apply_chat_template,
-    tokenize, detokenize, runtime_env. The old names model, engine_options and chat still work, with a
-    DeprecationWarning."""
+    setting: model_source, engine_kwargs, concurrency, batch_size, max_concurrent_batches, accelerator_type,
+    apply_chat_template, tokenize, detokenize, runtime_env. The old names model, engine_options and chat still
+    work, with a DeprecationWarning."""
     model_source: str | None = None  # the model's directory (required)
     mode: str = "auto"  # auto (lossless, measured) | dense | spec | specee (lossy: early exit)
     # engine actors: n, or (min, max) for Ray Data's autoscaling actor pool
     concurrency: int | tuple[int, int] = 1
     batch_size: int = 16  # rows per engine call, also the engine's max batch
+    # engine calls in flight per actor (Ray Data LLM's name; pipeline.stage.StageConfig): the next batch's rows
+    # decode beside the current one's last rows, not after them
+    max_concurrent_batches: int = 2
     accelerator_type: str | None = None  # e.g. "L4", "H100": engine actors only on nodes with that GPU
     num_cpus: float | None = None  # per engine actor; None: the cluster's CPUs shared among the actors
     num_gpus: float | None = None  # per engine actor; None: 1 when device is cuda, else 0
@@ -164,7 +167,7 @@ class ProcessorConfig:
                            core_options={k: v for k, v in kw.items() if k in CORE_OPTIONS}, spec=dict(self.spec),
                            engines_per_node=self.max_actors, kv_cache_gb=self.kv_cache_gb,
                            prefix_cache=self.prefix_cache, batch_timeout_s=self.batch_timeout_s,
-                           row_attempts=self.row_attempts)
+                           row_attempts=self.row_attempts, max_concurrent_batches=self.max_concurrent_batches)
 
     def resources(self) -> dict:
         """num_cpus, num_gpus (and accelerator_type) of each engine actor."""
@@ -174,17 +177,21 @@ class ProcessorConfig:
         return {**out, "accelerator_type": self.accelerator_type} if self.accelerator_type else out
 
     def compute(self) -> ray.data.ActorPoolStrategy:
-        """The engine actors' pool: fixed at `concurrency`, or autoscaling between its (min, max).
+        """The engine actors' pool: fixed at `concurrency`, or autoscaling between its (min, max); each actor
+        runs max_concurrent_batches calls at once, on threads of its own (the engine core is thread-safe:
+        their rows share its decode steps).
 
-        A fixed pool runs one batch at a time per actor: a block queued behind a busy actor (Ray Data's
-        default is several in flight) waits a whole batch while another actor idles; measured: 2 blocks of
-        16 rows both went to the first actor ready, the other idle. An autoscaling pool needs that queue:
-        Ray Data adds an actor only when its actors have 1.75 tasks in flight each on average
-        (DataContext's actor_pool_util_upscaling_threshold), which one at a time never reaches."""
+        A fixed pool sends an actor only the calls it runs at once: a block queued behind a busy actor (Ray
+        Data's default is twice as many in flight) waits a whole batch while another actor idles; measured: 2
+        blocks of 16 rows both went to the first actor ready, the other idle. An autoscaling pool needs that
+        queue: Ray Data adds an actor only when the tasks in flight average 1.75 per concurrent call of its
+        actors (DataContext's actor_pool_util_upscaling_threshold), which a pool without a queue never reaches."""
+        n = self.max_concurrent_batches
+        calls = {"max_concurrent_calls_per_actor": n, "enable_true_multi_threading": True} if n > 1 else {}
         if isinstance(self.concurrency, int):
-            return ray.data.ActorPoolStrategy(size=self.concurrency, max_tasks_in_flight_per_actor=1)
+            return ray.data.ActorPoolStrategy(size=self.concurrency, max_tasks_in_flight_per_actor=n, **calls)
         low, high = self.concurrency
-        return ray.data.ActorPoolStrategy(min_size=low, max_size=high, max_tasks_in_flight_per_actor=2)
+        return ray.data.ActorPoolStrategy(min_size=low, max_size=high, max_tasks_in_flight_per_actor=2 * n, **calls)
 
 
 def concurrency_range(value) -> int | tuple[int, int]:

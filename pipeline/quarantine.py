@@ -42,8 +42,10 @@ class Quarantine:
         """worker: the actor's worker name; the child's rows name it, with the child's pid after a '/'."""
         import torch
 
-        # the child uses the threads the actor has (Ray gave the actor its CPUs; the child asks Ray for none)
-        self.stage = replace(stage, torch_threads=stage.torch_threads or torch.get_num_threads())
+        # the child uses the threads the actor has (Ray gave the actor its CPUs; the child asks Ray for none), and
+        # runs one batch at a time
+        self.stage = replace(stage, torch_threads=stage.torch_threads or torch.get_num_threads(),
+                             max_concurrent_batches=1)
         self.run_id, self.timeout_s, self.worker = run_id, timeout_s, worker
         self._proc = self._conn = None
         self.started = 0  # child processes started so far

@@ -410,9 +410,11 @@ class SpecEEServer:
         # first, before the model loads (Serve retries a constructor that fails)
         host = serve_http_host()
         check_exposure(host, has_keys=bool(args.api_keys), allow_open=args.allow_open)
+        # lanes with room for requests that join later: a request's rows decode beside the next ones'
         self.engine = SpecEEEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                                    weights=args.weights,
                                                    **{"max_batch_size": args.max_batch_size,
+                                                      "min_lane_rows": args.max_batch_size,
                                                       "prefill_chunk": args.prefill_chunk, **args.engine_options})
         self.model_name = args.model_name or Path(args.model).name
         try:
@@ -423,9 +425,6 @@ class SpecEEServer:
         self.max_tokens_limit = args.max_tokens_limit or self.engine.context_len - 1
         tok = self.engine.tokenizer
         self.chat_template = getattr(tok, "chat_template", None)
-        # lanes with room for requests that join later: a request's rows decode beside the next ones' (every
-        # request of a mode shares its lane, whatever its sampling)
-        self.engine.core.min_lane_rows = self.engine.core.max_rows
         self._runner = Runner(self.engine.core, args.stall_timeout_s)
         # JSON parsing, chat templates and tokenization of big inputs: off the event loop, beside the engine
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specee-requests")

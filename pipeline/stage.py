@@ -1,5 +1,6 @@
 """The generation stage: a stateful callable that loads one SpecEE engine per Ray actor and
-turns a batch of prompt rows into output rows (one per input row, failures included)."""
+turns a batch of prompt rows into output rows (one per input row, failures included). Several
+batches may be in flight at once (pipeline.inflight): their rows share the engine's decode steps."""
 from __future__ import annotations
 
 import json
@@ -8,11 +9,13 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 import ray
 
+from pipeline.inflight import EngineGate, PlanSteps
 from pipeline.sampling import choice_params, choices, to_sampling
 from specee_core import EngineOptions, PromptError, SamplingParams, SpecEEEngine
 from specee_core.model.config import resolve_dtype
@@ -46,8 +49,10 @@ ROW_SCHEMA = pa.schema([
                                     ("finish_reason", pa.string()), ("completion_tokens", pa.int32()),
                                     ("logprobs", LOGPROBS)]))),
     ("avg_layers", pa.float64()),
-    ("latency_s", pa.float64()),  # this row: its engine batch's start to its own last token
-    ("ttft_s", pa.float64()),  # this row: its engine batch's start to its first token (the batch's prefill)
+    # this row, from when its batch's rows were handed to the engine (waiting for a free engine row included, as
+    # batches in flight share it): to its own last token, and to its first token
+    ("latency_s", pa.float64()),
+    ("ttft_s", pa.float64()),
     ("mode", pa.string()),
     ("schedule_version", pa.int32()),  # the SpecEE schedule the row ran with; null unless mode is specee
     ("num_layers", pa.int16()),
@@ -57,7 +62,7 @@ ROW_SCHEMA = pa.schema([
     ("batch_id", pa.string()),  # <worker>-<n>: the actor call the row ran in
     ("batch_rows", pa.int32()),  # rows in that call
     ("batch_started_at", pa.float64()),  # unix seconds when that call started
-    ("batch_s", pa.float64()),  # wall seconds of that call (every row of it)
+    ("batch_s", pa.float64()),  # wall seconds of that call (every row of it; other calls in flight overlap it)
     # <actor id prefix>@<node id prefix>:<pid> of the engine actor (a restarted actor: a new pid, maybe another
     # node), then "/<pid>" for its quarantined child
     ("worker", pa.string()),
@@ -115,12 +120,18 @@ class StageConfig:
     batch_timeout_s: float | None = 900.0
     # a row that kills or hangs a fresh engine process this many times, running alone, becomes an error row
     row_attempts: int = 2
+    # batches in flight per engine (Ray Data LLM's max_concurrent_batches): the actor takes the next batch while
+    # the engine still decodes the last rows of the current one, so those rows never decode alone; 1: one engine
+    # call at a time. A process that dies takes every batch in flight with it (pipeline.processor.EngineRows)
+    max_concurrent_batches: int = 2
 
     def __post_init__(self) -> None:
         if self.batch_timeout_s is not None and not self.batch_timeout_s > 0:
             raise ValueError(f"batch_timeout_s must be > 0 or None, got {self.batch_timeout_s!r}")
         if not isinstance(self.row_attempts, int) or self.row_attempts < 1:
             raise ValueError(f"row_attempts must be an int >= 1, got {self.row_attempts!r}")
+        if not isinstance(self.max_concurrent_batches, int) or self.max_concurrent_batches < 1:
+            raise ValueError(f"max_concurrent_batches must be an int >= 1, got {self.max_concurrent_batches!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.dtype != "auto":
@@ -158,11 +169,17 @@ class GenerateRows:
     per batch, each row with its own SamplingParams (a `_sampling` column: the row's sampling fields as
     JSON, checked by the processor's prepare stage; null or absent: the config's).
 
+    Thread-safe: calls from several threads (the batches in flight, up to cfg.max_concurrent_batches)
+    hand their rows to the engine core at once (SpecEEEngine.submit), and the rows of every call share
+    its decode steps; each call returns when its own last row finishes. What must not overlap other
+    calls' rows waits for them (pipeline.inflight.EngineGate): a new schedule, and the rows of a call
+    that raised, run again one at a time, alone.
+
     It runs inside each engine actor of pipeline.processor (EngineRows), which the batch job
     (pipeline.batch) uses too. In SpecEE mode it follows the run's schedule store: the latest
     version is fetched once at start, then picked up before each batch without waiting (a request
-    is kept in flight and only read once answered), and each batch's exit statistics are sent back
-    without waiting either."""
+    is kept in flight and only read once answered) and applied once the rows in flight are done, and
+    each batch's exit statistics are sent back without waiting either."""
 
     def __init__(self, cfg: StageConfig, run_id: str, store=None, schedule: Schedule | None = None):
         """store: the schedule store actor, or its name (None: none)."""
@@ -180,14 +197,19 @@ class GenerateRows:
             raise FileNotFoundError(f"{cfg.model}: no such model directory on node {socket.gethostname()} (every "
                                     f"node that runs an engine needs the model at this path: a shared filesystem, "
                                     f"or a copy at the same path)")
+        # with batches in flight a lane opens with room for every engine row: the next batches' rows join it as
+        # the current ones finish (sized to the rows waiting, it would keep a small batch's size for its life)
+        lane_rows = cfg.batch_size if cfg.max_concurrent_batches > 1 else 1
         self.engine = SpecEEEngine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype, weights=cfg.weights,
-                                                   max_batch_size=cfg.batch_size,
+                                                   max_batch_size=cfg.batch_size, min_lane_rows=lane_rows,
                                                    engines_per_node=cfg.engines_per_node, kv_cache_gb=cfg.kv_cache_gb,
                                                    prefix_cache=cfg.prefix_cache, **cfg.core_options, **early_exit)
         self.engine.stepper_factory(cfg.mode, dict(cfg.spec) or None)  # a mode it cannot run fails here, not per row
         if cfg.mode == "auto":  # measured (or read from the cache) now, not in the first batch
             self.engine.prepare_plan([cfg.batch_size], dict(cfg.spec) or None)
-        self.plan_steps: dict[str, int] = {}  # mode auto: the planner's choices over every batch
+        self.plan_steps = PlanSteps()  # mode auto: the planner's choices over every batch
+        self.gate = EngineGate(on_idle=self.plan_steps.fold)
+        self._lock = threading.Lock()  # the batch counter, the store's answer in flight
         self.defaults = cfg.sampling()
         self.num_layers = self.engine.config.num_hidden_layers
         self.chat = self.engine.has_chat_template if cfg.chat is None else cfg.chat
@@ -200,65 +222,84 @@ class GenerateRows:
                 self.engine.set_schedule(schedule)
             if store is not None:
                 self.store = ray.get_actor(store) if isinstance(store, str) else store
-                self._sync_schedule(wait_s=60.0)
-        self.schedule_version = self._version()
+                latest = self._newer_schedule(wait_s=60.0)
+                if latest is not None:
+                    self._set_schedule(latest)
         log.info("actor %s: %s on %s, mode %s, schedule v%s", self.worker, cfg.model, cfg.device, cfg.mode,
-                 self.schedule_version)
+                 self._version())
 
     def _version(self) -> int | None:
         return None if self.cfg.mode != "specee" or self.engine.schedule is None else self.engine.schedule.version
 
-    def _sync_schedule(self, wait_s: float = 0.0) -> None:
-        """Take the store's latest schedule if its answer is in (waiting at most wait_s), then ask again."""
-        if self.store is None:
-            return
-        if self._pending is None:
-            self._pending = self.store.latest.remote(self._version())
-        ready, _ = ray.wait([self._pending], timeout=wait_s)
-        if not ready:
-            return
-        try:
-            latest = ray.get(self._pending)
-        except ray.exceptions.RayError as e:  # the store is gone: keep the version we have
-            log.warning("actor %s: schedule store lost (%s); staying on v%s", self.worker, e, self._version())
-            self.store = self._pending = None
-            return
+    def _newer_schedule(self, wait_s: float = 0.0) -> Schedule | None:
+        """The store's newer schedule if its answer is in (waiting at most wait_s), else None; asks again when
+        no question is in flight."""
+        with self._lock:
+            if self.store is None:
+                return None
+            if self._pending is None:
+                self._pending = self.store.latest.remote(self._version())
+            ready, _ = ray.wait([self._pending], timeout=wait_s)
+            if not ready:
+                return None
+            answer, self._pending = self._pending, None
+            try:
+                latest = ray.get(answer)
+            except ray.exceptions.RayError as e:  # the store is gone: keep the version we have
+                log.warning("actor %s: schedule store lost (%s); staying on v%s", self.worker, e, self._version())
+                self.store = None
+                return None
+            return None if latest is None else Schedule(**latest)
+
+    def _set_schedule(self, schedule: Schedule) -> None:
+        if schedule.version > (self._version() or 0):  # two answers can be applied out of order
+            self.engine.set_schedule(schedule)
+            log.info("actor %s: schedule v%d %s", self.worker, schedule.version, schedule.offline_layers)
+
+    def _take_schedule(self) -> None:
+        """Apply the store's newer schedule, if its answer is in, once the rows in flight are done: a lane's
+        exit layers are fixed when it opens, and each row records the one version it ran with."""
+        latest = self._newer_schedule()
         if latest is not None:
-            self.engine.set_schedule(Schedule(**latest))
-            log.info("actor %s: schedule v%d %s", self.worker, latest["version"], latest["offline_layers"])
-        self._pending = self.store.latest.remote(self._version())
+            with self.gate.exclusive():
+                self._set_schedule(latest)
 
     def _report(self, rows: list[dict]) -> None:
-        """This batch's exit statistics to the store, without waiting for it."""
+        """This batch's exit statistics to the store (per schedule version its rows ran with), without waiting."""
         if self.store is None:
             return
-        ok = [r for r in rows if r["error"] is None]
-        hists = [r["retune_histogram"] for r in ok if r.get("retune_histogram") is not None]
-        hist = [sum(col) for col in zip(*hists)] if hists else None
-        tokens = sum(r["completion_tokens"] for r in ok)
-        layer_tokens = sum(r["avg_layers"] * r["completion_tokens"] for r in ok)
-        audited = [r for r in ok if r.get("audit_exits") is not None]
-        audit = None if not audited else ([sum(c) for c in zip(*(r["audit_exits"] for r in audited))],
-                                          [sum(c) for c in zip(*(r["audit_disagree"] for r in audited))])
-        self.store.report.remote(self.schedule_version, len(rows), tokens, layer_tokens, hist, audit)
+        by_version: dict[int | None, list[dict]] = {}
+        for r in rows:
+            by_version.setdefault(r["schedule_version"], []).append(r)
+        for version, group in by_version.items():
+            ok = [r for r in group if r["error"] is None]
+            hists = [r["retune_histogram"] for r in ok if r.get("retune_histogram") is not None]
+            hist = [sum(col) for col in zip(*hists)] if hists else None
+            tokens = sum(r["completion_tokens"] for r in ok)
+            layer_tokens = sum(r["avg_layers"] * r["completion_tokens"] for r in ok)
+            audited = [r for r in ok if r.get("audit_exits") is not None]
+            audit = None if not audited else ([sum(c) for c in zip(*(r["audit_exits"] for r in audited))],
+                                              [sum(c) for c in zip(*(r["audit_disagree"] for r in audited))])
+            self.store.report.remote(version, len(group), tokens, layer_tokens, hist, audit)
 
     def describe(self) -> dict:
-        """What this engine runs with: dtype (and why) and, in mode auto, the measured plan and its choices."""
+        """What this engine runs with: dtype (and why), the batches in flight it takes and, in mode auto, the
+        measured plan and its choices."""
         e = self.engine
         out = {"dtype": str(e.model.dtype).removeprefix("torch."), "dtype_reason": e.dtype_reason,
                **e.weights_info(), "machine": machine_facts(e.device), "worker": self.worker,
                "node": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
-               "kv_memory": e.core.memory()}
+               "kv_memory": e.core.memory(), "max_concurrent_batches": self.cfg.max_concurrent_batches}
         if self.cfg.mode == "auto":
             out["plan"] = {**e.spec_plan(dict(self.cfg.spec) or None).to_json([self.cfg.batch_size]),
-                           "steps_chosen": dict(self.plan_steps)}
+                           "steps_chosen": self.plan_steps.totals()}
         return out
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        """batch's output rows (ROW_SCHEMA), one per input row, in its order; any thread."""
         started_at, t0 = time.time(), time.perf_counter()
-        self._sync_schedule()
-        self.schedule_version = self._version()
-        common = self._common(batch.num_rows, started_at)
+        self._take_schedule()
+        version = self._version()  # of the rows that do not run; those that do record their own
         ids = batch["id"].to_pylist()
         prompts = batch["prompt"].to_pylist()
         # the processor's prepare stage renders the text to run beside the prompt as given
@@ -287,29 +328,33 @@ class GenerateRows:
                                       [choice_params(p, k) for p, n in zip(params, counts) for k in range(n)]))
         for i, n in zip(runnable, counts):
             got = [next(results) for _ in range(n)]
-            failed = next((r for r in got if isinstance(r, Exception)), None)
+            failed = next((r for r, _ in got if isinstance(r, Exception)), None)
             if failed is not None:
                 rows[i] = self._error_row(ids[i], prompts[i], f"{type(failed).__name__}: {failed}",
                                           error_kind(failed))
             else:
-                rows[i] = self._row(ids[i], prompts[i], got[0], got if n > 1 else None)
-        batch_s = time.perf_counter() - t0
-        rows = [{**common, **r, "batch_s": batch_s} for r in rows]
+                rows[i] = self._row(ids[i], prompts[i], got[0][0], [r for r, _ in got] if n > 1 else None)
+            rows[i]["schedule_version"] = got[0][1]
+        common = {**self._common(batch.num_rows, started_at, version), "batch_s": time.perf_counter() - t0}
+        rows = [{**common, **r} for r in rows]
         self._report(rows)
         maybe_crash_once()
         return pa.Table.from_pylist(rows, schema=ROW_SCHEMA)
 
-    def _common(self, rows: int, started_at: float) -> dict:
-        """The columns every row of one call shares (a new batch_id per call)."""
-        self.batches += 1
-        return {"mode": self.cfg.mode, "schedule_version": self.schedule_version, "num_layers": self.num_layers,
-                "batch_id": f"{self.worker}-{self.batches}", "batch_rows": rows, "batch_started_at": started_at,
+    def _common(self, rows: int, started_at: float, version: int | None) -> dict:
+        """The columns every row of one call shares (a new batch_id per call); a row that ran has its own
+        schedule_version."""
+        with self._lock:
+            self.batches += 1
+            n = self.batches
+        return {"mode": self.cfg.mode, "schedule_version": version, "num_layers": self.num_layers,
+                "batch_id": f"{self.worker}-{n}", "batch_rows": rows, "batch_started_at": started_at,
                 "worker": self.worker, "run_id": self.run_id}
 
     def error_rows(self, batch: pa.Table, error: str, kind: str = "machine") -> pa.Table:
         """ROW_SCHEMA error rows for every row of batch, without running it (a row that keeps killing
         its process)."""
-        common = {**self._common(batch.num_rows, time.time()), "batch_s": 0.0}
+        common = {**self._common(batch.num_rows, time.time(), self._version()), "batch_s": 0.0}
         return pa.Table.from_pylist([{**common, **self._error_row(i, p, error, kind)} for i, p in
                                      zip(batch["id"].to_pylist(), batch["prompt"].to_pylist())], schema=ROW_SCHEMA)
 
@@ -325,24 +370,35 @@ class GenerateRows:
         except ValueError as e:
             raise PromptError(str(e)) from None
 
-    def _generate(self, prompts: list[str], params: list[SamplingParams]) -> list:
-        """GenerationResults (one engine call: rows with equal parameters share a lane), or for a prompt that
-        fails when run alone its exception."""
+    def _generate(self, prompts: list[str], params: list[SamplingParams]) -> list[tuple]:
+        """Per prompt, its GenerationResult or, for a prompt that fails when run alone, its exception, and the
+        schedule version it ran with. The prompts join the rows the engine decodes for the other calls in
+        flight; if the call raises (a failed step costs every row of its lane, whichever call they came from),
+        they run again one at a time with nothing beside them."""
         if not prompts:
             return []
         try:
-            results = self.engine.generate(prompts, mode=self.cfg.mode, spec=dict(self.cfg.spec) or None,
-                                           sampling_params=params)
-            # the rows share one lane (one mode): its planner's counts, as the row that finished last saw them
-            last = max(results, key=lambda r: sum(r.stats.get("plan_steps", {}).values()))
-            for k, v in last.stats.get("plan_steps", {}).items():
-                self.plan_steps[k] = self.plan_steps.get(k, 0) + v
-            return results
-        except Exception as e:  # noqa: BLE001 -- an engine failure must cost its rows, not the job
-            if len(prompts) == 1:
-                return [e]
-            log.exception("batch of %d failed; running its rows one by one", len(prompts))
-        return [r for p, s in zip(prompts, params) for r in self._generate([p], [s])]
+            with self.gate.shared():
+                version = self._version()
+                results = self._submit(prompts, params).result()
+                self.plan_steps.add(results)  # before leaving: an idle gate folds the lanes seen
+            return [(r, version) for r in results]
+        except Exception:  # noqa: BLE001 -- an engine failure must cost its rows, not the job
+            log.exception("a call of %d prompts failed; running them one at a time, alone", len(prompts))
+        out = []
+        with self.gate.exclusive():
+            version = self._version()
+            for p, s in zip(prompts, params):
+                try:
+                    results = self._submit([p], [s]).result()
+                    self.plan_steps.add(results)
+                    out.append((results[0], version))
+                except Exception as e:  # noqa: BLE001 -- the prompt's own failure: an error row
+                    out.append((e, version))
+        return out
+
+    def _submit(self, prompts: list[str], params: list[SamplingParams]) -> Future:
+        return self.engine.submit(prompts, mode=self.cfg.mode, spec=dict(self.cfg.spec) or None, sampling_params=params)
 
     def _row(self, row_id: str, prompt: str, r, every: list | None = None) -> dict:
         """The output row of result r (every: all n > 1 results of the row's prompt, r first)."""

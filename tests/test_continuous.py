@@ -204,6 +204,23 @@ def test_runner_survives_callers_that_cancel_their_futures(engine, code_ids):
     runner.check()
 
 
+def test_a_submit_that_raises_leaves_none_of_its_prompts_decoding(engine):
+    """SpecEEEngine.submit queues one request per distinct SamplingParams; when a later one cannot run (a token id
+    outside the vocabulary), those queued before it are cancelled: no prompt of a call that raised decodes on for
+    nobody (the batch job's calls in flight share the engine with whatever is left running)."""
+    tokens = []
+    params = [SamplingParams(max_new_tokens=400, ignore_eos=True),
+              SamplingParams(max_new_tokens=4, logit_bias={10**7: 1.0})]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.submit(CODE_PROMPTS[:2], mode="dense", sampling_params=params, on_token=lambda i, t: tokens.append(t))
+    until = time.monotonic() + 60
+    while engine.core.busy and time.monotonic() < until:
+        time.sleep(0.01)
+    assert not engine.core.busy and len(tokens) < 10  # stopped within a step or two, not after 400 tokens
+    again = engine.submit(CODE_PROMPTS[:1], mode="dense", sampling_params=SamplingParams(max_new_tokens=4))
+    assert len(again.result(timeout=60)[0].token_ids) == 4
+
+
 def test_lanes_grow_with_their_rows_and_give_their_memory_back(engine, code_ids):
     sch = EngineCore(engine, max_rows=2, kv_bytes=256 << 20, prefix_cache=False)
     req = sch.submit(Request([code_ids[2]], SamplingParams(max_new_tokens=300, ignore_eos=True), "dense"))

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 MIN_SLOTS = 256  # a new lane's first allocation per row (it grows from there)
 _REQUEST_IDS = itertools.count()
 _ADMISSIONS = itertools.count()
+_LANE_IDS = itertools.count()
 
 
 @dataclass(eq=False)
@@ -142,6 +143,7 @@ class Lane:
         self.caches = [self.cache, *self.stepper.caches()]
         self.rows: dict[int, Row] = {}
         self.failed = False  # a step raised: the lane is dropped once its rows are out
+        self.uid = next(_LANE_IDS)  # results carry it (stats["lane"]): whose stepper's running totals they hold
 
     @property
     def capacity(self) -> int:
@@ -290,7 +292,8 @@ class Lane:
                 out.append((row, None))
             elif fin in ("stop", "length"):
                 # latency and time to first token from the request's submission: waiting for a row counts
-                out.append((row, self.batch.result(s, row.request.submitted, self.stepper.row_stats(s), row.cached)))
+                stats = {**self.stepper.row_stats(s), "lane": self.uid}
+                out.append((row, self.batch.result(s, row.request.submitted, stats, row.cached)))
             else:
                 continue
             self.remove(s)

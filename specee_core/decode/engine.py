@@ -42,6 +42,10 @@ class EngineOptions:
     engines_per_node: int = 1  # engines sharing this node's memory (actors, replicas): the default budget's divisor
     kv_block_size: int = 16  # token slots per block of the budget and the prefix cache
     prefix_cache: bool = True  # reuse full prompt blocks across rows and requests
+    # rows a new lane has at least: 1 sizes a lane to the prompts waiting when it opens (a generate call's: every
+    # row decoding, steps without gathers); max_batch_size leaves room for requests that arrive while it decodes
+    # (Serve, the batch job's batches in flight)
+    min_lane_rows: int = 1
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -54,6 +58,8 @@ class EngineOptions:
             raise ValueError(f"engines_per_node must be >= 1, got {self.engines_per_node}")
         if self.kv_block_size < 1:
             raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
+        if self.min_lane_rows < 1:
+            raise ValueError(f"min_lane_rows must be >= 1, got {self.min_lane_rows}")
 
 
 class SpecEEEngine:
@@ -114,7 +120,8 @@ class SpecEEEngine:
             kv = (int(o.kv_cache_gb * 2**30) if o.kv_cache_gb is not None
                   else default_kv_bytes(self.device, o.engines_per_node))
             self._core = EngineCore(self, max_rows=o.max_batch_size, prefill_chunk=o.prefill_chunk, kv_bytes=kv,
-                                    block_size=o.kv_block_size, prefix_cache=o.prefix_cache, min_lane_rows=1)
+                                    block_size=o.kv_block_size, prefix_cache=o.prefix_cache,
+                                    min_lane_rows=o.min_lane_rows)
             log.info("engine core: %d rows, KV budget %s", o.max_batch_size, self._core.budget.report())
         return self._core
 
@@ -286,7 +293,14 @@ class SpecEEEngine:
         their decode steps. Bad prompts or options raise here, before anything is queued."""
         requests, order = self._requests(prompts, 128, 0.0, 1.0, 0, None, None, mode, False, on_token, spec,
                                          max_disagreement, sampling_params or SamplingParams())
-        futures = [self.runner.submit(r) for r in requests]
+        futures = []
+        try:
+            for r in requests:
+                futures.append(self.runner.submit(r))  # raises for a request that cannot run
+        except BaseException:
+            for r in requests[:len(futures)]:
+                r.cancel()  # the call raised: none of its prompts stays queued
+            raise
         out: Future = Future()
         left = [len(futures)]
         lock = threading.Lock()

@@ -264,19 +264,22 @@ def test_killed_actor_loses_and_duplicates_nothing(tmp_path, model_dir):
     assert actors.nunique() == 1  # one actor, restarted in place, not a second one
 
 
-def test_rows_that_kill_or_hang_their_process_become_error_rows_whatever_their_number(tmp_path, model_dir):
-    """Two poisonous rows in one batch and a row that hangs in the next (one actor, batches of 4; each death
-    restarts a process, so the test keeps to three bad rows: scripts/probe_faults.py runs the larger probes on
-    SmolLM2): the crashing batch dies twice in its actor, the hanging one once (stopped at the per-batch
-    timeout), then each runs in a quarantined child process (whole, unless it hung) and row by row; the job
-    finishes by itself, every good row once, each bad row an error row saying why."""
-    good = [{"id": f"g{i}", "prompt": p} for i, p in enumerate(GOOD[:4])]
+def test_rows_that_kill_or_hang_their_process_become_error_rows_with_batches_in_flight(tmp_path, model_dir):
+    """Two poisonous rows in one batch, a row that hangs in the next and a batch of good rows, in one actor that
+    takes two batches at once (batches of 4; each death restarts a process, so the test keeps to three bad rows:
+    scripts/probe_faults.py runs the larger probes on SmolLM2). A death takes the batches in flight with it, and
+    each counts one (the hung batch alone counts a hang): the crashing batch dies twice in its actor, the hanging
+    one is stopped at the per-batch timeout, then each runs in a quarantined child process (whole, unless it hung)
+    and row by row; a good batch charged twice beside them runs whole there. The job finishes by itself, every
+    good row once, each bad row an error row saying why."""
+    good = [{"id": f"g{i}", "prompt": GOOD[i % len(GOOD)]} for i in range(8)]
     rows = [good[0], {"id": "p1", "prompt": "POISON"}, good[1], {"id": "p2", "prompt": "POISON"},
-            {"id": "h1", "prompt": "HANG"}, good[2], good[3]]
+            {"id": "h1", "prompt": "HANG"}, *good[2:5], *good[5:8]]
     src = write_jsonl(tmp_path / "p.jsonl", rows)
     cfg = config(model_dir, src, tmp_path / "out", num_actors=1,
                  runtime_env={"env_vars": {CRASH_ON_ENV: "POISON", HANG_ON_ENV: "HANG"}})
-    cfg.stage = replace(cfg.stage, batch_timeout_s=3.0, row_attempts=1)  # a tiny model's batch takes < 1 s
+    # a tiny model's batch takes < 1 s
+    cfg.stage = replace(cfg.stage, batch_timeout_s=3.0, row_attempts=1, max_concurrent_batches=2)
     summary = run(cfg)
     df = read_output(tmp_path / "out").set_index("id")
     assert sorted(df.index) == sorted(r["id"] for r in rows) and df.index.is_unique
@@ -286,6 +289,7 @@ def test_rows_that_kill_or_hang_their_process_become_error_rows_whatever_their_n
     assert (df.loc[["p1", "p2", "h1"], "error_kind"] == "input").all()
     assert df.loc[[r["id"] for r in good], "error"].isna().all() and summary["errors"] == 3
     # (the errors name a row dying alone: only the quarantine runs a row alone in a process of its own)
+    assert max(e["peak_batches_in_flight"] for e in summary["engines"]) == 2  # an actor had two batches at once
 
 
 # (spec with the draft head through the CLI: test_every_mode_with_predictors)

@@ -1,9 +1,12 @@
 """Units of the batch pipeline without a Ray cluster: the prompt reader's rows, the schedule
 store, the done-id set, the output directory (durable parts, corrupt parts, rows replaced, the lock,
-the manifest), the resume plan, the stage with a fake engine."""
+the manifest), the resume plan, the stage with a fake engine, batches in flight over one engine."""
 from __future__ import annotations
 
 import json
+import threading
+import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -418,13 +421,22 @@ def test_the_jobs_kv_budget_and_prefix_cache_reach_each_engine(tmp_path):
     from tests.conftest import BUNDLED
 
     cfg = build_config(parse_args(["--output", str(tmp_path / "out"), "--model", str(BUNDLED), "--mode", "dense",
-                                   "--kv-cache-gb", "0.05", "--no-prefix-cache", "--num-actors", "3"]))
-    stage = processor_config(cfg, OutputDir(cfg.output), None).stage()
+                                   "--kv-cache-gb", "0.05", "--no-prefix-cache", "--num-actors", "3",
+                                   "--max-concurrent-batches", "3"]))
+    processor = processor_config(cfg, OutputDir(cfg.output), None)
+    stage = processor.stage()
     assert (stage.kv_cache_gb, stage.prefix_cache, stage.engines_per_node) == (0.05, False, 3)
+    compute = processor.compute()  # three calls at once per actor, on threads, and no more sent to it
+    assert (compute.max_concurrent_calls_per_actor, compute.max_tasks_in_flight_per_actor) == (3, 3)
+    assert compute.enable_true_multi_threading and stage.max_concurrent_batches == 3
     core = GenerateRows(stage, "run-1").engine.core
     assert core.prefix is None
     assert core.budget.capacity == int(0.05 * 2**30) // core.budget.block_bytes
-    assert GenerateRows(StageConfig(model=str(BUNDLED), mode="dense"), "run-2").engine.core.prefix is not None
+    assert core.min_lane_rows == core.max_rows == 16  # a lane has room for the next batches' rows
+    alone = GenerateRows(StageConfig(model=str(BUNDLED), mode="dense", max_concurrent_batches=1), "run-2").engine.core
+    assert alone.prefix is not None and alone.min_lane_rows == 1  # one call at a time: lanes sized to its rows
+    with pytest.raises(ValueError, match="max_concurrent_batches must be an int >= 1, got 0"):
+        StageConfig(model="m", max_concurrent_batches=0)
 
 
 @pytest.mark.parametrize("flag, value, choices", [("--mode", "fast", "'auto', 'dense', 'spec', 'specee'"),
@@ -460,6 +472,14 @@ class FakeEngine:
         if not prompt:
             raise PromptError("prompt is empty")
         return [1] * len(prompt)
+
+    def submit(self, prompts: list[str], **kw) -> Future:
+        out = Future()
+        try:
+            out.set_result(self.generate(prompts, **kw))
+        except Exception as e:  # noqa: BLE001 -- the engine's Future carries the error
+            out.set_exception(e)
+        return out
 
     def generate(self, prompts: list[str], **kw):
         from specee_core import GenerationResult
@@ -553,3 +573,141 @@ def test_stage_runs_prompts_through_the_chat_template(tmp_path):
     assert rows["b"]["error"].startswith("PromptError")
     plain = GenerateRows(StageConfig(model=str(tmp_path), max_new_tokens=6, chat=False, dtype="float32"), "run-2")
     assert plain(batch).to_pylist()[0]["prompt_tokens"] == len(engine.encode_prompt("Reverse a string."))
+
+
+def test_the_engine_gate_drains_the_batches_in_flight_before_exclusive_work():
+    """Exclusive work (a new schedule, a failed call's rows alone) waits for the shared users in flight, new
+    shared users wait behind it, and on_idle runs whenever the last user leaves."""
+    from pipeline.inflight import EngineGate
+
+    idle = []
+    gate = EngineGate(on_idle=lambda: idle.append(time.monotonic()))
+    order: list[str] = []
+    first_in, second_queued = threading.Event(), threading.Event()
+
+    def exclusive() -> None:
+        with gate.exclusive():
+            order.append("exclusive")
+
+    def late_shared() -> None:
+        second_queued.set()
+        with gate.shared():
+            order.append("late shared")
+
+    with gate.shared():
+        with gate.shared():
+            assert gate.peak == 2
+        first_in.set()
+        ex = threading.Thread(target=exclusive)
+        ex.start()
+        while not gate._queued:  # the exclusive user is waiting for this shared one
+            time.sleep(0.001)
+        late = threading.Thread(target=late_shared)
+        late.start()
+        second_queued.wait()
+        time.sleep(0.05)
+        order.append("shared leaves")
+    ex.join(5)
+    late.join(5)
+    assert order == ["shared leaves", "exclusive", "late shared"]
+    assert len(idle) == 3  # after the shared users, after the exclusive one, after the late one
+
+
+def test_plan_steps_count_each_lanes_running_totals_once():
+    """Results carry their lane planner's running totals when the row finished; a lane shared by two calls must
+    count once, by its latest totals, whatever order the results come back in; lanes folded when idle stay counted."""
+    from types import SimpleNamespace
+
+    from pipeline.inflight import PlanSteps
+
+    def res(lane, dense, depth2):
+        return SimpleNamespace(stats={"lane": lane, "plan_steps": {"dense": dense, "depth_2": depth2}})
+
+    steps = PlanSteps()
+    steps.add([res(7, 10, 4), res(7, 12, 5)])  # call A's rows in lane 7
+    steps.add([res(7, 15, 9), res(8, 3, 0), SimpleNamespace(stats={"avg_layers": 4})])  # call B: lane 7 again, and 8
+    steps.add([res(7, 11, 5)])  # a row of lane 7 that finished earlier, returned late
+    assert steps.totals() == {"dense": 18, "depth_2": 9}
+    steps.fold()  # idle: lanes 7 and 8 ended
+    steps.add([res(9, 2, 1)])
+    assert steps.totals() == {"dense": 20, "depth_2": 10}
+
+
+def test_batches_in_flight_share_the_engines_steps_and_count_them_once():
+    """Two calls of the stage at once (two threads; the second while the first decodes) on the real engine in mode
+    auto with a plan that drafts: the second call's rows join the first's lane and return first, every row is what
+    dense decoding answers (fp32, greedy: auto is lossless), and the planner's steps are counted once per lane
+    (summed per call, the lane both calls shared would count twice)."""
+    from pipeline.stage import GenerateRows
+    from specee_core import SpecEEEngine
+    from tests.conftest import BUNDLED, drafting_plan
+
+    stage = GenerateRows(StageConfig(model=str(BUNDLED), mode="auto", dtype="float32", batch_size=8,
+                                     max_concurrent_batches=2), "run-1")
+    prompts = ["def add(a, b):\n", "import os\n", "class Point:\n", "for i in range(10):\n", "x = [1, 2, 3]\n",
+               "with open(path) as f:\n", "return sorted(", "try:\n    import json\n"]
+
+    def batch(ids: list[int], tokens: int) -> pa.Table:
+        own = json.dumps({"max_tokens": tokens, "ignore_eos": True})
+        return pa.table({"id": [f"r{i}" for i in ids], "prompt": [prompts[i] for i in ids],
+                         "input_error": [None] * len(ids), "_sampling": [own] * len(ids)})
+
+    out = {}
+    with drafting_plan(stage.engine):
+        first = threading.Thread(target=lambda: out.update(a=stage(batch([0, 1, 2, 3], 40))))
+        first.start()
+        while stage.engine.core.load[0] == 0:  # the first call's rows are decoding
+            time.sleep(0.005)
+        out["b"] = stage(batch([4, 5, 6, 7], 8))
+        running_then = stage.engine.core.load[0]
+        first.join(60)
+    a, b = out["a"].to_pylist(), out["b"].to_pylist()
+    assert running_then > 0 and stage.gate.peak == 2  # the first call still decoding when the second returned
+    assert b[0]["batch_started_at"] > a[0]["batch_started_at"]
+    assert b[0]["batch_started_at"] + b[0]["batch_s"] < a[0]["batch_started_at"] + a[0]["batch_s"]
+    assert all(r["error"] is None for r in a + b) and len({r["batch_id"] for r in a + b}) == 2
+    engine = SpecEEEngine.from_pretrained(BUNDLED, dtype="float32")
+    for rows, tokens in ((a, 40), (b, 8)):
+        dense = engine.generate([r["prompt"] for r in rows], max_new_tokens=tokens, ignore_eos=True, mode="dense")
+        assert [r["completion"] for r in rows] == [d.text for d in dense]
+    chosen = stage.describe()["plan"]["steps_chosen"]
+    assert chosen.get("depth_1", 0) + chosen.get("depth_2", 0) + chosen.get("depth_3", 0) + \
+        chosen.get("depth_4", 0) > 0  # the plan drafted: its counts are what is checked
+    # one lane from the engine's first iteration to its last, decoding in each: its planner chose a step per
+    # iteration (per call, its running totals would count the steps both calls shared twice, or a call's last row's
+    # totals instead of the lane's)
+    assert sum(chosen.values()) == stage.engine.core.steps
+
+
+def test_a_call_that_raises_reruns_its_rows_alone_once_the_calls_in_flight_are_done():
+    """A call whose engine submission raises (a row's logit_bias names a token outside the vocabulary) while another
+    call decodes: its rows run again one at a time once the other call is done (nothing beside them, so a row
+    cannot fail for a neighbour), the bad row becomes its own error row, every other row is dense's answer."""
+    from pipeline.stage import GenerateRows
+    from specee_core import SpecEEEngine
+    from tests.conftest import BUNDLED, CODE_PROMPTS
+
+    stage = GenerateRows(StageConfig(model=str(BUNDLED), mode="dense", dtype="float32", batch_size=8, max_new_tokens=4,
+                                     max_concurrent_batches=2), "run-1")
+    long = json.dumps({"max_tokens": 40, "ignore_eos": True})
+    bad = json.dumps({"max_tokens": 4, "logit_bias": {str(10**7): 1.0}})
+    first = pa.table({"id": ["a0", "a1"], "prompt": CODE_PROMPTS[:2], "input_error": [None] * 2,
+                      "_sampling": [long] * 2})
+    second = pa.table({"id": ["b0", "bad", "b1"], "prompt": CODE_PROMPTS[2:5], "input_error": [None] * 3,
+                       "_sampling": [None, bad, None]})
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(a=stage(first)))
+    thread.start()
+    while stage.engine.core.load[0] == 0:  # the first call's rows are decoding
+        time.sleep(0.005)
+    b = {r["id"]: r for r in stage(second).to_pylist()}
+    thread.join(60)
+    a = out["a"].to_pylist()
+    assert b["bad"]["error"].startswith("ValueError: token ids [10000000]") and b["bad"]["error_kind"] == "input"
+    # 4 tokens beside 40 would end first: alone, they waited for the first call to end
+    assert b["b0"]["batch_started_at"] + b["b0"]["batch_s"] > a[0]["batch_started_at"] + a[0]["batch_s"]
+    engine = SpecEEEngine.from_pretrained(BUNDLED, dtype="float32")
+    assert [r["completion"] for r in a] == [d.text for d in engine.generate(CODE_PROMPTS[:2], max_new_tokens=40,
+                                                                            ignore_eos=True, mode="dense")]
+    dense = engine.generate([CODE_PROMPTS[2], CODE_PROMPTS[4]], max_new_tokens=stage.cfg.max_new_tokens, mode="dense")
+    assert [b["b0"]["completion"], b["b1"]["completion"]] == [d.text for d in dense]
