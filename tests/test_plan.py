@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from specee_core import SpecEEEngine
+from specee_core import SamplingParams, SpecEEEngine
 from specee_core.machine import choose_dtype
 from specee_core.spec.plan import (FORCED_PRIOR, PROBE_AHEAD, PROBE_EVERY, T_GRID, TRIAL_STEPS, Acceptance, CostTable,
                                    Outlook, Planner, RowView, StepPlan, StepTimes, batch_bucket, best_step,
@@ -530,22 +530,27 @@ def test_auto_is_the_default_and_equals_dense_in_fp32(tiny, costs, times, drafts
 
 
 def test_auto_keeps_the_distribution_when_sampling(tiny):
-    """Sampled auto steps draft from the draft head and accept by rejection sampling (exact: the chi-square
-    tests in test_spec_decode cover the rule); here the tokens that verify steps decided are as far from
-    dense sampling's as two dense runs with different seeds are from each other (a greedy or biased
-    acceptance would sit near total variation 1)."""
+    """Sampled auto steps draft from the draft head with each row's own random numbers and keep a drafted token
+    where it is the row's draw (exact: the chi-square tests in test_spec_decode cover the rule): a row seeded as a
+    dense row gives dense's tokens, and rows of other seeds are as far from dense sampling's as two dense runs
+    with different seeds are from each other (a greedy or biased acceptance would sit near total variation 1)."""
     plan = tiny.spec_plan()
     measured, times = plan.costs, plan.times
     plan.costs, plan.times = FLAT, StepTimes(decay=1.0)
+
+    def seeded(first: int) -> list[SamplingParams]:
+        return [SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=first + i) for i in range(400)]
+
     try:
-        kw = dict(max_new_tokens=4, temperature=1.0, ignore_eos=True)
-        dense = tiny.generate([CODE[0]] * 400, mode="dense", seed=1, **kw)
-        again = tiny.generate([CODE[0]] * 400, mode="dense", seed=3, **kw)
-        auto = tiny.generate([CODE[0]] * 400, seed=2, **kw)
+        dense = tiny.generate([CODE[0]] * 400, mode="dense", sampling_params=seeded(0))
+        again = tiny.generate([CODE[0]] * 400, mode="dense", sampling_params=seeded(1000))
+        auto = tiny.generate([CODE[0]] * 400, sampling_params=seeded(2000))
+        same = tiny.generate([CODE[0]] * 40, sampling_params=seeded(0)[:40])
     finally:
         plan.costs, plan.times = measured, times
     assert any(k.startswith("depth") for k in auto[0].stats["plan_steps"])
     assert sum(r.stats["mean_accepted"] for r in auto) > 20  # drafts were accepted: the sampled path ran
+    assert [r.token_ids for r in same] == [r.token_ids for r in dense[:40]]
 
     def tv(x, y, pos: int) -> float:
         a, b = (torch.bincount(torch.tensor([r.token_ids[pos] for r in z]), minlength=tiny.config.vocab_size).float()

@@ -24,7 +24,7 @@ def test_parse_valid_completion():
     raw = body(model="m", prompt=["a", "b"], max_tokens=3, temperature=0, stop="x", seed=1)
     req = parse_body(raw, CompletionRequest)
     assert req.prompts == ["a", "b"]
-    assert req.sampling(3) == {"max_new_tokens": 3, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop": ("x",),
+    assert req.sampling(3) == {"max_new_tokens": 3, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "stop": ("x",),
                                "seed": 1, "max_disagreement": None, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                                "repetition_penalty": 1.0, "logit_bias": {}, "min_tokens": 0, "stop_token_ids": (),
                                "ignore_eos": False, "logprobs": None, "structured": None}
