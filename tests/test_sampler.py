@@ -305,3 +305,20 @@ def test_a_draw_past_the_head_follows_the_tail():
     assert chi_square(counts, probs) < 215.0  # p ~ 0.0005
     with pytest.raises(AssertionError):
         assert chi_square(counts, (logits * 1.5).softmax(-1)) < 215.0
+
+
+def test_top_p_keeps_the_tokens_a_sort_of_the_whole_vocabulary_keeps():
+    """top-p decided among the most likely NUCLEUS_FIRST tokens where they reach top_p, by a full sort where they
+    do not (flat rows): the same kept tokens as sorting every row."""
+    from specee_core.step.sampling import NUCLEUS_FIRST, _nucleus
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.cat([torch.randn(4, 2000, generator=g) * 4, torch.randn(4, 2000, generator=g) * 0.1])
+    top_p = torch.tensor([0.1, 0.5, 0.9, 0.99] * 2)
+    got = _nucleus(logits, top_p)
+    sl, order = logits.sort(dim=-1, descending=True)
+    p = sl.softmax(-1)
+    want = logits.scatter(-1, order, sl.masked_fill(p.cumsum(-1) - p > top_p[:, None], float("-inf")))
+    assert torch.equal(got.isinf(), want.isinf())
+    kept = (~got.isinf()).sum(-1)
+    assert kept[:4].max() < NUCLEUS_FIRST < kept[5:].min()  # both paths ran

@@ -215,12 +215,7 @@ def probabilities(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     nucleus = (s.top_p < 1).nonzero().squeeze(1)
     if len(nucleus):
-        part = logits[nucleus]
-        sorted_logits, order = part.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens before it already cover top_p (the first always stays)
-        drop = probs.cumsum(-1) - probs > s.top_p[nucleus, None]
-        logits = logits.index_copy(0, nucleus, part.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf"))))
+        logits = logits.index_copy(0, nucleus, _nucleus(logits[nucleus], s.top_p[nucleus]))
     probs = logits.softmax(-1)
     if bool((s.min_p > 0).any()):
         floor = s.min_p[:, None] * probs.max(-1, keepdim=True).values
@@ -230,6 +225,25 @@ def probabilities(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
 
 
 HEAD = 64  # the most likely tokens a draw races among (the rest: the tail, drawn by inverse CDF)
+
+
+NUCLEUS_FIRST = 256  # top-p looks among the most likely tokens first; a row they do not cover sorts them all
+
+
+def _nucleus(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits [P, V] with every token dropped (-inf) whose more likely tokens already cover top_p [P] (the first
+    always stays). A sort of the whole vocabulary is what costs: rows whose NUCLEUS_FIRST most likely tokens
+    reach top_p decide among those."""
+    probs = logits.softmax(-1)
+    top, order = probs.topk(min(NUCLEUS_FIRST, logits.shape[-1]), dim=-1)  # [P, M] descending
+    cum = top.cumsum(-1)
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, order, cum - top <= top_p[:, None])
+    short = (cum[:, -1] < top_p).nonzero().squeeze(1)  # the head does not reach top_p: sort the whole row
+    if len(short):
+        sorted_p, full = probs[short].sort(dim=-1, descending=True)
+        keep[short] = torch.zeros_like(sorted_p, dtype=torch.bool).scatter_(
+            1, full, sorted_p.cumsum(-1) - sorted_p <= top_p[short, None])
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def choose(logits: torch.Tensor, s: RowSampling, index: list[int]) -> torch.Tensor:
