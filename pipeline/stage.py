@@ -191,6 +191,7 @@ class GenerateRows:
         torch.set_num_threads(cfg.torch_threads or max(1, int(cpus)))
         self.worker = worker_name()
         self.batches = 0
+        self._submitted = 0  # engine calls submitted: each call's admission priority
         early_exit = cfg.engine_options if cfg.mode == "specee" or cfg.spec.get("t3") else {}
         if not os.path.isdir(cfg.model):
             # on a cluster each node loads the model from its own disk: the path must exist on every node
@@ -398,7 +399,14 @@ class GenerateRows:
         return out
 
     def _submit(self, prompts: list[str], params: list[SamplingParams]) -> Future:
-        return self.engine.submit(prompts, mode=self.cfg.mode, spec=dict(self.cfg.spec) or None, sampling_params=params)
+        """The prompts onto the engine, behind every call submitted before (priority: first come, first served),
+        so that a call's rows take free rows before a later call's and the earliest call returns first while
+        the later ones already decode beside it."""
+        with self._lock:
+            self._submitted += 1
+            order = self._submitted
+        return self.engine.submit(prompts, mode=self.cfg.mode, spec=dict(self.cfg.spec) or None, sampling_params=params,
+                                  priority=order)
 
     def _row(self, row_id: str, prompt: str, r, every: list | None = None) -> dict:
         """The output row of result r (every: all n > 1 results of the row's prompt, r first)."""

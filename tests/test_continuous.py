@@ -266,3 +266,28 @@ def test_generate_takes_sampling_params_per_prompt(engine):
     assert len(got[2].token_ids) <= 4
     with pytest.raises(ValueError, match="one per prompt"):
         engine.generate(CODE_PROMPTS[:2], sampling_params=[greedy])
+
+
+def test_a_lower_priority_takes_free_rows_first_and_equal_ones_take_turns(engine, code_ids):
+    """Request.priority: with two rows, a request of priority 1 submitted after one of priority 2 takes both rows
+    and its prompts finish before the other's start (the batch job's earlier call first); at equal priorities the
+    two requests take one row each."""
+    for prio, first_rows in (((2, 1), {1: 2}), ((0, 0), {0: 1, 1: 1})):
+        sch = EngineCore(engine, max_rows=2)
+        started: dict[int, list[int]] = {0: [], 1: []}
+
+        def note(k):
+            return lambda i, tok: started[k].append(sch.steps) if len(started[k]) <= i else None
+
+        reqs = [sch.submit(Request(code_ids[2 * k : 2 * k + 2], SamplingParams(max_new_tokens=6, ignore_eos=True),
+                                   "dense", priority=prio[k], on_token=note(k))) for k in (0, 1)]
+        sch.step()
+
+        def rows_of(k: int) -> int:
+            return sum(r.request is reqs[k] for lane in sch.lanes for r in lane.rows.values())
+
+        assert {k: rows_of(k) for k in (0, 1) if rows_of(k)} == first_rows
+        while not all(r.done for r in reqs):
+            sch.step()
+        if prio == (2, 1):
+            assert max(started[1]) < min(started[0])  # the earlier priority's rows all started first

@@ -69,6 +69,9 @@ class Request:
     on_token: Callable[[int, int], None] | None = None
     on_done: Callable[[Request], None] | None = None  # on the engine thread, once, when results or error are set
     stepper: tuple[StepperFactory | None, int] | None = None
+    # admission: requests of a lower priority take free rows first, each as far as it goes; equal priorities
+    # take one row each in turn (a batch job's earlier batch finishes first, Serve's requests share fairly)
+    priority: int = 0
     results: list[GenerationResult | None] = field(init=False)
     error: BaseException | None = None
     submitted: float = field(default_factory=time.perf_counter)
@@ -518,8 +521,8 @@ class EngineCore:
 
     # ---- admission -------------------------------------------------------------------------------
     def _admit(self) -> None:
-        """Free rows to preempted rows, then to waiting prompts one per request in turn, while the KV
-        budget has their prompts' blocks."""
+        """Free rows to preempted rows, then to waiting prompts, while the KV budget has their prompts' blocks:
+        one per request in turn, or where priorities differ, the lowest priority's first (Request.priority)."""
         room = self.max_rows - self.running_rows()
         while room > 0 and self.resumes:
             row = self.resumes[0]
@@ -528,9 +531,13 @@ class EngineCore:
             self.resumes.popleft()
             room -= 1
         skipped = 0
+        ordered = len({r.priority for r in self.requests}) > 1
+        if ordered:
+            self.requests = deque(sorted(self.requests, key=lambda r: r.priority))  # stable: arrival order within
         while room > 0 and self.requests and skipped < len(self.requests):
             req = self.requests[0]
-            self.requests.rotate(-1)
+            if not ordered:
+                self.requests.rotate(-1)
             i = req.waiting[0]
             prompt = req.prompt_ids[i]
             row = Row(req, i, prompt, min(req.params.max_new_tokens, self.engine.context_len - len(prompt)),
@@ -546,6 +553,8 @@ class EngineCore:
                 continue
             if not placed:  # its lane is full or its blocks are not free: the next request's turn
                 skipped += 1
+                if ordered:
+                    self.requests.rotate(-1)
                 continue
             skipped = 0
             req.waiting.popleft()

@@ -286,13 +286,16 @@ class SpecEEEngine:
     def submit(self, prompts: list[str], mode: str = "auto", spec: dict | None = None,
                max_disagreement: float | None = None,
                sampling_params: SamplingParams | list[SamplingParams] | None = None,
-               on_token: Callable[[int, int], None] | None = None) -> Future:
+               on_token: Callable[[int, int], None] | None = None, priority: int = 0) -> Future:
         """generate without waiting (any thread): the prompts join the rows the engine core is decoding now,
         on its own thread (specee_core.decode.core.Runner), and the Future's result is their
         GenerationResults in prompt order, or the first error of one. Calls made while others run share
-        their decode steps. Bad prompts or options raise here, before anything is queued."""
+        their decode steps; free rows go to the calls of the lowest priority first (then one row per call in
+        turn). Bad prompts or options raise here, before anything is queued."""
         requests, order = self._requests(prompts, 128, 0.0, 1.0, 0, None, None, mode, False, on_token, spec,
                                          max_disagreement, sampling_params or SamplingParams())
+        for r in requests:
+            r.priority = priority
         futures = []
         try:
             for r in requests:
