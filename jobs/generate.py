@@ -50,10 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="engine replicas (one GPU each on a GPU cluster); default: on a one-machine CPU cluster the "
                         "measured layout of its cores (actors x threads: pipeline.actor_plan, cached), else 2")
     p.add_argument("--batch-size", type=int, default=16, help="rows per actor call and engine batch")
-    p.add_argument("--max-concurrent-batches", type=int, default=2,
+    p.add_argument("--max-concurrent-batches", type=int, default=1,
                    help="batches in flight per engine actor (Ray Data LLM's name): the next batch's rows decode beside "
                         "the last rows of the current one, so the engine stays full; 1: one engine call at a time "
-                        "(default 2)")
+                        "(the default: two measured no faster on a 2-core VM, docs/RESULTS.md)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda: one GPU per actor)")
     p.add_argument("--weights", choices=["auto", "fp32", "bf16", "q8", "q4", "q8a8", "q4a8"], default="auto",
                    help="auto (default: with --dtype auto, the checkpoint's own low-bit format, e.g. the Q4_1 of a GGUF, where its "

@@ -37,8 +37,8 @@ class ProcessorConfig:
     concurrency: int | tuple[int, int] = 1
     batch_size: int = 16  # rows per engine call, also the engine's max batch
     # engine calls in flight per actor (Ray Data LLM's name; pipeline.stage.StageConfig): the next batch's rows
-    # decode beside the current one's last rows, not after them
-    max_concurrent_batches: int = 2
+    # decode beside the current one's last rows, not after them (default 1: see StageConfig)
+    max_concurrent_batches: int = 1
     accelerator_type: str | None = None  # e.g. "L4", "H100": engine actors only on nodes with that GPU
     num_cpus: float | None = None  # per engine actor; None: the cluster's CPUs shared among the actors
     num_gpus: float | None = None  # per engine actor; None: 1 when device is cuda, else 0

@@ -122,8 +122,9 @@ class StageConfig:
     row_attempts: int = 2
     # batches in flight per engine (Ray Data LLM's max_concurrent_batches): the actor takes the next batch while
     # the engine still decodes the last rows of the current one, so those rows never decode alone; 1: one engine
-    # call at a time. A process that dies takes every batch in flight with it (pipeline.processor.EngineRows)
-    max_concurrent_batches: int = 2
+    # call at a time (the default: on the 2-core Xeon VM two in flight measured 0.89-0.90x of one, docs/RESULTS.md).
+    # A process that dies takes every batch in flight with it (pipeline.processor.EngineRows)
+    max_concurrent_batches: int = 1
 
     def __post_init__(self) -> None:
         if self.batch_timeout_s is not None and not self.batch_timeout_s > 0:
