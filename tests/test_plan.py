@@ -539,12 +539,12 @@ def test_auto_keeps_the_distribution_when_sampling(tiny):
     plan.costs, plan.times = FLAT, StepTimes(decay=1.0)
 
     def seeded(first: int) -> list[SamplingParams]:
-        return [SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=first + i) for i in range(400)]
+        return [SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=first + i) for i in range(250)]
 
     try:
-        dense = tiny.generate([CODE[0]] * 400, mode="dense", sampling_params=seeded(0))
-        again = tiny.generate([CODE[0]] * 400, mode="dense", sampling_params=seeded(1000))
-        auto = tiny.generate([CODE[0]] * 400, sampling_params=seeded(2000))
+        dense = tiny.generate([CODE[0]] * 250, mode="dense", sampling_params=seeded(0))
+        again = tiny.generate([CODE[0]] * 250, mode="dense", sampling_params=seeded(1000))
+        auto = tiny.generate([CODE[0]] * 250, sampling_params=seeded(2000))
         same = tiny.generate([CODE[0]] * 40, sampling_params=seeded(0)[:40])
     finally:
         plan.costs, plan.times = measured, times

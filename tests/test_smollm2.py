@@ -184,18 +184,18 @@ def test_fp32_seeded_rows_draw_alike_alone_beside_others_and_drafted(fp32_engine
     from specee_core import SamplingParams
 
     extra = [dict(top_p=0.9), dict(top_k=40), dict(min_p=0.05), dict()]
-    params = [SamplingParams(max_new_tokens=32, ignore_eos=True, temperature=0.6 + 0.1 * i, seed=1000 + i,
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.6 + 0.1 * i, seed=1000 + i,
                              **extra[i % 4]) for i in range(len(prompts))]
     dense = [r.token_ids for r in fp32_engine.generate(prompts, mode="dense", sampling_params=params)]
     alone = [fp32_engine.generate([p], mode="dense", sampling_params=[q])[0].token_ids
-             for p, q in zip(prompts[:3], params[:3])]
-    assert alone == dense[:3]
+             for p, q in zip(prompts[:2], params[:2])]
+    assert alone == dense[:2]
     spec = fp32_engine.generate(prompts, mode="spec", spec={"proposer": "draft", "depth": 4, "lookup": "off",
                                                             "step_budget": None}, sampling_params=params)
     assert [r.token_ids for r in spec] == dense
     assert sum(r.stats["mean_tokens_per_step"] for r in spec) / len(spec) > 1.2
     other = fp32_engine.generate(prompts[:1], mode="dense", sampling_params=[SamplingParams(
-        max_new_tokens=32, ignore_eos=True, temperature=0.6, seed=1001, **extra[0])])[0].token_ids
+        max_new_tokens=24, ignore_eos=True, temperature=0.6, seed=1001, **extra[0])])[0].token_ids
     assert other != dense[0]  # another seed draws otherwise
 
 
