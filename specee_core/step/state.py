@@ -12,7 +12,8 @@ from typing import Callable
 import torch
 
 from specee_core.step.grammar import Grammar
-from specee_core.step.sampling import RowSampling, SamplingParams, choose, logprob_entries, process_logits
+from specee_core.step.sampling import (RowSampling, SamplingParams, choose, logprob_entries, process_logits,
+                                      token_counts)
 from specee_core.step.stops import StopMatcher
 
 FREE = "free"  # finish of an empty row (not None: not alive)
@@ -272,10 +273,7 @@ class Batch:
             if self.counts is None:
                 self.counts = torch.zeros(self.size, self.vocab_size, device=dev)
                 self.prompt_seen = torch.zeros(self.size, self.vocab_size, dtype=torch.bool, device=dev)
-            self.counts[b] = 0
-            if generated:
-                self.counts[b].index_put_((torch.tensor(list(generated), device=dev),),
-                                          torch.ones(len(generated), device=dev), accumulate=True)
+            self.counts[b] = token_counts([list(generated)], self.vocab_size, dev)[0]
             self.prompt_seen[b] = False
             self.prompt_seen[b, torch.tensor(prompt, device=dev)] = True
 
