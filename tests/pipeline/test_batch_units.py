@@ -1,6 +1,6 @@
 """Units of the batch pipeline without a Ray cluster: the prompt reader's rows, the schedule
-store, the done-id set, the output directory (durable parts, corrupt parts, rows replaced, the lock,
-the manifest), the resume plan, the stage with a fake engine, batches in flight over one engine."""
+store, the done-id set, the output directory (durable parts, corrupt parts, rows replaced, the
+manifest), the resume plan, the stage with a fake engine, batches in flight over one engine."""
 from __future__ import annotations
 
 import json
@@ -243,51 +243,6 @@ def test_duplicate_input_ids_stop_the_job_naming_them(tmp_path):
                          [{"id": "a", "prompt": "z"}, {"id": "c", "prompt": "w"}, {"id": "c", "prompt": "v"}])
     with pytest.raises(ValueError, match=r"the input holds 2 id\(s\) more than once, e.g. 'a', 'c'"):
         plan_resume(inputs, OutputDir(tmp_path).index(), retry_errors=False)
-
-
-def test_the_lock_keeps_a_second_job_out_and_a_dead_jobs_lock_is_taken_over(tmp_path, caplog, monkeypatch):
-    import errno
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    from pipeline.output_lock import LOCK, FolderLocked, Holder, OutputLock
-
-    with OutputLock(tmp_path, "run-1"):
-        holder = Holder.parse((tmp_path / LOCK).read_text())
-        assert (holder.pid, holder.host, holder.run_id) == (os.getpid(), socket.gethostname(), "run-1")
-        with pytest.raises(FolderLocked, match=r"in use by run run-1 \(pid \d+ on"):
-            OutputLock(tmp_path, "run-2").acquire()
-    assert not (tmp_path / LOCK).exists()  # released
-
-    def leave_lock(**changes) -> None:
-        fields = {**Holder.me("crashed").__dict__, **changes}
-        (tmp_path / LOCK).write_text(json.dumps(fields))
-
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    leave_lock(pid=int(gone.stdout))  # a crashed job on this host: its process is gone
-    with OutputLock(tmp_path, "run-3"):
-        assert Holder.parse((tmp_path / LOCK).read_text()).run_id == "run-3"
-    assert "taking over the lock of run crashed" in caplog.text
-    leave_lock(process_started_at=1.0)  # this pid, but a newer process: the holder's pid was reused
-    OutputLock(tmp_path, "run-4").__enter__().release()
-    leave_lock(host="elsewhere")
-    with pytest.raises(FolderLocked, match=f"another host: if that job is gone, delete {tmp_path / LOCK}"):
-        OutputLock(tmp_path, "run-5").acquire()
-    leave_lock()  # a live process on this host that holds no flock: not taken over
-    with pytest.raises(FolderLocked, match="still running"):
-        OutputLock(tmp_path, "run-6").acquire()
-    (tmp_path / LOCK).unlink()
-
-    def no_flock(fd, op):
-        raise OSError(errno.ENOLCK, "No locks available")
-
-    monkeypatch.setattr("pipeline.output_lock.fcntl.flock", no_flock)  # an NFS mount without locking
-    with OutputLock(tmp_path, "run-7"):
-        assert "has no flock" in caplog.text
-        with pytest.raises(FolderLocked, match="run run-7 .* still running"):  # the content still keeps others out
-            OutputLock(tmp_path, "run-8").acquire()
 
 
 def manifest_of(tmp_path: Path, model: Path, **stage) -> dict:
