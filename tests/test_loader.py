@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -54,6 +55,32 @@ def test_missing_shard_is_named(tmp_path):
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=shard.name):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("entry", ["../../etc/passwd", "/etc/passwd", "shards/../../x.safetensors", "", 7])
+def test_a_shard_outside_the_model_folder_is_refused(tmp_path, entry):
+    model = tmp_path / "model"
+    make_hf_model(model, layers=2, hidden=64, heads=4, kv_heads=2, max_shard_size="300KB")
+    index = model / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"]["model.norm.weight"] = entry
+    index.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"{index}: entry {re.escape(repr(entry))} is not a file inside {model}"):
+        load_model(model)
+    index.write_text(json.dumps({"weight_map": ["model-00001-of-00002.safetensors"]}))
+    with pytest.raises(ValueError, match="not a valid weight index .*weight_map is a list"):
+        load_model(model)
+
+
+def test_shards_linked_from_outside_as_in_a_hub_snapshot_load(tmp_path, reference):
+    snapshot, blobs = tmp_path / "snapshots" / "abc", tmp_path / "blobs"
+    make_hf_model(snapshot, layers=2, hidden=64, heads=4, kv_heads=2, tied=False, seed=3, max_shard_size="300KB")
+    blobs.mkdir()
+    for shard in snapshot.glob("model-*.safetensors"):  # the Hugging Face cache's layout: links into ../../blobs
+        shard.rename(blobs / shard.name)
+        shard.symlink_to(f"../../blobs/{shard.name}")
+    ids = torch.tensor([[0, 5, 9, 200, 31]])
+    torch.testing.assert_close(logits_of(load_model(snapshot), ids), logits_of(load_model(reference), ids))
 
 
 def test_non_llama_architecture_is_rejected(tmp_path, reference):

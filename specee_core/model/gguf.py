@@ -8,7 +8,8 @@ undoes llama.cpp's q/k permutation and builds the tokenizer from the metadata). 
 directory gets config.json, model.safetensors, generation_config.json, the tokenizer files and
 specee_import.json (source file, sha256, size, versions). Files are written into a temporary
 sibling directory and moved into place at the end, the record last, so a directory with a record
-is complete. A directory whose record has the same sha256 is left alone.
+is complete. A directory whose record has the same sha256 is left alone. A record that lists a file outside
+its directory is refused (a re-import removes the files the old record lists).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
@@ -46,6 +47,18 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
+def model_file(model_dir: Path, name: object, *, listed_in: Path) -> Path:
+    """model_dir / name for a file name read from listed_in (a weight index, an import record), which must stay
+    inside model_dir: a relative path without "..". Checked by name, not by resolving links: a Hugging Face
+    cache snapshot's files are links into ../../blobs."""
+    plain = isinstance(name, str) and "\\" not in name and "\0" not in name  # no Windows separators, no NUL
+    parts = PurePosixPath(name).parts if plain else ()
+    if not parts or parts[0] == "/" or ".." in parts:
+        raise ValueError(f"{listed_in}: entry {name!r} is not a file inside {model_dir} (expected a relative path "
+                         f"without '..')")
+    return model_dir.joinpath(*parts)
+
+
 @dataclass
 class ImportRecord:
     """What specee_import.json says about a converted directory."""
@@ -62,15 +75,21 @@ class ImportRecord:
 
     @classmethod
     def read(cls, out_dir: Path) -> ImportRecord | None:
-        """The record in out_dir, or None when there is none or it is unreadable."""
+        """The record in out_dir, or None when there is none or it is unreadable. ValueError when it lists a
+        file outside out_dir (a re-import removes the files an older record lists)."""
         path = out_dir / IMPORT_RECORD
         if not path.is_file():
             return None
         try:
-            return cls(**json.loads(path.read_text()))
-        except (json.JSONDecodeError, TypeError) as e:
+            record = cls(**json.loads(path.read_text()))
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
             log.warning("%s: unreadable import record (%s); converting again", path, e)
             return None
+        if not isinstance(record.files, list):
+            raise ValueError(f"{path}: 'files' is a {type(record.files).__name__}, expected a list of file names")
+        for name in record.files:
+            model_file(out_dir, name, listed_in=path)
+        return record
 
 
 @dataclass

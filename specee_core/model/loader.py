@@ -3,7 +3,8 @@
 Reads config.json and one of: model.safetensors, model.safetensors.index.json (sharded), or
 pytorch_model.bin (torch.load with weights_only=True). A .gguf file, or a directory holding one
 .gguf and no config.json, is converted once into a cache directory (specee_core.model.gguf) and loaded
-from there. Every problem is an error that names the file and what is wrong.
+from there. A shard an index names must lie inside the model's directory (gguf.model_file). Every problem is
+an error that names the file and what is wrong.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 from specee_core.model.config import ModelConfig, resolve_dtype
+from specee_core.model.gguf import model_file
 from specee_core.model.model import LayerWeights, LlamaModel, ModelWeights, Weight
 from specee_core.model.quant import ACT8, LOW_BIT, QK, planes_of, quantize
 
@@ -81,10 +83,14 @@ def read_state_dict(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str,
         if name.endswith(".index.json"):
             try:
                 weight_map = json.loads(file.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{file}: not a valid weight index ({e})") from None
-            for shard in sorted(set(weight_map.values())):
-                add(model_dir / shard, load_one(model_dir / shard))
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{file}: not a valid weight index (weight_map is a {type(weight_map).__name__}, "
+                                 f"expected an object of tensor name -> shard file)")
+            shards = {model_file(model_dir, shard, listed_in=file) for shard in weight_map.values()}
+            for shard in sorted(shards):
+                add(shard, load_one(shard))
         else:
             add(file, load_one(file))
         return tensors, origin
