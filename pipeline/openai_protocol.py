@@ -3,9 +3,11 @@ with pydantic, OpenAI-style error bodies, and response / stream-chunk builders. 
 engine: everything here is plain data, unit-tested in tests/serve/test_serve_protocol.py."""
 import json
 import logging
+import math
+import threading
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pipeline.sampling import MAX_CHOICES
@@ -17,6 +19,7 @@ INT64 = 2**63
 MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_JSON_DEPTH = 16  # the deepest request (chat content parts) nests 4
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit; specee_core.step.sampling's too)
+MAX_TOKEN_ID_DIGITS = 9  # a logit_bias key: no vocabulary reaches a billion tokens
 
 
 class APIError(Exception):
@@ -52,22 +55,66 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-# OpenAI parameters this server does not implement: the values that mean "off", and the message
+# Parameters of OpenAI's API (and vLLM's) this server does not implement: the values that mean "off", and the
+# message. Any other value is a 400: a parameter that would change the answer is never silently ignored.
 UNSUPPORTED = {
     "best_of": ((None, 1), "only best_of=1 is supported"),
     "echo": ((None, False), "echo is not supported"),
     "suffix": ((None, ""), "suffix is not supported"),
     "tools": ((None, []), "tools (function calling) are not supported: send the request without them"),
     "functions": ((None, []), "functions (function calling) are not supported"),
+    "tool_choice": ((None, "none"), "tool_choice is not supported (no tools)"),
+    "function_call": ((None, "none"), "function_call is not supported (no functions)"),
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only the text modality is supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "reasoning_effort": ((None,), "reasoning_effort is not supported: the model does not reason apart"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "store": ((None, False), "store is not supported: completions are not stored"),
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "include_stop_str_in_output": ((None, False), "include_stop_str_in_output is not supported"),
 }
 MAX_N = MAX_CHOICES  # choices per request (the request limits count every one), as the processor takes per row
 
 
 def reject_unsupported(name: str, value):
     allowed, message = UNSUPPORTED[name]
-    if value not in allowed:
-        raise ValueError(f"{message}, got {value!r}")
+    if not any(value == a and type(value) is type(a) for a in allowed):  # strict: 0 is not False
+        raise ValueError(f"{message}, got {_short(value)}")
     return value
+
+
+def _short(value, limit: int = 80) -> str:
+    """repr(value) cut to `limit` characters: messages and logs never echo a client's megabytes."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format json_schema needs json_schema: {name, schema}")
+        return self
+
+    def structured(self) -> dict | None:
+        """specee_core.SamplingParams.structured of this format (None for text)."""
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        if self.type == "json_schema":
+            return {"type": "json_schema", "schema": self.json_schema.schema_}
+        return None
 
 
 class _SamplingRequest(BaseModel):
@@ -89,14 +136,21 @@ class _SamplingRequest(BaseModel):
     n: int | None = Field(None, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's) -> -100..100
+    # token id (a decimal string, OpenAI's) -> bias. ASCII digits only: "²" passes str.isdigit but not int()
+    logit_bias: dict[Annotated[str, Field(pattern=rf"^[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}}$")],
+                     Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     # extensions, as in vLLM
     repetition_penalty: float | None = Field(None, gt=0, le=10, allow_inf_nan=False)
     min_tokens: int | None = Field(None, ge=0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool | None = None
     guided_regex: str | None = None  # vLLM's: the completion matches this regular expression
     guided_choice: list[str] | None = None  # vLLM's: the completion is one of these strings
+    guided_json: dict | None = None  # vLLM's: the completion is JSON matching this schema
+    response_format: ResponseFormat | None = None  # OpenAI's structured output (on completions too, as in vLLM)
+    # known parameters this server does not implement (UNSUPPORTED): accepted only with the value that means "off"
+    use_beam_search: Any = None
+    include_stop_str_in_output: Any = None
     user: str | None = None
     mode: Literal["auto", "dense", "specee", "spec"] | None = None  # extension: override the server's decode mode
     # extension, mode specee: exit thresholds calibrated so that at most this share of exited tokens
@@ -117,33 +171,24 @@ class _SamplingRequest(BaseModel):
             _check_text(s, "stop")
         return v
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, v):
-        if v is None:
-            return v
-        for tok, bias in v.items():
-            if not tok.isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {tok!r}")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {tok}")
-        return v
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _stop_token_ids(cls, v):
-        if v is not None and any(t < 0 for t in v):
-            raise ValueError("stop_token_ids must be token ids (>= 0)")
-        return v
-
     @property
     def top_logprobs_k(self) -> int | None:
         """The logprobs the request asks for: alternatives per token (0: the chosen token's alone), or None."""
         return None
 
+    @field_validator("use_beam_search", "include_stop_str_in_output")
+    @classmethod
+    def _unsupported_sampling(cls, v, info: ValidationInfo):
+        return reject_unsupported(info.field_name, v)
+
     @property
     def structured(self) -> dict | None:
-        """The structured-output constraint asked for (response_format, guided_regex, guided_choice), or None."""
+        """The structured-output constraint asked for (response_format, guided_json, guided_regex, guided_choice),
+        or None."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return self.response_format.structured()
+        if self.guided_json is not None:
+            return {"type": "json_schema", "schema": self.guided_json}
         if self.guided_regex is not None:
             return {"type": "regex", "pattern": self.guided_regex}
         if self.guided_choice is not None:
@@ -152,10 +197,11 @@ class _SamplingRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_constraint(self):
-        asked = [n for n in ("guided_regex", "guided_choice", "response_format")
-                 if getattr(self, n, None) is not None and not (n == "response_format" and self.response_format.type == "text")]
+        asked = [n for n in ("guided_json", "guided_regex", "guided_choice", "response_format")
+                 if getattr(self, n) is not None and not (n == "response_format" and self.response_format.type == "text")]
         if len(asked) > 1:
-            raise ValueError(f"at most one of guided_regex, guided_choice and response_format, got {', '.join(asked)}")
+            raise ValueError(f"at most one of guided_json, guided_regex, guided_choice and response_format, "
+                             f"got {', '.join(asked)}")
         return self
 
     def sampling(self, max_tokens: int) -> dict:
@@ -242,33 +288,6 @@ class ChatMessage(BaseModel):
         return _check_text(text, "message content")
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    name: str | None = None
-    schema_: dict = Field(alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema(self):
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format json_schema needs json_schema: {name, schema}")
-        return self
-
-    def structured(self) -> dict | None:
-        """specee_core.SamplingParams.structured of this format (None for text)."""
-        if self.type == "json_object":
-            return {"type": "json_object"}
-        if self.type == "json_schema":
-            return {"type": "json_schema", "schema": self.json_schema.schema_}
-        return None
-
-
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
@@ -276,9 +295,17 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
     functions: list | None = None
-    response_format: ResponseFormat | None = None
+    tool_choice: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    store: Any = None
 
-    @field_validator("tools", "functions")
+    @field_validator("tools", "functions", "tool_choice", "function_call", "audio", "modalities", "prediction",
+                     "reasoning_effort", "web_search_options", "store")
     @classmethod
     def _unsupported_chat(cls, v, info: ValidationInfo):
         return reject_unsupported(info.field_name, v)
@@ -296,10 +323,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def top_logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    @property
-    def structured(self) -> dict | None:
-        return self.response_format.structured() if self.response_format is not None else super().structured
-
     def template_messages(self) -> list[dict]:
         """Messages as chat templates expect them: role and plain-text content."""
         out = []
@@ -315,7 +338,7 @@ def parse_body(raw: bytes, cls: type[BaseModel], max_depth: int = MAX_JSON_DEPTH
     """Request bytes -> validated request; APIError (400) naming the problem otherwise. Nesting
     deeper than max_depth is refused before parsing (a recursive parser would hit the recursion
     limit on 10,000 nested arrays). Unknown top-level fields are ignored, as vLLM does, with a
-    warning naming them once per field name."""
+    bounded warning (UnknownFieldLog)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -339,16 +362,38 @@ def parse_body(raw: bytes, cls: type[BaseModel], max_depth: int = MAX_JSON_DEPTH
         raise validation_error(e) from None
 
 
-_warned_fields: set[str] = set()
+class UnknownFieldLog:
+    """Unknown top-level request fields, ignored as vLLM ignores them, reported in bounded log lines: at most one
+    line per `period_s` seconds (naming a few fields of the latest request, each cut short, and how many requests
+    had unknown fields since the last line). Nothing of a request is kept beyond its own line."""
+
+    NAMES, NAME_CHARS = 5, 40
+
+    def __init__(self, period_s: float = 60.0):
+        self.period_s, self.last, self.requests = period_s, -math.inf, 0
+        self.lock = threading.Lock()
+
+    def note(self, unknown: list[str]) -> None:
+        now = time.monotonic()
+        with self.lock:
+            self.requests += 1
+            if now - self.last < self.period_s:
+                return
+            self.last, requests, self.requests = now, self.requests, 0
+        names = ", ".join(_short(k, self.NAME_CHARS) for k in unknown[: self.NAMES])
+        more = f" and {len(unknown) - self.NAMES} more" if len(unknown) > self.NAMES else ""
+        log.warning("ignoring unknown request fields: %s%s (%d request(s) with unknown fields in the last %.0f s; "
+                    "one line per %.0f s)", names, more, requests, self.period_s, self.period_s)
+
+
+_unknown_fields = UnknownFieldLog()
 
 
 def warn_unknown_fields(obj: dict, cls: type[BaseModel]) -> list[str]:
-    """The request's top-level fields the API does not know (ignored), logged once per name."""
-    unknown = sorted(k for k in obj if k not in cls.model_fields)
-    new = [k for k in unknown if k not in _warned_fields]
-    if new:
-        _warned_fields.update(new)
-        log.warning("ignoring unknown request fields %s (logged once per name)", new)
+    """The request's top-level fields the API does not know (ignored), reported by UnknownFieldLog."""
+    unknown = [k for k in obj if k not in cls.model_fields]
+    if unknown:
+        _unknown_fields.note(unknown)
     return unknown
 
 
@@ -386,8 +431,13 @@ def validation_error(e: ValidationError) -> APIError:
     errors = e.errors()
     field = errors[0]["loc"][:1]
     err = max((x for x in errors if x["loc"][:1] == field), key=lambda x: len(x["loc"]))
-    param = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or None
+    loc = list(err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
+    if len(loc) > 1 and loc[0] == "logit_bias":  # the parameter is the map; the client's key goes in the message
+        msg = f"token {_short(loc[1], 40)}: {msg}"
+        loc = loc[:1]
+    loc = [p for p in loc if not _is_union_tag(p)]
+    param = _short(".".join(str(p) for p in loc), 200).strip("'") or None
     if err["type"] == "missing":
         return APIError(f"'{param}' is a required property", param=param, code="missing_required_parameter")
     text = msg if param is None or msg.startswith(param) else f"{param}: {msg}"
@@ -398,6 +448,30 @@ def _is_union_tag(p) -> bool:
     """pydantic puts the union member tried into the error location: ('stop', 'list[str]', 0)."""
     return isinstance(p, str) and (p in {"str", "int", "float", "bool", "none", "TextPart", "StreamOptions"}
                                    or "[" in p or p.startswith("function-"))
+
+
+def request_schema(cls: type[BaseModel]) -> dict:
+    """The JSON schema of a request body with every definition inlined (no $ref: the OpenAPI document carries
+    it as the operation's requestBody, and schema-driven clients and fuzzers read it whole)."""
+    schema = cls.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return inline(schema)
+
+
+def request_body(cls: type[BaseModel]) -> dict:
+    """FastAPI openapi_extra publishing cls as a route's JSON body. The handlers read the raw body themselves
+    (parse_body: size and depth limits before parsing, then cls), so the schema is declared, not inferred."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": request_schema(cls)}}}}
 
 
 # ---- responses -------------------------------------------------------------------------------

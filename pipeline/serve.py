@@ -24,9 +24,13 @@ threads, so the event loop stays free to accept requests and answer /healthz.
 
 Limits, each a 4xx with an OpenAI-style error body (ServeArgs): body size (413), JSON nesting depth,
 prompts per request, characters per prompt before tokenizing, tokens per request, stop strings'
-count and length (400), requests waiting beyond the running batch (429 with Retry-After), and with
+count and length, a structured-output constraint's size and compile time (400), requests waiting beyond
+the running batch (429 with Retry-After: Serve hands a replica more requests than it admits), and with
 `api_keys` set, a missing or wrong `Authorization: Bearer` on /v1 and /metrics (401; /health stays open,
 /healthz answers only its status, /docs, /redoc and /openapi.json are off).
+
+Unknown request fields are ignored (bounded log lines, kept nowhere); known OpenAI parameters that would
+change the answer and are not implemented are a 400. /openapi.json publishes both request bodies' schemas.
 
 Closed unless opened: when Serve's HTTP host (http_options.host) is not loopback and no API keys are set,
 the builder and each replica refuse to start, unless allow_open=True (then they log a warning)."""
@@ -62,8 +66,8 @@ from specee_core.step.sampling import SamplingParams
 from specee_core.step.stops import cut_at_stop
 from pipeline.openai_protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRequest, CompletionRequest, chat_chunk,
                                       chat_logprobs, chat_response, completion_chunk, completion_logprobs,
-                                      completion_response, error_body, new_id, parse_body, specee_summary, sse, usage,
-                                      usage_chunk)
+                                      completion_response, error_body, new_id, parse_body, request_body,
+                                      specee_summary, sse, usage, usage_chunk)
 from pipeline.sampling import choice_params
 from pipeline.serve_access import bearer_ok, check_exposure, read_keys_file, serve_http_host
 from pipeline.serve_metrics import PROMETHEUS_TEXT, EngineMetrics
@@ -78,6 +82,8 @@ INLINE_PARSE_BYTES = 64 << 10  # bodies up to this are parsed on the event loop,
 API_KEYS_ENV = "SPECEE_API_KEYS"  # comma-separated; the api_keys argument when it is not given
 API_KEYS_FILE_ENV = "SPECEE_API_KEYS_FILE"  # the api_keys_file argument when it is not given
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+ROUTE_HEADROOM = 16  # requests Serve hands a replica beyond its admission: health, metrics, model list, 429s
+SERVE_MAX_REPLICAS = 100  # Serve's default max_replicas when autoscaling
 
 
 class ServeArgs(BaseModel):
@@ -120,6 +126,8 @@ class ServeArgs(BaseModel):
     max_stop_chars: int = Field(256, ge=1)  # per stop string (OpenAI's count limit of 4 applies too)
     max_chars_per_token: int = Field(32, ge=1)  # a prompt longer than context x this is refused untokenized
     max_queued_requests: int = Field(64, ge=0)  # waiting beyond max_batch_size running ones: 429 past this
+    max_schema_bytes: int = Field(65536, ge=64)  # a structured-output constraint (schema, pattern, choices) as JSON
+    grammar_timeout_s: float = Field(10.0, gt=0)  # compiling one constraint: a 400 past this
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -400,7 +408,37 @@ def engine_error(e: Exception) -> APIError:
     return APIError(f"generation failed: {type(e).__name__}", status=500, type="server_error")
 
 
-@serve.deployment(max_ongoing_requests=32, max_queued_requests=256, health_check_period_s=5,
+def replicas_per_node(args: ServeArgs, node_cpus: float, node_gpus: float) -> int:
+    """The most replicas of this app that can share one node's memory: its CPUs (or, on CUDA, one GPU's share)
+    over a replica's, capped by the replica count (fixed, or autoscaling's maximum). The default KV budget of each
+    is its share of the free memory, so together they never take more than one engine would."""
+    if isinstance(args.num_replicas, int):
+        most = args.num_replicas
+    else:
+        most = (args.max_replicas or SERVE_MAX_REPLICAS) if args.autoscaling else 1
+    if args.device.split(":")[0] == "cuda":  # device memory: the replicas that share one GPU
+        fit = math.floor(1 / args.num_gpus) if 0 < args.num_gpus < 1 else 1
+    else:
+        fit = math.floor(node_cpus / args.num_cpus) if node_cpus else most
+    return max(1, min(most, fit))
+
+
+def node_resources() -> tuple[float, float]:
+    """(CPUs, GPUs) of the Ray node this process runs on; (0, 0) outside Ray."""
+    import ray
+
+    if not ray.is_initialized():
+        return 0.0, 0.0
+    me = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == me:
+            res = node.get("Resources", {})
+            return float(res.get("CPU", 0)), float(res.get("GPU", 0))
+    return 0.0, 0.0
+
+
+# (functions the replica calls are defined above it: Serve pickles the class by value where it is decorated)
+@serve.deployment(max_queued_requests=256, health_check_period_s=5,
                   health_check_timeout_s=30, graceful_shutdown_timeout_s=30)
 @serve.ingress(api)
 class SpecEEServer:
@@ -410,12 +448,14 @@ class SpecEEServer:
         # first, before the model loads (Serve retries a constructor that fails)
         host = serve_http_host()
         check_exposure(host, has_keys=bool(args.api_keys), allow_open=args.allow_open)
-        # lanes with room for requests that join later: a request's rows decode beside the next ones'
+        options = {"max_batch_size": args.max_batch_size, "prefill_chunk": args.prefill_chunk,
+                   # lanes with room for requests that join later: a request's rows decode beside the next ones'
+                   "min_lane_rows": args.max_batch_size, **args.engine_options}
+        if "kv_cache_gb" not in options and "engines_per_node" not in options:
+            # the default KV budget is a share of the node's free memory: one share for all the replicas it can hold
+            options["engines_per_node"] = replicas_per_node(args, *node_resources())
         self.engine = SpecEEEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
-                                                   weights=args.weights,
-                                                   **{"max_batch_size": args.max_batch_size,
-                                                      "min_lane_rows": args.max_batch_size,
-                                                      "prefill_chunk": args.prefill_chunk, **args.engine_options})
+                                                   weights=args.weights, **options)
         self.model_name = args.model_name or Path(args.model).name
         try:
             self.mode = self._pick_mode(args.mode)
@@ -460,8 +500,9 @@ class SpecEEServer:
         """The 503 both health routes answer when the engine is not healthy, else None."""
         try:
             self.check_health()
-        except RuntimeError as e:
-            return JSONResponse({"status": "unhealthy", "reason": str(e)}, status_code=503)
+        except RuntimeError as e:  # the reason is the server's: logged, not answered
+            log.warning("health check failed: %s", e)
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
         return None
 
     @api.get("/health")
@@ -530,7 +571,7 @@ class SpecEEServer:
                 "mode": self.mode, "chat": self.chat_template is not None}
 
     # ---- endpoints ----------------------------------------------------------------------------
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(self, request: Request):
         self._authorize(request)
         req = await self._parse(request, CompletionRequest)
@@ -541,9 +582,9 @@ class SpecEEServer:
         out = await self._complete(req, prompts, chat=False, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
         if isinstance(out, StreamingResponse):
             return out
-        return self._response(out, completion_response, completion_logprobs)
+        return await self._respond(out, completion_response, completion_logprobs)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(self, request: Request):
         self._authorize(request)
         if self.chat_template is None:
@@ -553,7 +594,14 @@ class SpecEEServer:
         out = await self._complete(req, None, chat=True, default_max_tokens=None)
         if isinstance(out, StreamingResponse):
             return out
-        return self._response(out, chat_response, chat_logprobs)
+        return await self._respond(out, chat_response, chat_logprobs)
+
+    async def _respond(self, out: tuple, build, logprobs) -> JSONResponse:
+        """_response, on a request thread when it renders logprobs (a token's text and its alternatives' for
+        every token: work the event loop must not wait on)."""
+        if any(r.logprobs is not None for r in out[3]):
+            return await self._off_loop(self._response, out, build, logprobs)
+        return self._response(out, build, logprobs)
 
     def _response(self, out: tuple, build, logprobs) -> JSONResponse:
         """The JSON body of a finished request (build: completion_response / chat_response; logprobs: the
@@ -678,11 +726,24 @@ class SpecEEServer:
             raise APIError("logit_bias, penalties, min_tokens and structured output apply in modes auto, dense and "
                            "spec, not specee", param="mode", code="invalid_value")
         if sampling.structured:
-            try:  # compiled here (a request thread), so a bad schema or pattern is this request's 400
-                await self._off_loop(self.engine.rules.grammar, sampling.structured)
-            except ValueError as e:
-                raise APIError(str(e), param="response_format", code="invalid_value") from None
+            await self._compile(sampling.structured)
         return mode, params, sum(lengths), tuple(tuple(i) for i in ids)
+
+    async def _compile(self, spec: dict) -> None:
+        """Compile a structured-output constraint on a request thread (the engine's grammar cache keeps it for the
+        rows), so a bad, oversized or slow one is this request's 400 and the event loop never waits on it."""
+        size = len(json.dumps(spec))
+        if size > self.args.max_schema_bytes:
+            raise APIError(f"the structured-output constraint is {size} bytes as JSON; this server takes at most "
+                           f"{self.args.max_schema_bytes} (max_schema_bytes)", param="response_format",
+                           code="invalid_value")
+        try:
+            await asyncio.wait_for(self._off_loop(self.engine.rules.grammar, spec), self.args.grammar_timeout_s)
+        except ValueError as e:
+            raise APIError(str(e), param="response_format", code="invalid_value") from None
+        except TimeoutError:  # the compile goes on on its thread; its result stays in the bounded cache
+            raise APIError(f"the structured-output constraint did not compile within {self.args.grammar_timeout_s:g} s "
+                           f"(grammar_timeout_s): simplify it", param="response_format", code="invalid_value") from None
 
     def _check_tolerance(self, mode: str, eps: float) -> None:
         """A 400 unless the request's mode is specee and the model has a calibration for eps."""
@@ -691,8 +752,11 @@ class SpecEEServer:
                            f"the request runs in mode {mode!r}", param="max_disagreement", code="invalid_value")
         try:
             self.engine.stepper_factory("specee", None, eps)
-        except ValueError as e:
-            raise APIError(str(e), param="max_disagreement", code="invalid_value") from None
+        except ValueError as e:  # its text names files and commands of the server: logged, not sent
+            log.warning("max_disagreement=%g refused: %s", eps, e)
+            raise APIError(f"max_disagreement={eps:g} is not available: this server's model has no exit calibration "
+                           f"for it; send the request without max_disagreement", param="max_disagreement",
+                           code="invalid_value") from None
 
     def _encode(self, prompts: list[str], param: str) -> list[list[int]]:
         """The prompts' token ids (on a request thread); a prompt over the context is a 400."""
@@ -760,25 +824,30 @@ class SpecEEServer:
                 return sse(chat_chunk(rid, model, created, i, delta, finish, lps, **extra))
             return sse(completion_chunk(rid, model, created, i, text or "", finish, lps, **extra))
 
-        async def events():
-            loop = asyncio.get_running_loop()
-            queue: asyncio.Queue = asyncio.Queue()
-            cancelled = threading.Event()
+        # submitted here, before the 200: what the engine refuses (a row that can never fit the KV budget) is a 4xx
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
 
-            def on_token(i: int, token_id: int, entry=None) -> None:  # engine thread
-                if cancelled.is_set():
-                    raise _StreamCancelled
-                loop.call_soon_threadsafe(queue.put_nowait, (i, token_id, entry))
+        def on_token(i: int, token_id: int, entry=None) -> None:  # engine thread
+            if cancelled.is_set():
+                raise _StreamCancelled
+            loop.call_soon_threadsafe(queue.put_nowait, (i, token_id, entry))
 
-            def done(f: asyncio.Future) -> None:
-                if not f.cancelled():
-                    f.exception()  # retrieved here: a cancelled stream's error is expected
-                queue.put_nowait(None)
+        def done(f: asyncio.Future) -> None:
+            if not f.cancelled():
+                f.exception()  # retrieved here: a cancelled stream's error is expected
+            queue.put_nowait(None)
 
+        try:
             submitted = Submitted(self._runner, work.engine_requests(on_token))  # joins the running batch
-            fut = submitted.future
-            fut.add_done_callback(done)
-            fut.add_done_callback(lambda _: ticket.release())
+        except ValueError as e:  # PromptError included
+            raise engine_error(e) from None
+        fut = submitted.future
+        fut.add_done_callback(done)
+        fut.add_done_callback(lambda _: ticket.release())
+
+        async def events():
             texts = [StreamText(tok, params["stop"]) for _ in prompts]
             try:
                 if chat:
@@ -790,47 +859,47 @@ class SpecEEServer:
                         pending[i].append({"token": token_id, "logprob": lp, "top_logprobs": list(zip(ids, vals))})
                     if delta := texts[i].push(token_id):
                         yield chunk(i, delta)
-                try:
-                    results = Submitted.joined(fut.result())
-                except Exception as e:  # noqa: BLE001 - reported in the stream: the status is sent
-                    err = engine_error(e)
-                    yield sse(err.body())
-                    yield sse("[DONE]")
-                    return
+                results = Submitted.joined(fut.result())
+                self._finished(results, mode)
+                u = usage(sum(r.prompt_tokens for r in results), sum(len(r.token_ids) for r in results),
+                          sum(r.cached_prompt_tokens for r in results))
+                batch = submitted.peak_batch or len(prompts)
+                summary = specee_summary(results, self.engine.model.num_layers, mode, batch)
+                for i, r in enumerate(results):
+                    if rest := texts[i].finish(cut_at_stop(r.text, params["stop"])):
+                        yield chunk(i, rest)
+                    extra = {"usage": u, "specee": summary} if i == len(results) - 1 else {}
+                    yield chunk(i, None, r.finish_reason, **extra)
+                if include_usage:
+                    yield sse(usage_chunk(rid, model, created, obj, u))
             except (GeneratorExit, asyncio.CancelledError):
                 log.info("request %s (%s): the client hung up mid-stream; generation stops", request_id(), rid)
                 raise
+            except Exception as e:  # noqa: BLE001 -- the 200 is sent: the failure is an error event
+                yield sse(engine_error(e).body())
             finally:
                 cancelled.set()  # the client left (GeneratorExit / CancelledError) or we are done
                 submitted.cancel()
-            self._finished(results, mode)
-            u = usage(sum(r.prompt_tokens for r in results), sum(len(r.token_ids) for r in results),
-                      sum(r.cached_prompt_tokens for r in results))
-            batch = submitted.peak_batch or len(prompts)
-            summary = specee_summary(results, self.engine.model.num_layers, mode, batch)
-            for i, r in enumerate(results):
-                if rest := texts[i].finish(cut_at_stop(r.text, params["stop"])):
-                    yield chunk(i, rest)
-                extra = {"usage": u, "specee": summary} if i == len(results) - 1 else {}
-                yield chunk(i, None, r.finish_reason, **extra)
-            if include_usage:
-                yield sse(usage_chunk(rid, model, created, obj, u))
             yield sse("[DONE]")
 
         gen = events()
-        weakref.finalize(gen, ticket.release)  # a stream that never ran still gives its place back
+        weakref.finalize(gen, submitted.cancel)  # a stream that never ran stops its rows, and its done callback
+        weakref.finalize(gen, ticket.release)  # (or this) gives its place back
         return EventStream(gen, media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def deployment_options(args: ServeArgs) -> dict:
-    """SpecEEServer.options(...) for these args: each replica's CPUs and GPUs, and the replica count,
-    fixed or autoscaled (Serve's defaults for what is not given, except target_ongoing_requests:
-    max_batch_size, a full batch per replica before another one starts)."""
+    """SpecEEServer.options(...) for these args: each replica's CPUs and GPUs, how many requests Serve hands it,
+    and the replica count, fixed or autoscaled (Serve's defaults for what is not given, except
+    target_ongoing_requests: max_batch_size, a full batch per replica before another one starts)."""
     actor = {"num_cpus": args.num_cpus}
     if args.num_gpus:
         actor["num_gpus"] = args.num_gpus
-    options: dict = {"ray_actor_options": actor}
+    # above the app's own admission (running + queued): past that a request gets the app's 429 with Retry-After,
+    # never a wait unseen in Serve's queue and then the proxy's 503
+    options: dict = {"ray_actor_options": actor,
+                     "max_ongoing_requests": args.max_batch_size + args.max_queued_requests + ROUTE_HEADROOM}
     if args.autoscaling:
         scaling = {"min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
                    "target_ongoing_requests": args.target_ongoing_requests or args.max_batch_size}
