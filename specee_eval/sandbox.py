@@ -2,28 +2,48 @@
 
 Never in the caller's process: each program gets a fresh temporary directory and a new process
 session running specee_eval/_jail.py under `python -s -S -B -P` (no site-packages, no user site,
-an environment of our own). The jail drops root to nobody, sets resource limits, enters new user,
-network, mount and PID namespaces (no network; a size-capped tmpfs for the program's files; every
-process the program starts dies with it), confines reads to the directory, the Python installation
-and the system's shared libraries, and writes and execution to the directory (Landlock), installs an
-audit hook, then runs the program. The caller kills the whole process group at the wall-clock limit.
-Whatever the program does (hang, crash, eat memory, flood stdout, exit early, fork, write outside),
-the outcome is a status, never an exception in the caller.
+an environment of our own). The jail (its docstring has the details) locks itself down in layers,
+then runs the program:
 
-It fails closed: user namespaces and Landlock are detected once per process (detect_layers, an
-empty program run in the jail) and every run requires the layers detected. When one is missing,
-check_layers and run_python raise SandboxUnavailable naming it, before any program runs, unless
-the caller passes allow_weak=True (jobs.evaluate: --allow-weak-sandbox): then the programs run
-without it and a warning names what is missing. A required layer that fails later (the jail
-refuses to run the program) raises too.
+- uid: never root. Root becomes a uid of the program's own (random, high, no account's; where this
+  Python lies under a directory others may not enter, a mount namespace of the jail's own makes it
+  reachable without changing a host file). Host files keep their owners' permissions against it,
+  and its private work folder (0700) is its own. A caller that is not root keeps its uid;
+- namespaces: new user (its uid mapped to itself, never to host root), network (no interface but
+  a downed loopback; netlink sees only that), mount (a size-capped tmpfs for the program's files)
+  and PID (every process it starts dies with it);
+- processes: RLIMIT_NPROC counting the program's processes alone (its own uid, or its own user
+  namespace), with RLIMIT_AS per process: the whole program holds at most Limits.processes
+  processes and processes x memory_mb of memory; a fork bomb ends in a status, the host unaffected;
+- landlock: reads only the directory, the Python installation and the shared libraries; writes
+  only the directory; no TCP; signals and abstract Unix sockets scoped to the sandbox;
+- seccomp: no socket of any family (Unix, netlink, inet, ...) and no io_uring, whatever the
+  program calls, the standard library's C code included;
+- an audit hook (a second line in Python: no subprocess, fork, ctypes, sockets, signals, file
+  changes outside). The caller kills the whole process group at the wall-clock limit.
+Whatever the program does (hang, crash, eat memory, flood stdout, exit early, fork, write outside,
+open a socket), the outcome is a status, never an exception in the caller.
+
+Threat model: containment rests on the kernel layers, each holding where another is missing (the
+hook answers first, in Python; seccomp also stops the C code the hook never sees): a Unix-socket
+connect meets the hook and seccomp, and past both the uid (a socket others may not write is closed
+to it; one that any user may write stays open past those two); a netlink socket meets the hook and
+seccomp, and past both the network namespace (its own loopback only); a fork bomb meets the hook,
+then the process limit, then the PID namespace and the clock.
+
+It fails closed: the layers are detected once per process (detect_layers, an empty program run in
+the jail) and every run requires the layers detected. When one is missing, check_layers and
+run_python raise SandboxUnavailable naming it, before any program runs, unless the caller passes
+allow_weak=True (jobs.evaluate: --allow-weak-sandbox): then the programs run without it and a
+warning names what is missing. A required layer that fails later (the jail refuses to run the
+program) raises too.
 
 The verdict comes over a pipe, never from a file the program can write: the jail's first line
 reports the layers that hold (before the program starts), and "passed <nonce>" after the program
 returned; the nonce arrives on stdin (not in the environment) and lives only in the jail's locals.
-An early exit(0) or os._exit(0) is a failure. Threat model: containment rests on the kernel layers
-(the hook is a second line); the verdict guards against programs that stop early or crash, not
-against one written to forge it (the jail's frames are reachable through sys._getframe, which the
-standard library needs), the same as HumanEval's own harness.
+An early exit(0) or os._exit(0) is a failure. The verdict guards against programs that stop early
+or crash, not against one written to forge it (the jail's frames are reachable through
+sys._getframe, which the standard library needs), the same as HumanEval's own harness.
 
     outcome = run_python("assert 1 + 1 == 2")
     outcome.status   # "passed" | "failed" | "timeout" | "killed"
@@ -45,11 +65,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from specee_eval._jail import HELD
+
 log = logging.getLogger(__name__)
 
 JAIL = Path(__file__).with_name("_jail.py")
 TAIL_BYTES = 2000  # of stdout/stderr kept in the outcome
-LAYERS = {"namespaces": "user namespaces", "landlock": "Landlock"}  # the layers every run requires (guard: name)
+# the layers every run requires (guard: name in errors), in the order the jail sets them up
+LAYERS = {"uid": "an unprivileged uid", "namespaces": "user namespaces", "processes": "a process limit of its own",
+          "landlock": "Landlock", "seccomp": "seccomp"}
+LEAVE_OUT = ("processes", "seccomp", "audit_hook")  # what Limits.leave_out may name
 
 
 class SandboxUnavailable(RuntimeError):
@@ -59,24 +84,26 @@ class SandboxUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class Limits:
     timeout_s: float = 10.0  # wall clock, the process group is killed after it
-    memory_mb: int = 1024  # address space (RLIMIT_AS)
+    memory_mb: int = 1024  # address space per process (RLIMIT_AS)
     output_kb: int = 256  # largest file the program may write, stdout and stderr included (RLIMIT_FSIZE)
     open_files: int = 64
     disk_kb: int = 65536  # the program's tmpfs
     files: int = 1000  # inodes in it
-    processes: int = 32  # RLIMIT_NPROC, when the sandbox runs as nobody
-    audit_hook: bool = True  # the jail's Python layer; off only to test the kernel layers on their own
+    processes: int = 8  # RLIMIT_NPROC: processes and threads of the whole program, the jail's two included
+    leave_out: tuple[str, ...] = ()  # of LEAVE_OUT, layers not set up: only for tests of what the others hold
 
     def __post_init__(self) -> None:
-        if self.timeout_s <= 0 or self.memory_mb < 64 or self.output_kb < 1 or self.open_files < 16:
+        if self.timeout_s <= 0 or self.memory_mb < 64 or self.output_kb < 1 or self.open_files < 16 or self.processes < 3:
             raise ValueError(f"sandbox limits out of range: {self}")
+        if not set(self.leave_out) <= set(LEAVE_OUT):
+            raise ValueError(f"sandbox: leave_out={sorted(self.leave_out)}, expected a subset of {LEAVE_OUT}")
 
     def for_jail(self, require: list[str]) -> str:
         """The jail's LIMITS_JSON; `require`: the layers without which it must not run the program."""
         return json.dumps({"memory_mb": self.memory_mb, "cpu_s": math.ceil(self.timeout_s) + 1,
                            "file_bytes": self.output_kb << 10, "open_files": self.open_files,
                            "disk_kb": self.disk_kb, "files": self.files, "processes": self.processes,
-                           "audit_hook": self.audit_hook, "require": require})
+                           "leave_out": sorted(self.leave_out), "require": require})
 
 
 @dataclass
@@ -85,7 +112,7 @@ class Outcome:
     detail: str  # why, in a line: the exception's last line, the signal, or "timeout after 10s"
     seconds: float
     returncode: int | None
-    guards: dict  # the layers the jail applied (rlimits, namespaces, landlock ABI and readable trees, audit_hook)
+    guards: dict  # what the jail applied: uid, processes, rlimits, namespaces, landlock ABI and readable trees, seccomp, audit_hook
     stderr: str = ""  # its tail
 
     @property
@@ -128,9 +155,8 @@ def _read_status(fd: int) -> list[str]:
 
 def missing_layers(guards: dict) -> dict[str, str]:
     """Of LAYERS, those the jail's guards say did not hold, each with the reason it gave."""
-    held = {"namespaces": list, "landlock": int}  # as _jail.HELD: a layer that failed holds the reason instead
     return {layer: str(guards.get(layer, "not reported")) for layer in LAYERS
-            if not isinstance(guards.get(layer), held[layer])}
+            if not isinstance(guards.get(layer), HELD[layer])}
 
 
 def refusal(missing: dict[str, str]) -> str:
@@ -177,16 +203,16 @@ def run_python(code: str, limits: Limits = Limits(), allow_weak: bool = False) -
     """Run `code` as a program in the sandbox; passed when it ran to its end. Raises
     SandboxUnavailable when a layer is missing (check_layers) or fails for this run."""
     layers = check_layers(allow_weak)
-    return _run(code, limits, require=[layer for layer in LAYERS if layer not in layers.missing])
+    return _run(code, limits, require=[layer for layer in LAYERS
+                                       if layer not in layers.missing and layer not in limits.leave_out])
 
 
 def _run(code: str, limits: Limits, require: list[str] | tuple[str, ...]) -> Outcome:
     """One program in the jail, which refuses to run it unless every layer in `require` holds."""
     with tempfile.TemporaryDirectory(prefix="specee-sandbox-", ignore_cleanup_errors=True) as tmp:
-        os.chmod(tmp, 0o711)  # the jail may run as nobody: it must reach work/, not list tmp
-        work = Path(tmp) / "work"  # the program's directory; stdout/stderr live beside it, out of its reach
-        work.mkdir(mode=0o777)
-        os.chmod(work, 0o777)
+        os.chmod(tmp, 0o711)  # the program's uid must reach work/, not list tmp
+        work = Path(tmp) / "work"  # the program's directory (the jail makes it the uid's own); stdout/stderr live beside it
+        work.mkdir(mode=0o700)
         (work / "program.py").write_text(code)
         nonce = secrets.token_hex(16)
         env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
