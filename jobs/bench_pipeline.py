@@ -9,7 +9,9 @@
 - bare:   the engine alone in this process (all CPUs), the same prompts in batches of the same size;
 - engine: one engine.generate call over every prompt in this process, with the threads of one of the
           job's actors (the layout jobs.generate uses here: --num-actors or the measured one) and its
-          batch size: what the job's engine could do with no batch boundaries at all.
+          batch size: what the job's engine could do with no batch boundaries at all;
+- engine_all: the same call with every thread of the layout (actors x threads): what one engine could do with
+          the job's cores and no batch boundaries (the reference where the layout has several actors).
 
     python -m jobs.bench_pipeline --out docs/bench_pipeline.json
     python -m jobs.bench_pipeline --limit 48 --max-new-tokens 16 --variants stream,bare   # quick
@@ -17,7 +19,7 @@
     python -m jobs.bench_pipeline --variants stream --weights fp32,bf16,q4   # weight formats, dense
     # batches in flight: the job against one engine call over the same 96 held-out prompts x 128 tokens
     python -m jobs.bench_pipeline --input prompts/instructions_heldout.jsonl --limit 96 --max-new-tokens 128 \
-        --modes auto --variants stream,engine --max-concurrent-batches 1,2 --repeats 3
+        --modes auto --variants stream,engine,engine_all --max-concurrent-batches 1,2 --repeats 3
 
 tokens_per_s is generated tokens over wall seconds from the variant's start to its end, start-up
 (actors, model loads) included: what a user waits for. generate_tokens_per_s leaves start-up out
@@ -38,7 +40,7 @@ import zlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("stream", "waves", "bare", "engine")
+VARIANTS = ("stream", "waves", "bare", "engine", "engine_all")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -229,8 +231,10 @@ def main(argv: list[str] | None = None) -> dict:
                 mode, weights = mode or modes[0], weights or formats[0]
                 if shape == "bare":
                     r = bare_run(args, mode, weights, rows)
-                elif shape == "engine":
-                    r = engine_run(args, mode, weights, rows, layouts[mode, weights]["threads"])
+                elif shape in ("engine", "engine_all"):
+                    layout = layouts[mode, weights]
+                    threads = layout["threads"] * (layout["actors"] if shape == "engine_all" else 1)
+                    r = engine_run(args, mode, weights, rows, threads)
                 else:
                     out_dir = work / f"out-{shape}{in_flight}-{mode}-{weights}-{rnd}"
                     r = pipeline_run(args, mode, weights, waves if shape == "waves" else [whole], out_dir,
@@ -257,7 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "are not made of the same rows across variants (Ray Data's block order, the waves' split), and in "
                 "bf16 a row's completion can depend on its batch mates (rounding): equal completions are checked "
                 "in fp32 by the tests, not here. engine is one engine with the threads of one of the job's actors "
-                "(layout): where the layout has more than one actor, the job runs that many engines against it.",
+                "(layout): where the layout has more than one actor, the job runs that many engines against it; engine_all is "
+                "one engine with all the layout's threads.",
         "variants": summary,
     }
     pairs = []
@@ -265,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
         cut = min([i for i in (v.find(":"), v.find("@")) if i >= 0], default=len(v))
         shape, rest = v[:cut], v[cut:]
         if shape.startswith("stream"):
-            pairs += [(v, ref + rest) for ref in ("engine", "bare", "waves")]
+            pairs += [(v, ref + rest) for ref in ("engine", "engine_all", "bare", "waves")]
             if shape != "stream" and shape != f"stream/b{args.in_flight[0]}":
                 pairs.append((v, f"stream/b{args.in_flight[0]}{rest}"))
     pairs += [(f"{v}:{m}", f"{v}:dense") for v in shapes for m in modes if m != "dense"]

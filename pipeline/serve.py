@@ -140,7 +140,7 @@ class ServeArgs(BaseModel):
     def _replicas(cls, v):
         if v is None or v == "auto":
             return v
-        if isinstance(v, str) and v.strip().isdigit():  # from the command line
+        if isinstance(v, str) and v.strip().isascii() and v.strip().isdigit():  # from the command line
             v = int(v)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"num_replicas must be a whole number >= 1 or 'auto', got {v!r}")
@@ -387,7 +387,8 @@ def request_id(request: Request | None = None) -> str:
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     """The raw request body, refusing bodies over `limit` bytes without reading them whole."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    # ASCII digits ("²" passes isdigit alone), and few enough for int() (it refuses over 4,300 digits)
+    if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
         raise APIError(f"request body is {declared} bytes; the limit is {limit}", status=413, code="body_too_large")
     chunks, size = [], 0
     async for chunk in request.stream():

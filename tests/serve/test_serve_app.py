@@ -265,6 +265,26 @@ def test_health_routes_answer_503_when_the_engine_is_not_healthy():
         assert json.loads(r.body) == {"status": "unhealthy"}  # the reason is logged, not answered
 
 
+def test_read_body_takes_only_an_ascii_content_length():
+    """A Content-Length of "²" passes str.isdigit but not int(): the body is read and bounded as it comes."""
+    from starlette.requests import Request
+
+    from pipeline.openai_protocol import APIError
+    from pipeline.serve import read_body
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    for declared in ("\u00b2".encode(), b"9" * 5000):
+        scope = {"type": "http", "method": "POST", "path": "/", "headers": [(b"content-length", declared)]}
+        if declared.isdigit():  # 5,000 digits: over the limit, refused unread
+            with pytest.raises(APIError) as e:
+                asyncio.run(read_body(Request(scope, receive)))
+            assert e.value.status == 413
+        else:
+            assert asyncio.run(read_body(Request(scope, receive))) == b"{}"
+
+
 @pytest.mark.parametrize("requested, has_predictors, mode", [
     (None, True, "auto"), (None, False, "auto"),  # lossless by default, even with predictors beside the model
     ("dense", True, "dense"), ("specee", True, "specee"),
