@@ -30,9 +30,10 @@ class ImportConfig:
     model: str = "smollm2-135m-instruct"  # a packaged GGUF (PACKAGED), used when --gguf is not given
     gguf: Path | None = None  # any GGUF file instead
     out: Path | None = None  # None: models/<model>
-    sha256: str | None = None  # None: the known checksum for a packaged file, no check for others
+    sha256: str | None = None  # None: the known checksum for a packaged file, no check for others ('': none)
 
     def __post_init__(self) -> None:
+        self.sha256 = self.sha256 or None  # --sha256 '': no check
         if self.sha256 is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", self.sha256):
             raise ValueError(f"--sha256 must be 64 hex digits, got {self.sha256!r}")
         if self.gguf is None:
