@@ -272,7 +272,7 @@ class DecoderModel:
         self.attn_out_norms, self.mlp_out_norms = norms("attn_out_norm"), norms("mlp_out_norm")
         self.norm = RMSNorm(weights.norm, eps, upcast)
         # Gemma's embedding scale, rounded to the dtype as transformers rounds it
-        self.embed_scale = None if c.embed_scale == 1.0 else torch.tensor(c.embed_scale).to(dtype)
+        self.embed_scale = None if c.embed_scale == 1.0 else torch.tensor(c.embed_scale).to(self.device, dtype)
         self.q_size = c.num_attention_heads * c.head_dim
         self.linears = [LayerLinears.of(lw, self.q_size, dtype, c.llama_layers, ACTIVATIONS[c.hidden_act])
                         for lw in weights.layers]
