@@ -24,9 +24,9 @@ generation, identical programs once. Perplexity: the reference solutions teacher
 their prompts (plain text), through dense and each early-exit mode's own decode path; speculative
 decoding's distribution is dense's by construction.
 
-The sandbox fails closed: without user namespaces or Landlock the job stops at its start, naming
-the missing layer; --allow-weak-sandbox runs without it (a warning names it, and the JSON's
-sandbox.missing_layers records it).
+The sandbox fails closed: without one of its layers (an unprivileged uid, user namespaces, a process
+limit of its own, Landlock, seccomp) the job stops at its start, naming the missing layer;
+--allow-weak-sandbox runs without it (a warning names it, and the JSON's sandbox.missing_layers records it).
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ class EvalConfig:
     timeout_s: float = 10.0  # per program, in the sandbox
     memory_mb: int = 1024
     workers: int = 2  # programs at once
-    allow_weak_sandbox: bool = False  # run programs even when user namespaces or Landlock are missing
+    allow_weak_sandbox: bool = False  # run programs even when a sandbox layer is missing (sandbox.LAYERS)
     perplexity: bool = True
     threads: int = 0
     out: Path | None = None  # the JSON (also printed)

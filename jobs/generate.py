@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpus-per-actor", type=float, default=None)
     p.add_argument("--torch-threads", type=int, default=None, help="default: the actor's CPUs, at least 1")
     p.add_argument("--limit", type=int, default=None, help="only the first N rows, in file order")
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="a longer prompt is an error row, refused before it is hashed whole or tokenized (default "
+                        "1,000,000); a JSONL or CSV line past 12 bytes per allowed character + 1 MiB is not parsed")
     p.add_argument("--input-format", choices=["jsonl", "csv", "parquet"], default=None)
     p.add_argument("--prompt-column", default="prompt")
     p.add_argument("--id-column", default="id")
@@ -158,7 +161,9 @@ def build_config(args: argparse.Namespace):
                        input_format=args.input_format, prompt_column=args.prompt_column, id_column=args.id_column,
                        limit=args.limit, schedule=args.schedule, rows_per_file=args.rows_per_file,
                        show_progress=not args.no_progress, retry_errors=args.retry_errors,
-                       overwrite_config=args.overwrite_config)
+                       overwrite_config=args.overwrite_config,
+                       # None: BatchConfig's default, kept in one place (pipeline.prompts.MAX_PROMPT_CHARS)
+                       **({} if args.max_prompt_chars is None else {"max_prompt_chars": args.max_prompt_chars}))
 
 
 def main(argv: list[str] | None = None) -> dict:

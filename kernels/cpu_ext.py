@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
@@ -58,7 +59,9 @@ def lowbit_cpu(avx2_only: bool = False) -> ModuleType:
     avx2_only = avx2_only or torch.backends.cpu.get_cpu_capability() == "AVX2"
     if avx2_only:
         cflags += ["-mno-avx512f", "-mno-avx512vnni", "-mno-avxvnni"]
-    digest = hashlib.sha256((source_digest() + " ".join(cflags)).encode()).hexdigest()[:12]
+    # the checkout's folder too: two checkouts of one source would otherwise rewrite one build.ninja (its paths)
+    # and rebuild each other's module in turn
+    digest = hashlib.sha256((source_digest() + " ".join(cflags) + str(SOURCES[0].parent)).encode()).hexdigest()[:12]
     isa = "avx2" if avx2_only else torch.backends.cpu.get_cpu_capability().lower()
     name = f"specee_lowbit_{isa}_{digest}"
     build = _build_dir() / name
@@ -70,13 +73,34 @@ def lowbit_cpu(avx2_only: bool = False) -> ModuleType:
         log.warning("cannot create %s (%s); building the kernel in a temporary directory", build, e)
         build = Path(tempfile.mkdtemp(prefix=f"{name}-"))
     try:
-        mod = cpp_extension.load(name=name, sources=[str(SOURCES[0])], build_directory=str(build),
-                                 extra_cflags=cflags,
-                                 extra_ldflags=["-fopenmp"], verbose=False)
+        with _build_lock(build):
+            mod = cpp_extension.load(name=name, sources=[str(SOURCES[0])], build_directory=str(build),
+                                     extra_cflags=cflags,
+                                     extra_ldflags=["-fopenmp"], verbose=False)
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, failed build
         raise CpuKernelUnavailable(f"building {', '.join(p.name for p in SOURCES)} failed: {e}") from e
     log.info("low-bit CPU kernel %s loaded (%s, int8 activations: %s)", name, mod.simd(), mod.simd_i8())
     return mod
+
+
+@contextmanager
+def _build_lock(build: Path):
+    """Held around torch's build of the module. torch guards a build with a lock file it deletes when done, and
+    waits forever while one exists: a build killed mid-way (a timeout, ^C) would hang every later process. This
+    flock dies with its holder, so whoever holds it knows any torch lock file left is stale, and removes it."""
+    import fcntl
+
+    with open(build / ".specee_build.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without flock: torch's own lock as it is
+            yield
+            return
+        stale = build / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build of the kernel that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def available() -> bool:

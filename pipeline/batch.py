@@ -35,7 +35,7 @@ import ray.data
 from pipeline.manifest import MANIFEST, check_manifest, job_manifest
 from pipeline.output import DoneIds, OutputDir, OutputIndex, digest
 from pipeline.output_lock import OutputLock
-from pipeline.prompts import read_prompts
+from pipeline.prompts import MAX_PROMPT_CHARS, prompt_rows, read_prompts, unreadable_files
 from pipeline.stage import OUTPUT_SCHEMA, WORKER_DIED, StageConfig
 from specee_core.early_exit.step import initial_schedule
 from specee_core.early_exit.scheduler import Schedule
@@ -55,6 +55,7 @@ class BatchConfig:
     prompt_column: str = "prompt"
     id_column: str = "id"
     limit: int | None = None  # only the first `limit` rows, in file order
+    max_prompt_chars: int = MAX_PROMPT_CHARS  # a longer prompt is an error row, refused before it is tokenized
     schedule: str | None = None  # specee: start from this schedule JSON instead of the model's
     retune_every_tokens: int = 1024  # specee: re-tune after this many generated tokens
     retune_min_exits: int = 1  # ... when at least this many of them exited early
@@ -69,7 +70,7 @@ class BatchConfig:
         self.input = [self.input] if isinstance(self.input, str) else list(self.input)
         if not self.input:
             raise ValueError("no input paths given")
-        for name in ("num_actors", "rows_per_file", "retune_every_tokens", "retune_min_exits"):
+        for name in ("num_actors", "rows_per_file", "retune_every_tokens", "retune_min_exits", "max_prompt_chars"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.cpus_per_actor is not None and self.cpus_per_actor <= 0:
@@ -200,14 +201,17 @@ class Resume:
     replace: np.ndarray  # [R] OutputIndex positions of written rows to generate again (removed first)
     changed: int  # of them, rows whose request (prompt, own sampling) changed under their id
     errors: int  # of them, error rows retried (retry_errors)
+    unreadable: list[dict] = field(default_factory=list)  # input files not read to their end: {"file", "error"}
 
 
 def plan_resume(inputs: ray.data.Dataset, index: OutputIndex, retry_errors: bool) -> Resume:
-    """One read of the input's ids and request hashes against the output's rows. ValueError naming some
-    ids when an id is in the input twice."""
+    """One read of the input's ids and request hashes against the output's rows, noting the input files that
+    could not be read to their end. ValueError naming some ids when an id is in the input twice."""
     total, changed, errors = 0, 0, 0
-    replace, seen = [], []
+    replace, seen, unreadable = [], [], []
     for block in inputs.iter_batches(batch_format="pyarrow", batch_size=None):
+        unreadable += unreadable_files(block)
+        block = prompt_rows(block)
         ids = block["id"].to_pylist()
         seen.append(np.array([digest(i) for i in ids], dtype="S16"))
         at = index.find(ids)
@@ -224,7 +228,8 @@ def plan_resume(inputs: ray.data.Dataset, index: OutputIndex, retry_errors: bool
         changed, errors = changed + int(stale.sum()), errors + int(retry.sum())
         total += int((stale | retry).sum())
     check_unique_ids(inputs, np.concatenate(seen) if seen else np.zeros(0, dtype="S16"))
-    return Resume(total, np.concatenate(replace) if replace else np.zeros(0, dtype=np.int64), changed, errors)
+    return Resume(total, np.concatenate(replace) if replace else np.zeros(0, dtype=np.int64), changed, errors,
+                  unreadable)
 
 
 def check_unique_ids(inputs: ray.data.Dataset, digests: np.ndarray, show: int = 5) -> None:
@@ -235,7 +240,8 @@ def check_unique_ids(inputs: ray.data.Dataset, digests: np.ndarray, show: int = 
         return
     wanted, names = set(twice.tolist()), []
     for block in inputs.iter_batches(batch_format="pyarrow", batch_size=None):  # only now: name them
-        names += [i for i in dict.fromkeys(block["id"].to_pylist()) if digest(i) in wanted and i not in names]
+        ids = prompt_rows(block)["id"].to_pylist()
+        names += [i for i in dict.fromkeys(ids) if digest(i) in wanted and i not in names]
         if len(names) >= show:
             break
     raise ValueError(f"the input holds {len(twice)} id(s) more than once, e.g. {', '.join(map(repr, names[:show]))}: "
@@ -325,8 +331,10 @@ def run_locked(cfg: BatchConfig, out: OutputDir, run_id: str, t0: float) -> dict
     manifest = check_manifest(out.root, manifest, has_rows=bool(out.part_files()), overwrite=cfg.overwrite_config)
     index = out.index()  # every part file read whole once: an unreadable one is set aside here
     inputs = read_prompts(cfg.input, input_format=cfg.input_format, prompt_column=cfg.prompt_column,
-                          id_column=cfg.id_column, limit=cfg.limit)
+                          id_column=cfg.id_column, limit=cfg.limit, max_prompt_chars=cfg.max_prompt_chars)
     resume = plan_resume(inputs, index, cfg.retry_errors)
+    for bad in resume.unreadable:  # named again in the summary; their other rows are generated
+        log.warning("input file %s could not be read to its end: %s", bad["file"], bad["error"])
     out.write_json(out.root / MANIFEST, manifest)
     if index.duplicates:
         log.warning("%s holds %d rows whose id an earlier row has: removing them",
@@ -362,6 +370,7 @@ def run_locked(cfg: BatchConfig, out: OutputDir, run_id: str, t0: float) -> dict
     summary = summarize(cfg, out, run_id, stats, store_state, time.time() - t0, engine_info)
     summary["regenerated"] = {"changed_requests": resume.changed, "error_rows": resume.errors}
     summary["set_aside"] = [p.name for p in out.set_aside_files]
+    summary["unreadable_inputs"] = resume.unreadable
     out.write_summary(summary)
     return summary
 
@@ -375,7 +384,7 @@ def processor_config(cfg: BatchConfig, out: OutputDir, schedule: Schedule | None
                            concurrency=cfg.num_actors, batch_size=st.batch_size, num_cpus=cfg.cpus_per_actor,
                            num_gpus=cfg.gpus_per_actor, device=st.device, dtype=st.dtype, weights=st.weights,
                            temperature=st.temperature, top_p=st.top_p, top_k=st.top_k, stop=st.stop, seed=st.seed,
-                           apply_chat_template=st.chat,
+                           apply_chat_template=st.chat, max_prompt_chars=cfg.max_prompt_chars,
                            engine_kwargs={**st.engine_options, **st.core_options}, spec=dict(st.spec),
                            torch_threads=st.torch_threads,
                            kv_cache_gb=st.kv_cache_gb, prefix_cache=st.prefix_cache,
@@ -387,9 +396,10 @@ def processor_config(cfg: BatchConfig, out: OutputDir, schedule: Schedule | None
 
 
 def skip_done(done: DoneIds) -> Callable[[pa.Table], pa.Table]:
-    """A Ray Data batch function dropping the rows whose id is in done."""
+    """A Ray Data batch function keeping the prompt rows (pipeline.prompts.prompt_rows) whose id is not in done."""
     def keep(block: pa.Table) -> pa.Table:
-        return block.filter(pa.array(~done.mask(block["id"].to_pylist()))) if block.num_rows else block
+        block = prompt_rows(block)
+        return block.filter(pa.array(~done.mask(block["id"].to_pylist()))) if block.num_rows and len(done) else block
     return keep
 
 
@@ -400,8 +410,7 @@ def run_processor(cfg: BatchConfig, run_id: str, inputs: ray.data.Dataset, done:
     from pipeline.processor import build_processor
 
     processor = build_processor(processor_config(cfg, out, schedule), run_id=run_id)
-    todo = inputs.map_batches(skip_done(done), batch_format="pyarrow", batch_size=None, num_cpus=0) if len(done) \
-        else inputs
+    todo = inputs.map_batches(skip_done(done), batch_format="pyarrow", batch_size=None, num_cpus=0)
     rows = processor(todo)
     versions = SavedVersions(processor.store, out, schedule)
     came_back = 0

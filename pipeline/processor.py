@@ -77,6 +77,7 @@ from ray.data.extensions import ArrowPythonObjectArray
 
 from pipeline.inflight import EngineGate
 from pipeline.processor_config import ProcessorConfig
+from pipeline.prompts import ERROR_PROMPT_CHARS, ERROR_TEXT_CHARS, MAX_PROMPT_CHARS, bounded, text_error, valid_text
 from pipeline.quarantine import Died, Quarantine
 from pipeline.sampling import COLUMN as SAMPLING_COLUMN, ROW_COLUMNS as SAMPLING_COLUMNS, row_fields, to_sampling
 from pipeline.stage import OUTPUT_SCHEMA, WORKER_DIED, GenerateRows, StageConfig
@@ -94,9 +95,11 @@ class PrepareRows:
     """Stage 2: the prompt text of each row (chat template) and its sampling, or why there is none.
     Loads only the tokenizer."""
 
-    def __init__(self, model: str, chat: bool | None, defaults: SamplingParams):
+    def __init__(self, model: str, chat: bool | None, defaults: SamplingParams,
+                 max_prompt_chars: int = MAX_PROMPT_CHARS):
         """chat: string prompts through the chat template (None: when the model has one); defaults: the
-        sampling of rows that set none."""
+        sampling of rows that set none; max_prompt_chars: a longer prompt (or messages) is an error row, before
+        any template or tokenizer sees it."""
         from specee_core.model.loader import load_tokenizer
 
         self.tok = load_tokenizer(model)
@@ -105,6 +108,7 @@ class PrepareRows:
         if self.chat and not has_template:
             raise ValueError(f"apply_chat_template=True but {model} has no chat template")
         self.defaults = defaults
+        self.max_prompt_chars = max_prompt_chars
 
     def __call__(self, batch: pd.DataFrame) -> pa.Table:
         # pandas batches: Ray Data concatenates them without casting, where Arrow blocks of one column typed
@@ -123,9 +127,11 @@ class PrepareRows:
             reason = column["input_error"][i]  # a reader that already found the row unusable (pipeline.prompts)
             if not is_missing(reason):
                 text, error = None, reason
+            elif (wrong := unusable_text(prompt, messages, self.max_prompt_chars)) is not None:
+                text, error = None, wrong
             elif messages is not None:  # Ray Data LLM's column: its rendering is the row's prompt
                 text, error = self._chat(messages, "messages")
-                prompt = text if text is not None else json.dumps(messages)[:10000]
+                prompt = text if text is not None else json.dumps(messages, default=repr)[:10000]
             else:
                 text, error = self._text(prompt)
             params = None
@@ -134,13 +140,15 @@ class PrepareRows:
                     got = row_fields({c: to_python(sampling_cells[c][i]) for c in own})
                     to_sampling(got, self.defaults)  # checked here; the engine stage maps them again
                     params = json.dumps(got) if got else None
-                except ValueError as e:
+                except (ValueError, TypeError, RecursionError) as e:  # TypeError: a value JSON cannot hold
                     error = str(e)
             texts.append(text)
-            errors.append(error)
+            errors.append(None if error is None else valid_text(bounded(error, ERROR_TEXT_CHARS)))
             sampling.append(params)
-            shown.append(prompt if isinstance(prompt, str) or prompt is None else json.dumps(prompt)[:10000])
-        ids = [uuid.uuid4().hex if is_missing(i) else str(i) for i in column["id"]]  # id is optional
+            if not isinstance(prompt, str) and prompt is not None:
+                prompt = json.dumps(prompt, default=repr)[:10000]
+            shown.append(prompt if error is None or prompt is None else valid_text(prompt[:ERROR_PROMPT_CHARS]))
+        ids = [uuid.uuid4().hex if is_missing(i) else valid_text(str(i)) for i in column["id"]]  # id is optional
         keep = [c for c in batch.columns if c not in ("id", "prompt", *INTERNAL)]
         return pa.table({"id": pa.array(ids, pa.string()), "prompt": pa.array(shown, pa.string()),
                          "text": pa.array(texts, pa.string()), "input_error": pa.array(errors, pa.string()),
@@ -175,6 +183,22 @@ class PrepareRows:
         if bos and text.startswith(bos) and self.tok("a")["input_ids"][:1] == [self.tok.bos_token_id]:
             text = text[len(bos):]  # the tokenizer adds BOS itself: keep one
         return text, None
+
+
+def unusable_text(prompt, messages, max_chars: int) -> str | None:
+    """Why a row's prompt or messages cannot run, found before anything renders or tokenizes them: more than
+    max_chars characters in all, or text that is not valid Unicode (a lone surrogate)."""
+    texts = []
+    for value in (prompt, messages):
+        if isinstance(value, str):
+            texts.append(value)
+        elif isinstance(value, (list, tuple)):
+            texts += [m.get(k) for m in value if isinstance(m, dict) for k in ("role", "content")
+                      if isinstance(m.get(k), str)]
+    chars = sum(map(len, texts))
+    if chars > max_chars:
+        return f"the prompt has {chars:,} characters, more than max_prompt_chars={max_chars:,}"
+    return next((wrong for t in texts if (wrong := text_error(t, "the prompt")) is not None), None)
 
 
 # a batch runs this often in its actor, then in a Quarantine: most deaths are the machine's (a lost or killed
@@ -417,8 +441,8 @@ def arrow_column(values: list) -> pa.Array:
     column of pickled Python objects, as Ray Data itself stores such a column."""
     try:
         return pa.array(values)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-        return ArrowPythonObjectArray.from_objects(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, UnicodeEncodeError):
+        return ArrowPythonObjectArray.from_objects(values)  # UnicodeEncodeError: text with a lone surrogate
 
 
 def blocks_of(ds: ray.data.Dataset, rows: int) -> ray.data.Dataset:
@@ -458,7 +482,8 @@ class Processor:
         stage = cfg.stage()
         ds = ds.map_batches(PrepareRows, fn_constructor_kwargs={"model": cfg.model_source,
                                                                 "chat": cfg.apply_chat_template,
-                                                                "defaults": stage.sampling()},
+                                                                "defaults": stage.sampling(),
+                                                                "max_prompt_chars": cfg.max_prompt_chars},
                             batch_format="pandas", concurrency=1, num_cpus=0, batch_size=cfg.batch_size)
         ds = blocks_of(ds, cfg.batch_size)
         # compute: up to max_concurrent_batches calls at once per actor, on threads of their own

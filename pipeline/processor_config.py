@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 
 import ray
 
+from pipeline.prompts import MAX_PROMPT_CHARS
 from pipeline.stage import CORE_OPTIONS, StageConfig
 
 # Ray Data LLM's engine_kwargs are vLLM's engine arguments. Those with an equivalent here, by name:
@@ -55,6 +56,9 @@ class ProcessorConfig:
     # string prompts as the user's message through the chat template; None: when the model has one
     # (chat messages always go through it)
     apply_chat_template: bool | None = None
+    # a row whose prompt (or messages' text) is longer is an error row, refused before the chat template and the
+    # tokenizer see it (pipeline.prompts.MAX_PROMPT_CHARS)
+    max_prompt_chars: int = MAX_PROMPT_CHARS
     # accepted so that Ray Data LLM configs build: the engine tokenizes, and detokenizes as it goes (stop
     # strings are matched on text), whatever these say; no separate stage runs either way
     tokenize: bool = True
@@ -90,6 +94,8 @@ class ProcessorConfig:
         for name in ("tokenize", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if type(self.max_prompt_chars) is not int or self.max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be an int >= 1, got {self.max_prompt_chars!r}")
         self._set("concurrency", concurrency_range(self.concurrency))
         if self.device is None:
             self._set("device", "cuda" if self.accelerator_type else "cpu")

@@ -40,6 +40,8 @@ CHOICES = "n"  # completions of the row's prompt (1..MAX_CHOICES): not a Samplin
 MAX_CHOICES = 16
 ROW_COLUMNS = (*SUPPORTED, CHOICES, *NOT_YET)  # columns of their own that a row's sampling is read from
 INTS = ("max_tokens", "top_k", "seed", "min_tokens", "logprobs", CHOICES)
+INT64 = 2 ** 63  # integers beyond 64 bits are refused: no torch call or seed takes them
+MAX_TOKEN_ID = 2 ** 31 - 1  # token ids index a vocabulary (int32 at most)
 
 
 def row_fields(row: dict) -> dict:
@@ -52,6 +54,8 @@ def row_fields(row: dict) -> dict:
             nested = json.loads(nested)
         except json.JSONDecodeError as e:
             raise ValueError(f"{COLUMN} is not a JSON object ({e.msg} at column {e.colno})") from None
+        except (ValueError, RecursionError):  # an integer past 4300 digits, nesting past the recursion limit
+            raise ValueError(f"{COLUMN} is not a JSON object a row can hold") from None
     if nested is None:
         nested = {}
     if not isinstance(nested, dict):
@@ -69,7 +73,8 @@ def row_fields(row: dict) -> dict:
 
 def to_sampling(fields: dict, defaults: SamplingParams) -> SamplingParams:
     """defaults with the row's fields (vLLM's names) applied. ValueError naming the parameter for a value the
-    engine refuses or a parameter a row may not set yet (NOT_YET, or a name it does not know).
+    engine refuses or a parameter a row may not set yet (NOT_YET, or a name it does not know); ValueError and
+    nothing else, whatever the fields hold (every conversion below follows a check that it cannot fail).
 
     The one mapping from a row's names to the engine's: a parameter the engine learns goes from NOT_YET to
     SUPPORTED (and SamplingParams), here."""
@@ -95,8 +100,8 @@ def to_sampling(fields: dict, defaults: SamplingParams) -> SamplingParams:
         wrong = kind_error(name, value)
         if wrong:
             raise ValueError(f"sampling parameter {name}={value!r}: expected {wrong}")
-        if name == "logit_bias":  # keys arrive as text from JSON (OpenAI's), values as numbers
-            value = {int(k): float(v) for k, v in value.items() if v is not None}
+        if name == "logit_bias":  # keys arrive as text from JSON (OpenAI's), values as numbers (kind_error)
+            value = {token_id(k): float(v) for k, v in value.items() if v is not None}
         if name in STRUCTURED:
             value = structured_spec(name, value)
             if value is None:  # response_format text: unconstrained
@@ -106,7 +111,7 @@ def to_sampling(fields: dict, defaults: SamplingParams) -> SamplingParams:
         changes[SUPPORTED[name]] = value
     try:
         return replace(defaults, **changes)  # SamplingParams.__post_init__ checks the ranges
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, RecursionError) as e:
         given = ", ".join(f"{k}={v!r}" for k, v in fields.items() if k in SUPPORTED)
         raise ValueError(f"sampling parameters {given}: {e}") from None
 
@@ -137,10 +142,7 @@ def structured_spec(name: str, value) -> dict | None:
     and guided_decoding are vLLM's ({"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} |
     {"json_object": true}). JSON text (a file's column) is read as JSON. ValueError naming what is wrong."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            raise ValueError(f"{name} is not a JSON object") from None
+        value = json_value(value, name)
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be an object, got {type(value).__name__}")
     value = {k: v for k, v in value.items() if v is not None}  # an Arrow struct's absent fields
@@ -153,7 +155,7 @@ def structured_spec(name: str, value) -> dict | None:
         if kind == "json_schema":
             inner = value.get("json_schema") or {}
             schema = inner.get("schema") if isinstance(inner, dict) else None
-            schema = json.loads(schema) if isinstance(schema, str) else schema
+            schema = json_value(schema, f"{name} json_schema.schema") if isinstance(schema, str) else schema
             if not isinstance(schema, dict):
                 raise ValueError("response_format json_schema needs json_schema.schema (an object)")
             return {"type": "json_schema", "schema": schema}
@@ -162,17 +164,46 @@ def structured_spec(name: str, value) -> dict | None:
         raise ValueError(f"{name} takes one of json, regex, choice, grammar, json_object; got {sorted(value)}")
     (kind, arg), = value.items()
     if kind == "json":
-        schema = json.loads(arg) if isinstance(arg, str) else arg
+        schema = json_value(arg, f"{name} json") if isinstance(arg, str) else arg
         return {"type": "json_schema", "schema": schema}
     if kind == "json_object":
         return {"type": "json_object"}
     if kind == "regex":
         return {"type": "regex", "pattern": arg}
     if kind == "choice":
+        if not isinstance(arg, list):
+            raise ValueError(f"{name} choice takes a list of strings, got {type(arg).__name__}")
         return {"type": "choice", "choices": list(arg)}
     if kind == "grammar":
         return {"type": "grammar", "grammar": arg}
     raise ValueError(f"{name} takes one of json, regex, choice, grammar, json_object; got {kind!r}")
+
+
+def json_value(text: str, name: str):
+    """text parsed as JSON; ValueError naming `name` when it is not JSON (or nests past the recursion limit)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        raise ValueError(f"{name} is not a JSON object") from None
+
+
+def token_id(key) -> int | None:
+    """A logit_bias key as a token id (JSON's keys are text: ASCII digits only, "²" is no digit here), or None
+    when it is not one."""
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= len(str(MAX_TOKEN_ID)):
+        key = int(key)
+    return key if type(key) is int and 0 <= key <= MAX_TOKEN_ID else None
+
+
+def number_error(value, integer: bool = False) -> str | None:
+    """What value must be, when it is not a usable number (an integer, with integer); None when it is."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "a number"
+    if integer and not isinstance(value, int):
+        return "an integer"
+    if isinstance(value, int):  # no float() of a 4,000-digit integer, which overflows
+        return None if -INT64 <= value < INT64 else "a number within 64 bits"
+    return None if math.isfinite(value) else "a finite number"
 
 
 def kind_error(name: str, value) -> str | None:
@@ -180,19 +211,15 @@ def kind_error(name: str, value) -> str | None:
     if name in STRUCTURED:
         return None  # structured_spec checks these
     if name == "logit_bias":
-        ok = isinstance(value, dict) and all(str(k).isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool)
+        ok = isinstance(value, dict) and all(token_id(k) is not None and number_error(v) is None
                                              for k, v in value.items() if v is not None)
-        return None if ok else "an object of token id -> number"
+        return None if ok else f"an object of token id (0..{MAX_TOKEN_ID}) -> number"
     if name == "stop_token_ids":
-        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        ok = isinstance(value, list) and all(type(v) is int and 0 <= v <= MAX_TOKEN_ID for v in value)
         return None if ok else "a list of token ids"
     if name == "ignore_eos":
         return None if isinstance(value, bool) else "true or false"
     if name == "stop":
         ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
         return None if ok else "a string or a list of strings"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return "a number"
-    if name in INTS and not isinstance(value, int):
-        return "an integer"
-    return None if math.isfinite(value) else "a finite number"
+    return number_error(value, integer=name in INTS)

@@ -16,6 +16,7 @@ import pyarrow as pa
 import ray
 
 from pipeline.inflight import EngineGate, PlanSteps
+from pipeline.prompts import ERROR_PROMPT_CHARS, ERROR_TEXT_CHARS, bounded, valid_text
 from pipeline.sampling import choice_params, choices, to_sampling
 from specee_core import EngineOptions, PromptError, SamplingParams, SpecEEEngine
 from specee_core.model.config import resolve_dtype
@@ -310,20 +311,25 @@ class GenerateRows:
         sampling = batch["_sampling"].to_pylist() if "_sampling" in batch.column_names else [None] * len(ids)
         maybe_crash_on(prompts)
         rows: list[dict | None] = [None] * len(ids)
-        runnable, texts = [], {}
+        runnable, texts, params, counts = [], {}, [], []
         for i, (prompt, error) in enumerate(zip(prompts, input_errors)):
             if error is not None:  # the reader could not make a prompt of the row
                 rows[i] = self._error_row(ids[i], prompt, f"InputError: {error}", "input")
                 continue
-            try:  # one row at a time, so that one bad prompt does not fail the batch
+            try:  # one row at a time, so that one bad prompt or value does not fail the batch
+                fields = {} if sampling[i] is None else json.loads(sampling[i])
+                p, n = (to_sampling(fields, self.defaults) if fields else self.defaults), choices(fields)
                 texts[i] = self._prompt_text(to_run[i])
                 self.engine.encode_prompt(texts[i])
-                runnable.append(i)
             except PromptError as e:
                 rows[i] = self._error_row(ids[i], prompt, f"PromptError: {e}", "input")
-        fields = [{} if sampling[i] is None else json.loads(sampling[i]) for i in runnable]
-        params = [to_sampling(f, self.defaults) if f else self.defaults for f in fields]
-        counts = [choices(f) for f in fields]
+                continue
+            except ValueError as e:  # the prepare stage checked these: only a caller that skipped it gets here
+                rows[i] = self._error_row(ids[i], prompt, f"InputError: {e}", "input")
+                continue
+            runnable.append(i)
+            params.append(p)
+            counts.append(n)
         # a row asking n completions runs n times in a row (the copies share its prompt's KV through the prefix
         # cache), choice k seeded with seed + k
         results = iter(self._generate([texts[i] for i, n in zip(runnable, counts) for _ in range(n)],
@@ -427,7 +433,11 @@ class GenerateRows:
 
     @staticmethod
     def _error_row(row_id: str, prompt: str | None, error: str, kind: str) -> dict:
-        return {"id": row_id, "prompt": prompt, "error": error, "error_kind": kind}
+        """An error row keeps a bounded prefix of its prompt and of its message, as valid text."""
+        if prompt is not None:
+            prompt = valid_text(prompt[:ERROR_PROMPT_CHARS])
+        return {"id": row_id, "prompt": prompt, "error": valid_text(bounded(error, ERROR_TEXT_CHARS)),
+                "error_kind": kind}
 
 
 def logprob_rows(entries: list[dict] | None) -> list[dict] | None:

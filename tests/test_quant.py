@@ -3,6 +3,7 @@ CPU kernel equals the plain-torch reference, SmolLM2's converted weights quantiz
 GGUF file's own blocks, and every mode runs on every weight format."""
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 
 from specee_core import SpecEEEngine
 from specee_core.model.quant import QuantLinear, QuantWeight, dequantize_reference, linear_reference, quantize
-from tests.conftest import BUNDLED, add_early_exit_files, make_hf_model
+from tests.conftest import BUNDLED, REPO, add_early_exit_files, make_hf_model
 
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
@@ -94,6 +95,27 @@ def test_cpu_kernel_equals_reference(fmt, shape, isa):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(ext.dequantize(qw.qs, qw.d, qw.m), dequantize_reference(qw))  # bit for bit
 
+
+
+def test_a_build_killed_mid_way_does_not_hang_the_next(tmp_path):
+    """torch waits forever while its build's lock file exists; one left by a killed build is removed under the
+    kernel's own flock (which dies with its holder), so the next process loads the module."""
+    import shutil
+    import subprocess
+    import sys
+
+    from kernels.cpu_ext import _build_dir, lowbit_cpu
+
+    name = lowbit_cpu().__name__
+    cache = tmp_path / "cache"
+    shutil.copytree(_build_dir() / name, cache / "torch_extensions" / name)  # built: loading it needs no compiler
+    stale = cache / "torch_extensions" / name / "lock"
+    stale.touch()
+    code = "from kernels.cpu_ext import lowbit_cpu; print(lowbit_cpu().simd())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "SPECEE_CACHE": str(cache)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr[-2000:]
+    assert not stale.exists()
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2"])

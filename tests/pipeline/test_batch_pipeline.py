@@ -229,13 +229,16 @@ def test_csv_and_parquet_inputs(tmp_path, model_dir):
     assert {r["id"]: r["prompt"] for r in rows} == {"p.csv:0": "def f(x):\n    return x", "0042": "a, b", "7": ""}
     assert len(rows) == 3
 
-    # Parquet rows with their own sampling: an int column with nulls, a struct column
+    # Parquet rows with their own sampling: an int column with nulls, a struct column; beside them a truncated
+    # file, which the job names in its summary (on every run) while it writes the other file's rows
+    folder = tmp_path / "parquet"
+    folder.mkdir()
     pq.write_table(pa.table({"text": GOOD[:5], "other": list(range(5)), "max_tokens": [1, None, 2, None, None],
                              "sampling_params": [{"ignore_eos": True}, None, {"ignore_eos": True}, None, None]}),
-                   tmp_path / "p.parquet")
+                   folder / "p.parquet")
+    (folder / "truncated.parquet").write_bytes((folder / "p.parquet").read_bytes()[:300])
     # a pool that holds every CPU of the cluster (2 x 1.0) must not starve Ray Data's own tasks
-    cfg = config(model_dir, tmp_path / "p.parquet", tmp_path / "out", prompt_column="text", num_actors=2,
-                 cpus_per_actor=1.0)
+    cfg = config(model_dir, folder, tmp_path / "out", prompt_column="text", num_actors=2, cpus_per_actor=1.0)
     summary = run(cfg)
     df = read_output(tmp_path / "out")
     # rows come back as their batches finish (two actors here): compare by id
@@ -243,6 +246,12 @@ def test_csv_and_parquet_inputs(tmp_path, model_dir):
     assert summary["errors"] == 0 and df["completion"].notna().all()
     tokens = dict(zip(df["id"], df["completion_tokens"]))
     assert (tokens["p.parquet:0"], tokens["p.parquet:2"]) == (1, 2) and tokens["p.parquet:1"] <= MAX_NEW
+    again = run(cfg)  # a resume: nothing to do, the truncated file named again
+    assert again["rows_this_run"] == 0 and again["rows"] == 5
+    for s in (summary, again):
+        assert [u["file"] for u in s["unreadable_inputs"]] == ["truncated.parquet"]
+        assert s["unreadable_inputs"][0]["error"].startswith("ArrowInvalid: ") and "(after 0 rows)" in \
+            s["unreadable_inputs"][0]["error"]
 
 
 def test_killed_actor_loses_and_duplicates_nothing(tmp_path, model_dir):

@@ -16,6 +16,7 @@ import pytest
 
 from pipeline.batch import BatchConfig, RowStats, plan_resume
 from pipeline.output import DoneIds, OutputDir
+from pipeline.prompt_records import BadRow
 from pipeline.prompts import PROMPT_SCHEMA, infer_format, to_prompt_table
 from pipeline.schedule_store import ScheduleStore
 from pipeline.stage import OUTPUT_SCHEMA, ROW_SCHEMA, StageConfig
@@ -36,7 +37,7 @@ def rows(errors: list[str | None], tokens: int = 4, start: float = 100.0, batch_
 
 def test_prompt_rows_get_stable_ids_and_input_errors():
     t = to_prompt_table([{"prompt": "a"}, {"id": 7, "prompt": "b"}, {"prompt": 3}, {"id": "x"},
-                         {"__input_error": "invalid JSON"}, {"id": "", "prompt": ""}], "dir/f.jsonl", 10)
+                         BadRow("invalid JSON"), {"id": "", "prompt": ""}], "dir/f.jsonl", 10)
     assert t.schema == PROMPT_SCHEMA
     assert t["id"].to_pylist() == ["dir/f.jsonl:10", "7", "dir/f.jsonl:12", "x", "dir/f.jsonl:14", "dir/f.jsonl:15"]
     assert t["prompt"].to_pylist() == ["a", "b", None, None, None, ""]  # "" is the engine's to reject
