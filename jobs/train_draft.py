@@ -117,7 +117,7 @@ def base_features(model, batches: list[SeqBatch]) -> None:
 def draft_outputs(head: DraftHead, model, tokens: torch.Tensor, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens [N, T], feats [N, T, D] -> (predicted f_{i+1}, target f_{i+1}), each [N, T-1, D] fp32."""
     t = tokens.shape[1] - 1
-    cos, sin = model.rope_for(torch.arange(t).expand(len(tokens), t))
+    cos, sin = (x[:, :1] for x in model.rope_for(torch.arange(t).expand(len(tokens), t)))  # the full-attention RoPE
     feats = feats.float()
     return head(model.embed(tokens[:, 1:]), feats[:, :-1], cos, sin), feats[:, 1:]
 

@@ -1,4 +1,5 @@
-"""SpecEE: a Llama-family inference engine with speculative early exiting."""
+"""SpecEE: an inference engine for Llama-style decoders (Llama, Mistral, Qwen2/3, Gemma 3, Phi-3) with speculative
+early exiting."""
 from specee_core.model.config import ModelConfig
 from specee_core.decode.engine import EngineOptions, SpecEEEngine
 from specee_core.step.sampling import SamplingParams

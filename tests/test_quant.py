@@ -282,14 +282,14 @@ def fp32_and_q4_dequantized(tmp_path_factory, ee_model_dir):
     """The tiny model with q4 weights, and an fp32 engine whose matrices are the q4 weights dequantized."""
     q4 = SpecEEEngine.from_pretrained(ee_model_dir, dtype="float32", weights="q4")
     ref = SpecEEEngine.from_pretrained(ee_model_dir, dtype="float32")
-    from specee_core.model.model import LayerLinears, LlamaModel
+    from specee_core.model.model import LayerLinears, DecoderModel
 
     m, w = ref.model, ref.model.w
     for lw, qlw in zip(w.layers, q4.model.w.layers):
         for f in ("wqkv", "wo", "w_gate_up", "w_down"):
             setattr(lw, f, getattr(qlw, f).dequantize())
     w.embed = w.lm_head = q4.model.w.embed.dequantize()
-    ref.model = LlamaModel(m.config, w, m.device, m.dtype)
+    ref.model = DecoderModel(m.config, w, m.device, m.dtype)
     return q4, ref
 
 

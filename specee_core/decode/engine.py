@@ -16,7 +16,7 @@ import torch
 
 from specee_core.model.config import ModelConfig, resolve_dtype
 from specee_core.model.loader import find_model_dir, load_model, load_tokenizer
-from specee_core.model.model import LlamaModel
+from specee_core.model.model import DecoderModel
 from specee_core.machine import choose_dtype
 from specee_core.spec.plan import CostTable, Planner, SpecPlan, StepTimes, cost_key, could_pay, load_costs
 from specee_core.decode.core import EngineCore, Request, Runner
@@ -63,7 +63,7 @@ class EngineOptions:
 
 
 class SpecEEEngine:
-    def __init__(self, model: LlamaModel, tokenizer, options: EngineOptions | None = None, early_exit=None,
+    def __init__(self, model: DecoderModel, tokenizer, options: EngineOptions | None = None, early_exit=None,
                  draft=None):
         self.model = model
         self.tokenizer = tokenizer

@@ -21,7 +21,7 @@ from torch import nn
 from specee_core.model.config import ModelConfig
 from specee_core.model.kv_cache import KVCache
 from specee_core.model.loader import read_state_dict
-from specee_core.model.model import LayerWeights, LlamaModel, ModelWeights, make_linear, rms_norm
+from specee_core.model.model import LayerWeights, DecoderModel, ModelWeights, make_linear, rms_norm
 from specee_core.model.quant import quantize, select_rows
 from specee_core.model.rope import apply_rope
 
@@ -151,7 +151,7 @@ class DraftModel:
     with a smaller LM-head product, as FR-Spec does; rarer tokens then never become candidates. Holds no
     per-batch state: the caches it runs over are its callers' (Proposer)."""
 
-    def __init__(self, head: DraftHead, model: LlamaModel, use_subset: bool = True):
+    def __init__(self, head: DraftHead, model: DecoderModel, use_subset: bool = True):
         self.subset = head.vocab_subset.to(model.device) if use_subset and head.vocab_subset is not None else None
         self.subset_head = None if self.subset is None else make_linear(select_rows(model.w.lm_head, self.subset))  # [V', D]
         self.base = model
@@ -165,7 +165,8 @@ class DraftModel:
             lw = LayerWeights(**{f: quantize(t, "q8") if f in MATRICES else t for f, t in vars(lw).items()})
         fc = head.fc.weight.detach()
         self.fc = make_linear(fc if self.weight_format is None else quantize(fc, "q8"), head.fc.bias.detach())  # [D, 2D]
-        self.layer = LlamaModel(model.config, ModelWeights(embed=model.w.embed, layers=[lw], norm=model.w.norm,
+        # a plain Llama layer of the model's sizes, whatever the model's layers are (what DraftHead.forward trains)
+        self.layer = DecoderModel(model.config.draft_layer_config(), ModelWeights(embed=model.w.embed, layers=[lw], norm=model.w.norm,
                                                            lm_head=model.w.lm_head), dev, dtype)
 
     def new_cache(self, rows: int, max_len: int) -> KVCache:
@@ -174,7 +175,7 @@ class DraftModel:
     def forward(self, cache: KVCache, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, rows,
                 n_valid=None, tree: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [N, T], feats [N, T, D] at positions [N, T] of cache rows `rows` (None = all) -> draft output
-        features [N, T, D], their K/V appended to cache; tree: see LlamaModel.layer."""
+        features [N, T, D], their K/V appended to cache; tree: see DecoderModel.layer."""
         m = self.layer
         h = self.fc(torch.cat((m.embed(tokens), feats), dim=-1))
         return m.layer(0, h, m.rope_for(positions), cache, rows, n_valid, tree)

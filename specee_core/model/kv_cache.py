@@ -3,6 +3,10 @@
 Slots, not positions: a row's keys for layer l live in slots [0, lengths[l, row]). RoPE is
 applied before a key is stored, so a slot need not equal the token's position. That is what
 lets early exit leave a layer's slot empty for a position ("gap" mode) or fill it later.
+
+Sliding windows (a local layer's query sees the last `window` slots, itself included) are masks over the full
+context: every slot of every layer is kept (and counted by the KV budget as any other), and a window is counted in
+slots, which are the positions in every lossless mode (a row's slots fill from 0 with its tokens in order).
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ class KVCache:
         return self.k.shape[1]
 
     def append(self, layer: int, rows: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
-               n_valid: torch.Tensor | None = None, tree: torch.Tensor | None = None,
+               n_valid: torch.Tensor | None = None, tree: torch.Tensor | None = None, window: int | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
         """Store k, v [N, Hkv, T, hd] for `rows` (None = every row) after each row's valid slots,
         advance lengths by n_valid [N] (default T: padded tail tokens of a ragged chunk are
@@ -53,15 +57,17 @@ class KVCache:
         W and, of those W (the chunk is their end), the ones with tree[r, j, :] (its ancestors and
         itself) instead of the causal rule. W = T: the tree is the chunk itself (verification); the
         draft head grows its tree level by level, a chunk per level, so W spans earlier levels too.
+        window (a sliding-window layer): a query at slot s also sees only slots > s - window (in a tree, s is the
+        node's own position: its row's start plus its depth; W = T only).
         """
         n, _, t, _ = k.shape
         k, v = k.to(self.k.dtype), v.to(self.k.dtype)  # the cache may hold a wider dtype (fp32 for CPU bf16)
         if tree is not None:
-            return self._append_tree(layer, rows, k, v, tree)
+            return self._append_tree(layer, rows, k, v, tree, window)
         start = self.uniform[layer]
         if rows is None and start is not None and (n_valid is None or start == 0):
-            return self._append_uniform(layer, start, k, v, n_valid)
-        return self._append_rows(layer, rows, k, v, n_valid)
+            return self._append_uniform(layer, start, k, v, n_valid, window)
+        return self._append_rows(layer, rows, k, v, n_valid, window)
 
     def decode_slots(self, layer: int, rows: torch.Tensor | None, tokens: int = 1
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -102,9 +108,10 @@ class KVCache:
         if end > self.max_len:
             raise ValueError(f"KV cache overflow at layer {layer}: need {end} slots, have {self.max_len}")
 
-    def _append_uniform(self, layer: int, start: int, k, v, n_valid):
+    def _append_uniform(self, layer: int, start: int, k, v, n_valid, window: int | None = None):
         """Every row at the same length: the write is a slice copy, and no mask is needed for one
-        token or for a chunk from slot 0 (padded queries of a ragged chunk see garbage; ignored)."""
+        token or for a chunk from slot 0 (padded queries of a ragged chunk see garbage; ignored). A window
+        shorter than the slots: one token attends to the window's slots alone, a chunk gets a mask."""
         t = k.shape[2]
         end = start + t
         self._check_room(layer, end)
@@ -117,21 +124,31 @@ class KVCache:
         else:
             self._lens[layer].copy_(n_valid)
             self._set_uniform(layer)
+        if window is not None and end <= window:
+            window = None  # every query sees every slot before it
+        if window is not None and t == 1:
+            return kc.narrow(2, end - window, window), vc.narrow(2, end - window, window), None, False
         keys, values = kc.narrow(2, 0, end), vc.narrow(2, 0, end)
-        if t == 1 or start == 0:
+        if window is None and (t == 1 or start == 0):
             return keys, values, None, t > 1
-        return keys, values, self._chunk_mask(t, start), False
+        return keys, values, self._chunk_mask(t, start, window), False
 
-    def _chunk_mask(self, t: int, start: int) -> torch.Tensor:
+    def _chunk_mask(self, t: int, start: int, window: int | None = None) -> torch.Tensor:
         """[1, 1, T, start + T] additive mask of a chunk after `start` valid slots: query j sees slots
-        <= start + j (causal, bottom-right aligned). Additive, not bool: attention would convert a
-        bool mask on every call. The last one is kept: successive layers of a step mostly share it."""
-        if self._last_mask[0] != (t, start):
+        <= start + j (causal, bottom-right aligned), and > start + j - window with a window. Additive, not bool:
+        attention would convert a bool mask on every call. The last one is kept: successive layers of a step
+        mostly share it."""
+        if self._last_mask[0] != (t, start, window):
             mask = torch.full((t, start + t), float("-inf"), dtype=self.k.dtype, device=self.device)
-            self._last_mask = ((t, start), mask.triu_(diagonal=start + 1).view(1, 1, t, start + t))
+            if window is None:
+                mask.triu_(diagonal=start + 1)
+            else:
+                slot, query = torch.arange(start + t, device=self.device), start + torch.arange(t, device=self.device)
+                mask.masked_fill_((slot <= query[:, None]) & (slot > query[:, None] - window), 0.0)
+            self._last_mask = ((t, start, window), mask.view(1, 1, t, start + t))
         return self._last_mask[1]
 
-    def _append_rows(self, layer: int, rows, k, v, n_valid):
+    def _append_rows(self, layer: int, rows, k, v, n_valid, window: int | None = None):
         n, _, t, _ = k.shape
         rows_host = None if rows is None else rows.cpu()
         start = self.lengths[layer].clone() if rows is None else self.lengths[layer, rows_host]  # [N] host
@@ -164,9 +181,9 @@ class KVCache:
             keys, values = kc[:, :, :s], vc[:, :, :s]
         else:
             keys, values = kc[rows, :, :s], vc[rows, :, :s]
-        return keys, values, self._mask(start, t, s, new_len), False
+        return keys, values, self._mask(start, t, s, new_len, window), False
 
-    def _append_tree(self, layer: int, rows, k, v, tree: torch.Tensor):
+    def _append_tree(self, layer: int, rows, k, v, tree: torch.Tensor, window: int | None = None):
         """tree [N, T, W] (W >= T) covers the last W slots up to the chunk's end: query j sees the row's
         slots before them and those x with tree[r, j, x - (end - W)]."""
         t, start_u = k.shape[2], self.uniform[layer]
@@ -177,12 +194,13 @@ class KVCache:
             start = self.lengths[layer].clone() if rows is None else self.lengths[layer, rows.cpu()]  # [N] host
             keys, values, _, _ = self._append_rows(layer, rows, k, v, None)
             start = tuple(start.tolist())
-        return keys, values, self._tree_mask(tree, start, t, keys.shape[2]), False
+        return keys, values, self._tree_mask(tree, start, t, keys.shape[2], window), False
 
-    def _tree_mask(self, tree: torch.Tensor, start: tuple[int, ...], t: int, s: int) -> torch.Tensor:
+    def _tree_mask(self, tree: torch.Tensor, start: tuple[int, ...], t: int, s: int,
+                   window: int | None = None) -> torch.Tensor:
         """[N, 1, T, S] additive mask of a tree chunk written at slots start (one per row, or one for all).
         Every layer of a verify forward asks for the same mask: the last one is kept."""
-        key = (tree, start, s)
+        key = (tree, start, s, window)
         last = self._last_tree
         if last is not None and last[0][0] is tree and last[0][1:] == key[1:]:
             return last[1]
@@ -193,6 +211,14 @@ class KVCache:
         covered = (rel >= 0) & (rel < w)
         seen = tree.to(self.device).gather(2, rel.clamp(0, w - 1).expand(n, t, s)) & covered
         visible = (rel < 0) | seen  # [N, T, S]
+        if window is not None:  # a node's position: its chunk's first slot (the root) plus its depth
+            if w != t:
+                raise ValueError(f"a sliding window over a tree of {w} nodes written {t} at a time is not supported")
+            depth = tree.to(self.device).sum(-1) - 1  # [N, T]
+            pos_q = lo.view(-1, 1) + depth  # [N or 1 -> N, T]
+            pos_k = torch.where(covered, lo.view(-1, 1, 1) + depth.gather(1, rel.clamp(0, w - 1).expand(n, 1, s)
+                                                                           .view(n, s)).view(n, 1, s), key_slot)
+            visible &= pos_k > pos_q[:, :, None] - window
         mask = torch.zeros(visible.shape, dtype=self.k.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
         self._last_tree = (key, mask.unsqueeze(1))
         return self._last_tree[1]
@@ -219,13 +245,20 @@ class KVCache:
         same = (self.lengths == self.lengths[:, :1]).all(1).tolist()  # [L] every row at one length
         self.uniform = [int(n) if u else None for n, u in zip(self.lengths[:, 0].tolist(), same)]
 
-    def _mask(self, start: torch.Tensor, t: int, s: int, new_len: torch.Tensor) -> torch.Tensor:
-        """[N, 1, T, S]: query j of row r sees slot x when x <= start[r] + j and x < new_len[r]."""
+    def _mask(self, start: torch.Tensor, t: int, s: int, new_len: torch.Tensor,
+              window: int | None = None) -> torch.Tensor:
+        """[N, 1, T, S]: query j of row r sees slot x when x <= start[r] + j and x < new_len[r] (and
+        x > start[r] + j - window with a window; a padded query past new_len sees its own slot, so that no query
+        sees nothing: a softmax over nothing is NaN, and NaN K/V in an uncounted slot would poison the masked
+        products of later steps)."""
         key_slot = torch.arange(s, device=self.device)
-        if t == 1:
+        if t == 1 and window is None:
             return (key_slot < new_len.to(self.device)[:, None]).view(-1, 1, 1, s)
         slots = start.to(self.device)[:, None] + torch.arange(t, device=self.device)  # [N, T]
         mask = (key_slot <= slots[:, :, None]) & (key_slot < new_len.to(self.device)[:, None, None])
+        if window is not None:
+            mask &= key_slot > slots[:, :, None] - window
+            mask |= key_slot == slots[:, :, None]
         return mask.unsqueeze(1)
 
     def _set_uniform(self, layer: int) -> None:

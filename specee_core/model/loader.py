@@ -1,4 +1,5 @@
-"""Load an HF-layout Llama checkpoint from a local directory. Never downloads anything.
+"""Load an HF-layout checkpoint of a supported architecture (config.ARCHITECTURES) from a local directory.
+Never downloads anything.
 
 Reads config.json and one of: model.safetensors, model.safetensors.index.json (sharded), or
 pytorch_model.bin (torch.load with weights_only=True). A .gguf file, or a directory holding one
@@ -14,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from specee_core.model.config import ModelConfig, resolve_dtype
+from specee_core.model.config import ARCHITECTURES, ModelConfig, resolve_dtype
 from specee_core.model.gguf import model_file
-from specee_core.model.model import LayerWeights, LlamaModel, ModelWeights, Weight
+from specee_core.model.model import LayerWeights, DecoderModel, ModelWeights, Weight
 from specee_core.model.quant import ACT8, LOW_BIT, QK, planes_of, quantize
 
 log = logging.getLogger(__name__)
@@ -100,9 +101,11 @@ def read_state_dict(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str,
 def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin: dict[str, Path],
                   device: torch.device, dtype: torch.dtype, model_dir: Path, weights: str | None = None) -> ModelWeights:
     """weights "q4" / "q8": the layers' matrices quantized at load (specee_core.model.quant), the embedding /
-    LM head in q8; anything else: every tensor in dtype."""
+    LM head in q8; anything else: every tensor in dtype. Norm weights of a (1 + w) architecture (Gemma) are
+    stored as 1 + w, in fp32 (as Gemma's norm computes it)."""
     c = config
     q, kv, d, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.hidden_size, c.intermediate_size
+    fused = ARCHITECTURES[c.architecture].fused_qkv
 
     def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = tensors.get(name)
@@ -118,6 +121,10 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin:
             return None
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         return t.to(device=device, dtype=dtype).contiguous()
+
+    def norm(name: str, size: int) -> torch.Tensor:
+        t = get(name, (size,))
+        return (1.0 + t.float()).to(device) if c.norm_offset else put(t)
 
     def mat(*parts: torch.Tensor, fmt: str | None = weights) -> Weight:
         planes, act8 = planes_of(fmt)
@@ -136,22 +143,38 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin:
     kept_dense: list[str] = []
     err = [0.0, 0.0]  # squared error and squared norm of the quantized matrices
 
+    def qkv(a: str, kind: str) -> list[torch.Tensor]:  # q, k, v weights or biases (Phi-3: one fused tensor)
+        sizes = {"weight": lambda o: (o, d), "bias": lambda o: (o,)}[kind]
+        if fused:
+            return [get(f"{a}qkv_proj.{kind}", sizes(q + 2 * kv))]
+        return [get(f"{a}{x}_proj.{kind}", sizes(o)) for x, o in (("q", q), ("k", kv), ("v", kv))]
+
+    def gate_up(m: str, kind: str) -> list[torch.Tensor]:  # gate then up (Phi-3: one fused tensor, in that order)
+        sizes = {"weight": lambda o: (o, d), "bias": lambda o: (o,)}[kind]
+        if fused:
+            return [get(f"{m}gate_up_proj.{kind}", sizes(2 * inter))]
+        return [get(f"{m}{x}_proj.{kind}", sizes(inter)) for x in ("gate", "up")]
+
     layers = []
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        bias = c.attention_bias
+        sandwich = c.sandwich_norm  # Gemma: post_attention_layernorm is on attention's output; the MLP's is pre_feedforward
         layers.append(LayerWeights(
-            input_norm=put(get(p + "input_layernorm.weight", (d,))),
-            wqkv=mat(get(a + "q_proj.weight", (q, d)), get(a + "k_proj.weight", (kv, d)), get(a + "v_proj.weight", (kv, d))),
-            bqkv=put(get(a + "q_proj.bias", (q,)), get(a + "k_proj.bias", (kv,)), get(a + "v_proj.bias", (kv,))) if bias else None,
+            input_norm=norm(p + "input_layernorm.weight", d),
+            wqkv=mat(*qkv(a, "weight")),
+            bqkv=put(*qkv(a, "bias")) if c.qkv_bias else None,
             wo=mat(get(a + "o_proj.weight", (d, q))),
-            bo=put(get(a + "o_proj.bias", (d,))) if bias else None,
-            post_norm=put(get(p + "post_attention_layernorm.weight", (d,))),
-            w_gate_up=mat(get(m + "gate_proj.weight", (inter, d)), get(m + "up_proj.weight", (inter, d))),
-            b_gate_up=put(get(m + "gate_proj.bias", (inter,)), get(m + "up_proj.bias", (inter,))) if c.mlp_bias else None,
+            bo=put(get(a + "o_proj.bias", (d,))) if c.o_bias else None,
+            post_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"), d),
+            w_gate_up=mat(*gate_up(m, "weight")),
+            b_gate_up=put(*gate_up(m, "bias")) if c.mlp_bias else None,
             w_down=mat(get(m + "down_proj.weight", (d, inter))),
             b_down=put(get(m + "down_proj.bias", (d,))) if c.mlp_bias else None,
+            q_norm=norm(a + "q_norm.weight", c.head_dim) if c.qk_norm else None,
+            k_norm=norm(a + "k_norm.weight", c.head_dim) if c.qk_norm else None,
+            attn_out_norm=norm(p + "post_attention_layernorm.weight", d) if sandwich else None,
+            mlp_out_norm=norm(p + "post_feedforward_layernorm.weight", d) if sandwich else None,
         ))
     # llama.cpp's choice for this head too (4 bits hurt it most), with the layers' activations
     head_fmt = None if planes_of(weights)[0] is None else "q8" + ("a8" if planes_of(weights)[1] else "")
@@ -166,12 +189,12 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin:
     quant_error = (err[0] / err[1]) ** 0.5 if err[1] else None
     if quant_error is not None:
         log.info("%s: %s weights, relative quantization error %.3g", model_dir, weights, quant_error)
-    return ModelWeights(embed=embed, layers=layers, norm=put(get("model.norm.weight", (d,))), lm_head=lm_head,
+    return ModelWeights(embed=embed, layers=layers, norm=norm("model.norm.weight", d), lm_head=lm_head,
                         quant_error=quant_error)
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype | None = None, weights: str | None = None) -> LlamaModel:
+               dtype: str | torch.dtype | None = None, weights: str | None = None) -> DecoderModel:
     """Load config and weights from a local HF-layout directory. dtype None: fp32 on CPU, the
     checkpoint's own dtype on CUDA; "auto": bf16 where the hardware computes it natively, else fp32.
     weights: None (the matrices in dtype) or a low-bit format of specee_core.model.quant ("q8", "q4"; "q8a8",
@@ -192,7 +215,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     mw = build_weights(config, tensors, origin, device, dtype, model_dir, weights)
     log.info("loaded %s: %d layers, d=%d, %s%s on %s", model_dir, config.num_hidden_layers, config.hidden_size, dtype,
              f", {weights} weights" if weights else "", device)
-    return LlamaModel(config, mw, device, dtype)
+    return DecoderModel(config, mw, device, dtype)
 
 
 # tokenizer_config.json classes that are tokenizer.json run by the `tokenizers` library (what the GGUF import writes)

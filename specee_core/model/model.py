@@ -1,7 +1,10 @@
-"""Llama-family decoder written for decoding: fused QKV and gate/up weights, a layer-by-layer
-API (embed, layer i, final norm, LM head) so a caller can stop after any layer."""
+"""The decoder, written for decoding: fused QKV and gate/up weights, a layer-by-layer API (embed, layer i, final
+norm, LM head) so a caller can stop after any layer. One decoder for every architecture (config.py): Llama's layer,
+with what the config switches on (biases, q/k norms, sliding windows, per-layer RoPE, GeGLU, norms around attention
+and the MLP, an embedding scale); the fused CPU kernels run the layers that are Llama's (config.llama_layers)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +31,10 @@ class LayerWeights:
     b_gate_up: torch.Tensor | None  # [2 I]
     w_down: Weight  # [D, I]
     b_down: torch.Tensor | None  # [D]
+    q_norm: torch.Tensor | None = None  # [hd]: an RMSNorm over each head's q before RoPE (config.qk_norm)
+    k_norm: torch.Tensor | None = None  # [hd]
+    attn_out_norm: torch.Tensor | None = None  # [D]: on o_proj's output before the residual add (sandwich_norm)
+    mlp_out_norm: torch.Tensor | None = None  # [D]: on down_proj's output before the residual add
 
 
 @dataclass
@@ -54,20 +61,23 @@ class RMSNorm:
     fused layer_norm of [x, -x] with weight [w, w], whose mean is zero by construction, so its variance
     is mean(x^2) (equal to rms_norm within fp32 rounding; faster than torch's rms_norm there). Other
     dtypes: torch's fused rms_norm on the fp32 copy, cast back, times the weight: bit-identical to HF's
-    formula (tested)."""
+    formula (tested). upcast (Gemma's norm; its fp32 weight is 1 + w, folded at load): the weight multiplies
+    the fp32 copy before the cast, as Gemma's RMSNorm computes."""
 
-    def __init__(self, weight: torch.Tensor, eps: float):
-        self.weight, self.eps = weight, eps
+    def __init__(self, weight: torch.Tensor, eps: float, upcast: bool = False):
+        self.weight, self.eps, self.upcast = weight, eps, upcast
         self.fused = weight.dtype == torch.float32 and weight.device.type == "cpu"
         self.ln_weight = torch.cat((weight, weight)) if self.fused else None  # [2D]
         self.shape = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            d = x.shape[-1]
-            return F.layer_norm(torch.cat((x, -x), dim=-1), (2 * d,), self.ln_weight, None, self.eps)[..., :d]
         if x.dtype == torch.float32:
+            if self.fused:
+                d = x.shape[-1]
+                return F.layer_norm(torch.cat((x, -x), dim=-1), (2 * d,), self.ln_weight, None, self.eps)[..., :d]
             return F.rms_norm(x, self.shape, self.weight, self.eps)
+        if self.upcast:
+            return (F.rms_norm(x.float(), self.shape, None, self.eps) * self.weight.float()).to(x.dtype)
         return F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype) * self.weight
 
 
@@ -103,6 +113,13 @@ def _rows(w: Weight, start: int) -> Weight:
     return w.rows(slice(start, None)) if isinstance(w, QuantWeight) else w[start:]
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}  # the gated MLP's (config.hidden_act)
+
+
 @dataclass
 class LayerLinears:
     qkv: Linear | QuantLinear
@@ -110,17 +127,20 @@ class LayerLinears:
     gate_up: Linear | QuantLinear
     down: Linear | QuantLinear
     kv: Linear | QuantLinear  # the K/V rows of qkv alone (write_kv, for layers an exit skipped)
+    act: Callable[[torch.Tensor], torch.Tensor] = F.silu  # of the gate (ACTIVATIONS)
 
     @staticmethod
-    def of(lw: LayerWeights, q_size: int, dtype: torch.dtype) -> LayerLinears:
-        """The layer's linears. On CPU without biases, decode steps run a layer in one C++ call: low-bit ones with fp32
-        activations (FusedLowbitLinears), dense fp32 matrices and oneDNN-packed bf16 ones (FusedDenseLinears)."""
+    def of(lw: LayerWeights, q_size: int, dtype: torch.dtype, llama_layer: bool = True,
+           act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> LayerLinears:
+        """The layer's linears. On CPU, for a Llama layer (llama_layer: config.llama_layers) without biases, decode
+        steps run the layer in one C++ call: low-bit ones with fp32 activations (FusedLowbitLinears), dense fp32
+        matrices and oneDNN-packed bf16 ones (FusedDenseLinears)."""
         kv_bias = None if lw.bqkv is None else lw.bqkv[q_size:]
         lins = (make_linear(lw.wqkv, lw.bqkv), make_linear(lw.wo, lw.bo), make_linear(lw.w_gate_up, lw.b_gate_up),
                 make_linear(lw.w_down, lw.b_down), make_linear(_rows(lw.wqkv, q_size), kv_bias))
         main = lins[:4]
-        if any(lin.b is not None for lin in main) or cpu_kernel() is None:
-            return LayerLinears(*lins)
+        if not llama_layer or any(lin.b is not None for lin in main) or cpu_kernel() is None:
+            return LayerLinears(*lins, act=act)
         if (all(isinstance(lin, QuantLinear) and not lin.qw.act8 for lin in main) and dtype == torch.float32
                 and lins[0].qw.device.type == "cpu"):
             return FusedLowbitLinears(*lins)
@@ -134,20 +154,22 @@ class LayerLinears:
         """qkv(norm(h)) for h [N, T, D] -> [N, T, (H + 2 Hkv) hd]."""
         return self.qkv(h if norm is None else norm(h))
 
-    def o_add(self, o: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """h + o_proj(o) for attention output o [N, T, H hd] and the residual h [N, T, D]."""
-        return h + self.o(o)
+    def o_add(self, o: torch.Tensor, h: torch.Tensor, out_norm: RMSNorm | None = None) -> torch.Tensor:
+        """h + o_proj(o) for attention output o [N, T, H hd] and the residual h [N, T, D]; out_norm: h +
+        out_norm(o_proj(o)) (Gemma's norm after attention)."""
+        return h + (self.o(o) if out_norm is None else out_norm(self.o(o)))
 
-    def mlp(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """h + down(silu(gate) * up) with (gate, up) = gate_up(norm(h))."""
+    def mlp(self, h: torch.Tensor, norm: RMSNorm, out_norm: RMSNorm | None = None) -> torch.Tensor:
+        """h + down(act(gate) * up) with (gate, up) = gate_up(norm(h)); out_norm: on down's output (Gemma)."""
         gate, up = self.gate_up(norm(h)).chunk(2, dim=-1)
-        return h + self.down(F.silu(gate).mul_(up))
+        y = self.down(self.act(gate).mul_(up))
+        return h + (y if out_norm is None else out_norm(y))
 
 
 @dataclass
 class FusedLayerLinears(LayerLinears):
     """Linears whose whole layer, for a decode step or a drafted chunk, is one C++ call (decode_layer; a model's
-    layers together: LlamaModel._fused_stack). planes(): the kernel's weight arguments."""
+    layers together: DecoderModel._fused_stack). planes(): the kernel's weight arguments."""
 
     _planes: list[list[torch.Tensor]] | None = field(default=None, repr=False)  # decode_layer's, made once
 
@@ -201,15 +223,15 @@ class FusedLowbitLinears(FusedLayerLinears):
         w = self.qkv.qw
         return cpu_kernel().norm_linear(_rows2d(h), norm.weight, norm.eps, w.qs, w.d, w.m).view(*h.shape[:-1], -1)
 
-    def o_add(self, o: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        if self._prefill(h):
-            return super().o_add(o, h)
+    def o_add(self, o: torch.Tensor, h: torch.Tensor, out_norm: RMSNorm | None = None) -> torch.Tensor:
+        if self._prefill(h) or out_norm is not None:
+            return super().o_add(o, h, out_norm)
         w = self.o.qw
         return cpu_kernel().linear_add(_rows2d(o), w.qs, w.d, w.m, _rows2d(h)).view(h.shape)
 
-    def mlp(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        if self._prefill(h):
-            return super().mlp(h, norm)
+    def mlp(self, h: torch.Tensor, norm: RMSNorm, out_norm: RMSNorm | None = None) -> torch.Tensor:
+        if self._prefill(h) or out_norm is not None:
+            return super().mlp(h, norm, out_norm)
         gu, dn = self.gate_up.qw, self.down.qw
         return cpu_kernel().mlp(_rows2d(h), norm.weight, norm.eps, gu.qs, gu.d, gu.m, dn.qs, dn.d, dn.m).view(h.shape)
 
@@ -225,7 +247,9 @@ def _rows2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-class LlamaModel:
+class DecoderModel:
+    """The decoder of every supported architecture (config.py), layer by layer."""
+
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device | str, dtype: torch.dtype):
         self.config = config
         self.w = weights
@@ -236,19 +260,31 @@ class LlamaModel:
         half_on_cpu = self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
         self.kv_dtype = torch.float32 if half_on_cpu else dtype
         self.rope = RotaryEmbedding(config, self.device)
-        eps = config.rms_norm_eps
-        self.input_norms = [None if lw.input_norm is None else RMSNorm(lw.input_norm, eps) for lw in weights.layers]
-        self.post_norms = [RMSNorm(lw.post_norm, eps) for lw in weights.layers]
-        self.norm = RMSNorm(weights.norm, eps)
         c = config
+        eps, upcast = c.rms_norm_eps, c.norm_offset
+
+        def norms(name: str) -> list[RMSNorm | None]:
+            return [None if getattr(lw, name) is None else RMSNorm(getattr(lw, name), eps, upcast) for lw in weights.layers]
+
+        self.input_norms = norms("input_norm")
+        self.post_norms = norms("post_norm")  # before the MLP
+        self.q_norms, self.k_norms = norms("q_norm"), norms("k_norm")
+        self.attn_out_norms, self.mlp_out_norms = norms("attn_out_norm"), norms("mlp_out_norm")
+        self.norm = RMSNorm(weights.norm, eps, upcast)
+        # Gemma's embedding scale, rounded to the dtype as transformers rounds it
+        self.embed_scale = None if c.embed_scale == 1.0 else torch.tensor(c.embed_scale).to(self.device, dtype)
         self.q_size = c.num_attention_heads * c.head_dim
-        self.linears = [LayerLinears.of(lw, self.q_size, dtype) for lw in weights.layers]
+        self.linears = [LayerLinears.of(lw, self.q_size, dtype, c.llama_layers, ACTIVATIONS[c.hidden_act])
+                        for lw in weights.layers]
         self.head = make_linear(weights.lm_head)
         self.qk_heads = c.num_attention_heads + c.num_key_value_heads  # heads RoPE rotates
         self.all_heads = self.qk_heads + c.num_key_value_heads
         self.qk_split = (c.num_attention_heads, c.num_key_value_heads)
-        self.scale = c.head_dim ** -0.5
+        self.scale = c.scale
         self.gqa = c.num_attention_heads != c.num_key_value_heads
+        self.windows = [c.window(i) for i in range(self.num_layers)]  # per layer: its sliding window or None
+        self.rope_index = [c.rope_index(i) for i in range(self.num_layers)]
+        self.multi_rope = len(c.ropes()) > 1
         self._stackable = (all(isinstance(lin, FusedLayerLinears) for lin in self.linears)
                            and all(n is not None for n in self.input_norms))
         self._stack = None  # kernels' LayerStack, bound on first use
@@ -277,16 +313,36 @@ class LlamaModel:
 
     # ---- the layer-by-layer API -------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [N, T] -> hidden [N, T, D]."""
-        return embedding(input_ids, self.w.embed, self.dtype)
+        """input_ids [N, T] -> hidden [N, T, D] (times the config's embed_scale)."""
+        h = embedding(input_ids, self.w.embed, self.dtype)
+        return h if self.embed_scale is None else h * self.embed_scale
 
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """LM-head rows ids [...] -> [..., D] in the model dtype (dequantized when the head is low-bit)."""
         return take_rows(self.w.lm_head, ids, self.dtype)
 
     def rope_for(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N, T] -> (cos, sin) [N, 1, T, hd], computed once per step for all layers."""
+        """positions [N, T] -> (cos, sin) [N, R, T, rd], computed once per step for all layers (R: the RoPE tables,
+        1 unless local layers have their own; rd: the rotary dims, head_dim unless partial)."""
         return self.rope(positions, self.dtype)
+
+    def _layer_rope(self, i: int, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's (cos, sin) [N, 1, T, rd] of rope_for's."""
+        if not self.multi_rope:
+            return rope
+        r = self.rope_index[i]
+        return rope[0][:, r : r + 1], rope[1][:, r : r + 1]
+
+    def _rotate_qk(self, i: int, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [N, H, T, hd], k [N, Hkv, T, hd]) of layer i from qkv [N, H + 2 Hkv, T, hd]: normed per head where the
+        config says (q_norm / k_norm), rotated."""
+        cos, sin = self._layer_rope(i, rope)
+        if self.q_norms[i] is None:
+            return apply_rope(qkv[:, : self.qk_heads], cos, sin).split(self.qk_split, dim=1)  # one rotation for q, k
+        h = self.qk_split[0]
+        return (apply_rope(self.q_norms[i](qkv[:, :h]), cos, sin),
+                apply_rope(self.k_norms[i](qkv[:, h : self.qk_heads]), cos, sin))
 
     def layer(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
               rows: torch.Tensor | None = None, n_valid: torch.Tensor | None = None,
@@ -304,12 +360,12 @@ class LlamaModel:
             cache.advance(i, host_rows, t)
             return h
         qkv = lin.qkv_normed(h, self.input_norms[i]).view(n, t, self.all_heads, c.head_dim).transpose(1, 2)
-        q, k = apply_rope(qkv[:, : self.qk_heads], *rope).split(self.qk_split, dim=1)  # one rotation for q and k
-        keys, values, mask, causal = cache.append(i, rows, k, qkv[:, self.qk_heads :], n_valid, tree)
+        q, k = self._rotate_qk(i, qkv, rope)
+        keys, values, mask, causal = cache.append(i, rows, k, qkv[:, self.qk_heads :], n_valid, tree, self.windows[i])
         o = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, is_causal=causal,
                                            scale=self.scale, enable_gqa=self.gqa)
-        h = lin.o_add(o.transpose(1, 2).reshape(n, t, self.q_size).to(h.dtype), h)
-        return lin.mlp(h, self.post_norms[i])
+        h = lin.o_add(o.transpose(1, 2).reshape(n, t, self.q_size).to(h.dtype), h, self.attn_out_norms[i])
+        return lin.mlp(h, self.post_norms[i], self.mlp_out_norms[i])
 
     def write_kv(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
                  rows: torch.Tensor | None = None, n_valid: torch.Tensor | None = None) -> None:
@@ -320,7 +376,9 @@ class LlamaModel:
         x = self.input_norms[i](h)
         kv = self.linears[i].kv(x)
         k, v = kv.view(n, t, 2 * c.num_key_value_heads, c.head_dim).transpose(1, 2).chunk(2, dim=1)
-        cache.append(i, rows, apply_rope(k, *rope), v, n_valid)
+        if self.k_norms[i] is not None:
+            k = self.k_norms[i](k)
+        cache.append(i, rows, apply_rope(k, *self._layer_rope(i, rope)), v, n_valid)  # no attention: no window
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(h)

@@ -1,4 +1,5 @@
-"""Rotary position embeddings with the rope_scaling variants HF Llama configs use."""
+"""Rotary position embeddings with the rope_scaling variants HF configs use; one table per RoPE base a model's
+layers use (Gemma 3's local layers have their own), on all or the first part of each head (Phi-3)."""
 from __future__ import annotations
 
 import math
@@ -6,6 +7,8 @@ import math
 import torch
 
 from specee_core.model.config import ModelConfig
+
+TABLE_LEN = 8192  # positions precomputed per table; positions past it are computed per step (the same values)
 
 
 def base_inv_freq(theta: float, dim: int, device=None) -> torch.Tensor:
@@ -24,54 +27,76 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+class RopeTable:
+    """cos/sin of one RoPE base and scaling for given positions. Static variants use a precomputed table;
+    'dynamic' (NTK) recomputes the frequencies when the sequence grows past max_position_embeddings."""
+
+    def __init__(self, theta: float, scaling: dict, dim: int, max_pos: int, device: torch.device, table_len: int):
+        self.theta, self.scaling, self.dim, self.max_pos, self.device = theta, scaling, dim, max_pos, device
+        inv_freq = base_inv_freq(theta, dim, device)
+        kind = scaling["rope_type"]
+        if kind == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif kind == "llama3":
+            inv_freq = llama3_inv_freq(inv_freq, scaling)
+        self.inv_freq = inv_freq  # [rd/2]
+        self.cos_table, self.sin_table = cos_sin(torch.arange(table_len, device=device), inv_freq)  # [n, rd]
+
+    def dynamic_inv_freq(self, seq_len: int) -> torch.Tensor:
+        factor = self.scaling["factor"]
+        base = self.theta * ((factor * seq_len / self.max_pos) - (factor - 1)) ** (self.dim / (self.dim - 2))
+        return base_inv_freq(base, self.dim, self.device)
+
+    def __call__(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N, T] (max_pos: their largest + 1) -> (cos, signed sin) [N, T, rd] in fp32."""
+        if self.scaling["rope_type"] == "dynamic" and max_pos > self.max_pos:
+            return cos_sin(positions, self.dynamic_inv_freq(max_pos))
+        if max_pos <= self.cos_table.shape[0]:
+            return self.cos_table[positions], self.sin_table[positions]
+        return cos_sin(positions, self.inv_freq)
+
+
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin) [..., rd] of positions [...]: the sin's first half negated (see apply_rope)."""
+    freqs = positions.float()[..., None] * inv_freq  # [..., rd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    half = inv_freq.shape[-1]
+    sin = emb.sin()
+    sin[..., :half].neg_()  # rotate-half's sign folded in: see apply_rope
+    return emb.cos(), sin
+
+
 class RotaryEmbedding:
-    """cos/sin for given positions. Static variants use a precomputed table; 'dynamic' (NTK)
-    recomputes the frequencies when the sequence grows past max_position_embeddings."""
+    """The model's RoPE tables (config.ropes(): one, or the full-attention one and the local layers'), evaluated
+    together once per step."""
 
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu", table_len: int | None = None):
         self.config = config
-        self.dim = config.head_dim
+        self.dim = config.rotary_dim
         self.device = torch.device(device)
-        inv_freq = base_inv_freq(config.rope_theta, self.dim, self.device)
-        kind = config.rope_type
-        if kind == "linear":
-            inv_freq = inv_freq / config.rope_scaling["factor"]
-        elif kind == "llama3":
-            inv_freq = llama3_inv_freq(inv_freq, config.rope_scaling)
-        self.inv_freq = inv_freq  # [hd/2]
-        n = table_len or config.max_position_embeddings
-        self.cos_table, self.sin_table = self._cos_sin(torch.arange(n, device=self.device), inv_freq)  # [n, hd]
-
-    @staticmethod
-    def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * inv_freq  # [..., hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        half = inv_freq.shape[-1]
-        sin = emb.sin()
-        sin[..., :half].neg_()  # rotate-half's sign folded in: see apply_rope
-        return emb.cos(), sin
-
-    def dynamic_inv_freq(self, seq_len: int) -> torch.Tensor:
-        c = self.config
-        factor, max_pos = c.rope_scaling["factor"], c.max_position_embeddings
-        base = c.rope_theta * ((factor * seq_len / max_pos) - (factor - 1)) ** (self.dim / (self.dim - 2))
-        return base_inv_freq(base, self.dim, self.device)
+        n = table_len or min(config.max_position_embeddings, TABLE_LEN)
+        self.tables = [RopeTable(theta, scaling, self.dim, config.max_position_embeddings, self.device, n)
+                       for theta, scaling in config.ropes()]
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N, T] -> (cos, signed sin), each [N, 1, T, hd] in dtype, ready to broadcast over
-        heads; the sin's first half is negated, the form apply_rope takes."""
+        """positions [N, T] -> (cos, signed sin), each [N, R, T, rd] in dtype (R: the tables, config.ropes();
+        layer i takes [:, r : r + 1] with r = config.rope_index(i), which broadcasts over heads); the sin's first
+        half is negated, the form apply_rope takes."""
         max_pos = int(positions.max()) + 1
-        if self.config.rope_type == "dynamic" and max_pos > self.config.max_position_embeddings:
-            cos, sin = self._cos_sin(positions, self.dynamic_inv_freq(max_pos))
-        elif max_pos <= self.cos_table.shape[0]:
-            cos, sin = self.cos_table[positions], self.sin_table[positions]
-        else:
-            cos, sin = self._cos_sin(positions, self.inv_freq)
-        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+        if len(self.tables) == 1:
+            cos, sin = self.tables[0](positions, max_pos)
+            return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+        pairs = [table(positions, max_pos) for table in self.tables]
+        return (torch.stack([c for c, _ in pairs], dim=1).to(dtype), torch.stack([s for _, s in pairs], dim=1).to(dtype))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [N, H, T, hd]; rotate-half convention, as HF Llama checkpoints expect:
+    """x [N, H, T, hd]; rotate-half convention, as HF checkpoints expect:
     x * cos + cat(-x2, x1) * sin, written as x * cos + cat(x2, x1) * cat(-sin1, sin2) (bit-identical,
-    negation is exact) so the rotation is one roll instead of two slices, a negation and a cat."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+    negation is exact) so the rotation is one roll instead of two slices, a negation and a cat. cos of rd < hd
+    dims (partial rotary): the first rd dims of each head rotate, the rest pass through."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return x * cos + x.roll(rd // 2, -1) * signed_sin
+    rot = x[..., :rd]
+    return torch.cat((rot * cos + rot.roll(rd // 2, -1) * signed_sin, x[..., rd:]), dim=-1)

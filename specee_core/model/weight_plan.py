@@ -40,9 +40,9 @@ def checkpoint_format(model_dir) -> tuple[str | None, str]:
 
 
 def random_model(config, fmt: str | None, dtype: torch.dtype, gen: torch.Generator):
-    """A LlamaModel of config's shapes with random weights in fmt (None: dense in dtype; the LM head q8 with
-    a low-bit fmt, as a GGUF's is), activations in dtype, norms of ones: for timing and kernel tests."""
-    from specee_core.model.model import LayerWeights, LlamaModel, ModelWeights
+    """A DecoderModel of config's shapes and layers with random weights in fmt (None: dense in dtype; the LM head q8
+    with a low-bit fmt, as a GGUF's is), activations in dtype, norms of ones: for timing and kernel tests."""
+    from specee_core.model.model import LayerWeights, DecoderModel, ModelWeights
 
     c, d = config, config.hidden_size
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
@@ -53,11 +53,18 @@ def random_model(config, fmt: str | None, dtype: torch.dtype, gen: torch.Generat
     def norm() -> torch.Tensor:
         return torch.ones(d, dtype=dtype)
 
+    def head_norm() -> torch.Tensor | None:
+        return torch.ones(c.head_dim, dtype=dtype) if c.qk_norm else None
+
+    def sandwich() -> torch.Tensor | None:
+        return norm() if c.sandwich_norm else None
+
     layers = [LayerWeights(norm(), weight(q + 2 * kv, d), None, weight(d, q), None, norm(),
-                           weight(2 * c.intermediate_size, d), None, weight(d, c.intermediate_size), None)
+                           weight(2 * c.intermediate_size, d), None, weight(d, c.intermediate_size), None,
+                           head_norm(), head_norm(), sandwich(), sandwich())
               for _ in range(c.num_hidden_layers)]
     head = weight(c.vocab_size, d, None if fmt is None else "q8a8" if fmt.endswith("a8") else "q8")
-    return LlamaModel(c, ModelWeights(head, layers, norm(), head), "cpu", dtype)
+    return DecoderModel(c, ModelWeights(head, layers, norm(), head), "cpu", dtype)
 
 
 def time_steps(config, batch: int, variants: list[tuple[str | None, torch.dtype]], repeats: int = 3,
@@ -145,7 +152,8 @@ def measured_steps(config, batch: int, fmt: str, dtype: torch.dtype, device: tor
     key = {"weight_plan_version": VERSION, "machine": machine_name(device), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "dtype": dtype_name(dtype), "batch": batch, "format": fmt,
            "kernel": source_digest(), "model_shape": [c.num_hidden_layers, c.hidden_size, c.intermediate_size,
-                                                      c.num_attention_heads, c.num_key_value_heads, c.vocab_size]}
+                                                      c.num_attention_heads, c.num_key_value_heads, c.vocab_size],
+           **c.architecture_key()}
 
     def measure() -> dict:
         acts = [torch.float32] + ([torch.bfloat16] if dtype == torch.bfloat16 else [])

@@ -666,7 +666,7 @@ def cost_key(model, dtype: torch.dtype, device: torch.device) -> dict:
              c.vocab_size)
     return {"plan_version": PLAN_VERSION, "machine": machine_name(device), "torch": torch.__version__,
             "threads": torch.get_num_threads() if device.type == "cpu" else None, "dtype": str(dtype).removeprefix("torch."),
-            "model_shape": list(shape), **_weights_key(model)}
+            "model_shape": list(shape), **_weights_key(model), **c.architecture_key()}
 
 
 def _weights_key(model) -> dict:

@@ -14,7 +14,7 @@ from specee_core.step.state import Batch, StepOutput  # noqa: F401 -- StepOutput
 
 if TYPE_CHECKING:
     from specee_core.model.kv_cache import KVCache
-    from specee_core.model.model import LlamaModel
+    from specee_core.model.model import DecoderModel
 
 
 class StepEngine(Protocol):
@@ -22,7 +22,7 @@ class StepEngine(Protocol):
     (specee_core.decode.engine.SpecEEEngine) is one; steppers do not import it."""
 
     @property
-    def model(self) -> LlamaModel: ...
+    def model(self) -> DecoderModel: ...
 
 
 class Stepper(Protocol):
