@@ -11,7 +11,7 @@ from tests.conftest import BUNDLED
 def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     out = tmp_path / "report.json"
     report = gpu_check.main(["--device", "cpu", "--model", str(BUNDLED), "--tokens", "4", "--speed-tokens", "3",
-                             "--batches", "1,2", "--rounds", "1", "--out", str(out)])
+                             "--batches", "2", "--rounds", "1", "--out", str(out)])
     checks = report["checks"]
     # the lossless ones must hold anywhere (the fused Triton predictor needs CUDA tensors, or the interpreter where
     # another test set it up; how soon q4's greedy path parts from fp32's depends on the model: the bundled one's
@@ -21,7 +21,7 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     assert {"specee_triton_predictor_decides_like_torch", "specee_zpdqh_triton_predictor_decides_like_torch",
             "q8_greedy_against_fp32", "q4_greedy_against_fp32"} <= set(checks)  # recorded, whatever they found
     assert checks["dense_equals_transformers_fp32"]["first_divergence"] == [None] * 8
-    for batch in ("batch_1", "batch_2"):
+    for batch in ("batch_2",):  # a batch of 2: ragged rows; batch 1's path is one row of it
         speed = report["speed"][batch]
         assert "errors" not in speed
         assert {"hf/fp32", "fp32/dense", "fp32/spec_tree", "q4/dense", "default/auto"} <= set(speed)

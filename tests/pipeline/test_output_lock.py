@@ -120,7 +120,7 @@ def contend(root: str, rounds: int, flock: bool, barrier, results) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("flock", [True, False], ids=["flock", "no-flock"])
 def test_jobs_starting_together_never_both_hold_the_folder(tmp_path, flock):
-    jobs, rounds = 4, 60
+    jobs, rounds = 4, 30
     stale = [r % 2 == 1 for r in range(rounds)]  # odd rounds: every job races to take over a dead job's lock
     pid = dead_pid()
     for r in range(rounds):
