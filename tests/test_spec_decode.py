@@ -167,12 +167,12 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts[keep] - exp) ** 2 / exp).sum())
 
 
-@pytest.mark.parametrize("shape", [{"depth": 2}, {"depth": 2, "width": 3, "nodes": 5}], ids=["chain", "tree"])
+@pytest.mark.parametrize("shape", [{"depth": 2, "width": 3, "nodes": 5}], ids=["tree"])
 def test_sampled_spec_keeps_the_base_distribution_end_to_end(tiny, shape):
     """top_k=3 sampling, 3 tokens, rows at two temperatures in one batch (half seeded, half drawing from torch's
-    generator): per temperature the empirical joint of spec mode (draft head, depth 2, a chain each row draws
-    from the draft or a deterministic tree; a drafted token kept where it is the row's own draw) against the
-    exact joint from the base model, by chi-square over the 27 cells."""
+    generator): per temperature the empirical joint of spec mode (draft head, depth 2, a tree; a drafted token
+    kept where it is the row's own draw) against the exact joint from the base model, by chi-square over the 27
+    cells. (A chain's sampled rows equal dense's token for token: test_smollm2 and test_continuous.)"""
     prompt = CODE[1]
     m = tiny.model
     ids = tiny.encode_prompt(prompt)
