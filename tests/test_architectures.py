@@ -146,6 +146,32 @@ def test_decode_steps_across_the_window_equal_transformers(pair):
             assert float((logits - ref[pos[:, 0]]).abs().max()) < 1e-4, (starts, step)
 
 
+def test_the_batch_jobs_stage_equals_transformers(pair, tmp_path):
+    """The batch job's engine stage (pipeline.stage.GenerateRows, what each engine actor runs; in this process, no
+    Ray) on the architecture's checkpoint: its rows' completions are transformers' greedy tokens."""
+    import pyarrow as pa
+
+    from pipeline.stage import GenerateRows, StageConfig
+
+    arch, hf, engine = pair
+    hf.save_pretrained(tmp_path)  # the same weights, a folder of its own for the stage
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / f).write_bytes((BUNDLED / f).read_bytes())
+    threads = torch.get_num_threads()
+    try:  # the stage sets the threads of the process it runs in (an actor's CPUs; 1 outside Ray)
+        stage = GenerateRows(StageConfig(model=str(tmp_path), mode="dense", dtype="float32", max_new_tokens=12,
+                                         chat=False), "run-1")
+        rows = stage(pa.table({"id": ["a", "b"], "prompt": PROMPTS[1:], "input_error": [None, None]})).to_pylist()
+    finally:
+        torch.set_num_threads(threads)
+    for prompt, row in zip(PROMPTS[1:], rows):
+        assert row["error"] is None, row["error"]
+        expect = hf_greedy(hf, engine.encode_prompt(prompt), 12)
+        eos = engine.tokenizer.eos_token_id
+        expect = expect[: expect.index(eos)] if eos in expect else expect  # the job stops at EOS
+        assert row["completion"] == engine.tokenizer.decode(expect, skip_special_tokens=True), (arch, prompt)
+
+
 def test_greedy_tokens_equal_transformers_in_a_ragged_batch(pair):
     arch, hf, engine = pair
     got = engine.generate(PROMPTS, max_new_tokens=12, mode="dense", ignore_eos=True)
