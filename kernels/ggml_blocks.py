@@ -83,18 +83,18 @@ def _dequantize_blocks(blk: torch.Tensor, fmt: str) -> torch.Tensor:
         dl = (_half(blk, 0) * sc.float())[..., None]  # [N, 8, 1]
         ml = (_half(blk, 2) * mn.float())[..., None]
         qs = blk[:, 16:144] if fmt == "q4_k" else blk[:, 48:176]
-        q = qs.int().view(nb, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.int32).view(1, 1, 2, 1)
+        q = qs.int().reshape(nb, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.int32).view(1, 1, 2, 1)
         q = (q & 15).reshape(nb, 8, 32)
         if fmt == "q5_k":
-            qh = blk[:, 16:48].int().view(nb, 1, 32) >> torch.arange(8, dtype=torch.int32).view(1, 8, 1)
+            qh = blk[:, 16:48].int().reshape(nb, 1, 32) >> torch.arange(8, dtype=torch.int32).view(1, 8, 1)
             q = q | (qh & 1) << 4
         return (dl * q.float() - ml).reshape(nb, 256)
     if fmt == "q6_k":
-        ql = blk[:, 0:128].int().view(nb, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.int32).view(1, 1, 2, 1)
+        ql = blk[:, 0:128].int().reshape(nb, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.int32).view(1, 1, 2, 1)
         ql = (ql & 15).reshape(nb, 8, 32)
-        qh = blk[:, 128:192].int().view(nb, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.int32).view(1, 1, 4, 1)
+        qh = blk[:, 128:192].int().reshape(nb, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.int32).view(1, 1, 4, 1)
         qh = (qh & 3).reshape(nb, 8, 32)
-        q = ((ql | qh << 4) - 32).view(nb, 16, 16).float()
+        q = ((ql | qh << 4) - 32).reshape(nb, 16, 16).float()
         dl = (_half(blk, 208) * blk[:, 192:208].view(torch.int8).float())[..., None]  # [N, 16, 1]
         return (dl * q).reshape(nb, 256)
     raise ValueError(f"block format {fmt!r}: expected one of {tuple(BLOCK_FORMATS)}")

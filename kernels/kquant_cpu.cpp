@@ -114,11 +114,26 @@ struct Q5_0 {
   struct P { float d; uint32_t qh; };
   static void prep(const uint8_t* b, P& p) { p.d = half_at(b); p.qh = u32_at(b + 2); }
   static void sub(const uint8_t* b, const P& p, int, VF* w) {
+#if LOWBIT_AVX512
+    // the block's 32 possible weights (q - 16) * d in two tables, an element's fifth bit (a mask register straight
+    // from qh) choosing the table: vpermt2ps reads an index's low 5 bits
+    const VF lo = mul(_mm512_setr_ps(-16.f, -15.f, -14.f, -13.f, -12.f, -11.f, -10.f, -9.f, -8.f, -7.f, -6.f, -5.f,
+                                     -4.f, -3.f, -2.f, -1.f), p.d);
+    const VF hi = mul(_mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f,
+                                     15.f), p.d);
+    const VI raw = ld_u8(b + 6);
+    const VI nib[2] = {band(raw, 15), srl(raw, 4)};  // elements 0..15, 16..31
+    for (int c = 0; c < 2; ++c) {
+      const __mmask16 fifth = static_cast<__mmask16>(p.qh >> (16 * c));
+      w[c] = _mm512_permutex2var_ps(lo, _mm512_mask_or_epi32(nib[c], fifth, nib[c], _mm512_set1_epi32(16)), hi);
+    }
+#else
     for (int c = 0; c < C; ++c) {
       const int e = c * L;
       const VI q = bor(band(srl(ld_u8(b + 6 + e % 16), 4 * (e / 16)), 15), shl4(bits(p.qh, e)));
       w[c] = mul(cvt(isub(q, 16)), p.d);
     }
+#endif
   }
 };
 
@@ -159,8 +174,16 @@ struct Q4_K {
   static void prep(const uint8_t* b, P& p) { k4_scales(b, p.dl, p.ml); }
   static void sub(const uint8_t* b, const P& p, int s, VF* w) {
     const uint8_t* q = b + 16 + 32 * (s / 2);
+#if LOWBIT_AVX512
+    // the sub-block's 16 possible weights dl * i - ml (the same two roundings as each weight's) permuted into
+    // place: vpermps reads an index's low 4 bits alone, so a nibble needs no mask and no conversion
+    const VF table = subs(mul(_mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f,
+                                             14.f, 15.f), p.dl[s]), p.ml[s]);
+    for (int c = 0; c < C; ++c) w[c] = _mm512_permutexvar_ps(srl(ld_u8(q + c * L), 4 * (s & 1)), table);
+#else
     for (int c = 0; c < C; ++c)
       w[c] = subs(mul(cvt(band(srl(ld_u8(q + c * L), 4 * (s & 1)), 15)), p.dl[s]), p.ml[s]);
+#endif
   }
 };
 

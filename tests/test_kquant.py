@@ -126,6 +126,8 @@ def write_kquant_gguf(path, *, layers: int = 2, hidden: int = 256, heads: int = 
     w.add_token_merges(MERGES)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
 

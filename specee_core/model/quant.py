@@ -60,7 +60,7 @@ class QuantWeight:
 
     fmt: str
     qs: torch.Tensor
-    d: torch.Tensor
+    d: torch.Tensor | None = None  # None only in a block format
     m: torch.Tensor | None = None
     act8: bool = False  # products with int8-quantized activations (q4a8 / q8a8), not fp32 ones
 
@@ -79,7 +79,7 @@ class QuantWeight:
             return
         if self.fmt not in LOW_BIT:
             raise ValueError(f"QuantWeight format {self.fmt!r}: expected one of {LOW_BIT + tuple(BLOCK_FORMATS)}")
-        if self.d.dtype != torch.float16 or (self.m is not None and self.m.dtype != torch.float16):
+        if self.d is None or self.d.dtype != torch.float16 or (self.m is not None and self.m.dtype != torch.float16):
             raise ValueError("QuantWeight scales must be float16")
         if (self.fmt == "q4") != (self.m is not None):
             raise ValueError("q4 needs a minimum m; q8 has none")
