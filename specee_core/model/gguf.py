@@ -311,7 +311,7 @@ def _write_blocks(gguf_path: Path, model, tensors: dict[str, torch.Tensor], tmp:
         fmt = kind.lower()
         if fmt not in BLOCK_FORMATS:
             continue
-        raw = torch.from_numpy(np.ascontiguousarray(t.data)).view(torch.uint8)
+        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # a copy: the reader maps the file read-only
         raw = raw.reshape(tensors[hf].shape[0], -1)
         candidates = [raw]
         if heads and kv_heads and (".attn_q." in t.name or ".attn_k." in t.name):
