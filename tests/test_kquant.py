@@ -195,3 +195,35 @@ def test_a_kquant_gguf_runs_in_its_own_blocks_with_fp32s_logits(kquant_dir):
     for got, want in zip(*logits):
         assert want.abs().max() > 1
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_the_measured_plan_times_the_files_own_blocks_against_dense(kquant_dir, monkeypatch, tmp_path):
+    """weights="auto" on a K-quant conversion: "gguf" is the checkpoint's format, timed against the dense matrices
+    (both measured), and the plan's choice is the faster of the two."""
+    from specee_core.model import weight_plan
+    from specee_core.model.config import ModelConfig
+
+    monkeypatch.setenv("SPECEE_CACHE", str(tmp_path))
+    config = ModelConfig.from_file(kquant_dir / "config.json")
+    cpu = torch.device("cpu")
+    ms = weight_plan.measured_steps(config, 1, "gguf", torch.float32, cpu, root=tmp_path)
+    assert set(ms) == {("gguf", torch.float32), (None, torch.float32)} and all(t > 0 for t in ms.values())
+    monkeypatch.setattr(weight_plan, "measured_steps", lambda *a, **k: ms)
+    fmt, act, reason = weight_plan.choose_weights(kquant_dir, config, cpu, torch.float32, 1)
+    assert fmt == min(ms, key=ms.get)[0] and act == torch.float32
+    assert "gguf" in reason and all(f"{t:.1f}" in reason for t in ms.values())
+
+
+def test_the_engine_runs_a_kquant_gguf_in_its_blocks_as_fp32_does(kquant_dir):
+    """Greedy tokens over several steps and a ragged batch, weights="gguf" against the fp32 matrices: the kernels
+    change only the summation order."""
+    from specee_core import SpecEEEngine
+
+    native = SpecEEEngine.from_pretrained(kquant_dir, weights="gguf")
+    dense = SpecEEEngine.from_pretrained(kquant_dir, weights="fp32")
+    assert native.model.weight_format == "q4_k" and native.model.dtype == torch.float32
+    prompts = ["the world", "hello the world, hello", "or"]
+    a = native.generate(prompts, max_new_tokens=12, mode="dense", ignore_eos=True)
+    b = dense.generate(prompts, max_new_tokens=12, mode="dense", ignore_eos=True)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert len({tuple(r.token_ids) for r in a}) > 1  # not one token repeated for every prompt
