@@ -112,6 +112,23 @@ def dequantize_blocks_reference(raw: torch.Tensor, fmt: str) -> torch.Tensor:
     return _dequantize_blocks(blk, fmt).reshape(o, -1)
 
 
+def as_q8_0(raw: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """q4_0 / q5_0 blocks [O, G * bytes] re-encoded as Q8_0 planes without loss: (qs int8 [O, I] = q - 8 or q - 16,
+    d fp16 [O, G], the block's own scale), whose d * qs is the same fp32 product gguf's dequantization computes.
+    For a fused matrix whose parts mix these types with Q8_0 (Gemma 3's q/k in Q5_0, v in Q8_0)."""
+    if fmt not in ("q4_0", "q5_0"):
+        raise ValueError(f"only q4_0 and q5_0 re-encode as Q8_0 without loss, not {fmt!r}")
+    nbytes = BLOCK_FORMATS[fmt][1]
+    o = raw.shape[0]
+    blk = raw.contiguous().view(-1, nbytes)
+    if fmt == "q4_0":
+        q = _nibbles32(blk[:, 2:18]) - 8
+    else:
+        q = (_nibbles32(blk[:, 6:22]) | _bits32(blk[:, 2:6]) << 4) - 16
+    d = blk[:, 0:2].contiguous().view(torch.float16)  # [O G, 1]
+    return q.to(torch.int8).reshape(o, -1).contiguous(), d.reshape(o, -1).contiguous()
+
+
 def blocks_linear_reference(x: torch.Tensor, raw: torch.Tensor, fmt: str) -> torch.Tensor:
     """x [B, I] fp32 @ dequantize_blocks_reference(raw, fmt)^T -> [B, O] fp32: what the kernel must equal."""
     return F.linear(x.float(), dequantize_blocks_reference(raw, fmt))

@@ -44,6 +44,16 @@ def test_gguf_quantized_blocks_dequantize_alike(fmt):
                                   gguf_quants.dequantize(raw, GGML[fmt]))
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q5_0"])
+def test_q4_0_and_q5_0_re_encode_as_q8_0_without_loss(fmt):
+    from kernels.ggml_blocks import as_q8_0
+    from specee_core.model.quant import QuantWeight, dequantize_reference
+
+    raw = blocks(9, 96, fmt)
+    qs, d = as_q8_0(raw, fmt)
+    assert torch.equal(dequantize_reference(QuantWeight("q8", qs, d)), dequantize_blocks_reference(raw, fmt))
+
+
 def test_bad_formats_and_shapes_are_errors_naming_them():
     with pytest.raises(ValueError, match="q3_k"):
         dequantize_blocks_reference(torch.zeros(2, 110, dtype=torch.uint8), "q3_k")
@@ -92,11 +102,12 @@ def test_cpu_kernel_refuses_what_it_cannot_read():
 
 # ---- a GGUF with K-quant matrices, loaded in its own blocks (weights="gguf")
 
-def write_kquant_gguf(path, *, layers: int = 2, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
+def write_kquant_gguf(path, *, layers: int = 3, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
                       ffn: int = 512):
     """A random Llama in GGUF whose matrices are random blocks as a Q4_K_M file mixes them (gguf cannot quantize
     to K-quants): layer 0 q/k/v, o, gate/up Q4_K and down Q6_K; layer 1 q/k Q4_K but v Q6_K (parts of mixed types:
-    the fused qkv stays dense), gate/up Q5_0, down Q5_K; token_embd Q8_0, output Q6_K."""
+    the fused qkv stays dense), gate/up Q5_0, down Q5_K; layer 2 q/k Q5_0 with v Q8_0 (as Gemma 3's: one Q8_0
+    matrix), o Q4_0, gate/up Q5_1, down Q6_K; token_embd Q8_0, output Q6_K."""
     import gguf
     from gguf.quants import quantize
 
@@ -145,13 +156,20 @@ def write_kquant_gguf(path, *, layers: int = 2, hidden: int = 256, heads: int = 
         p = f"blk.{i}."
         norm(p + "attn_norm.weight")
         norm(p + "ffn_norm.weight")
-        blocks_of(p + "attn_q.weight", heads * head_dim, hidden, "q4_k")
-        blocks_of(p + "attn_k.weight", kv_heads * head_dim, hidden, "q4_k")
-        blocks_of(p + "attn_v.weight", kv_heads * head_dim, hidden, "q4_k" if i == 0 else "q6_k")
-        blocks_of(p + "attn_output.weight", hidden, heads * head_dim, "q4_k")
+        qk, v, o, gate_up, down = [("q4_k", "q4_k", "q4_k", "q4_k", "q6_k"), ("q4_k", "q6_k", "q4_k", "q5_0", "q5_k"),
+                                   ("q5_0", "q8_0", "q4_0", "q5_1", "q6_k")][i]
+        blocks_of(p + "attn_q.weight", heads * head_dim, hidden, qk)
+        blocks_of(p + "attn_k.weight", kv_heads * head_dim, hidden, qk)
+        if v == "q8_0":
+            vw = (rng.standard_normal((kv_heads * head_dim, hidden)) * 0.05).astype(np.float32)
+            w.add_tensor(p + "attn_v.weight", quantize(vw, GGMLQuantizationType.Q8_0),
+                         raw_dtype=GGMLQuantizationType.Q8_0)
+        else:
+            blocks_of(p + "attn_v.weight", kv_heads * head_dim, hidden, v)
+        blocks_of(p + "attn_output.weight", hidden, heads * head_dim, o)
         for part in ("ffn_gate", "ffn_up"):
-            blocks_of(p + part + ".weight", ffn, hidden, "q4_k" if i == 0 else "q5_0")
-        blocks_of(p + "ffn_down.weight", hidden, ffn, "q6_k" if i == 0 else "q5_k")
+            blocks_of(p + part + ".weight", ffn, hidden, gate_up)
+        blocks_of(p + "ffn_down.weight", hidden, ffn, down)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -178,10 +196,11 @@ def test_a_kquant_gguf_runs_in_its_own_blocks_with_fp32s_logits(kquant_dir):
 
     assert checkpoint_format(kquant_dir)[0] == "gguf"
     native, dense = load_model(kquant_dir, weights="gguf"), load_model(kquant_dir)
-    l0, l1 = native.w.layers
+    l0, l1, l2 = native.w.layers
     fmts = lambda lw: [getattr(t, "fmt", None) for t in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]  # noqa: E731
     assert fmts(l0) == ["q4_k", "q4_k", "q4_k", "q6_k"]
     assert fmts(l1) == [None, "q4_k", "q5_0", "q5_k"]  # q/k Q4_K with v Q6_K: one dense matrix
+    assert fmts(l2) == ["q8", "q4_0", "q5_1", "q6_k"]  # q/k Q5_0 with v Q8_0: Q8_0 holds both exactly
     assert isinstance(native.w.lm_head, QuantWeight) and native.w.lm_head.fmt == "q6_k"
     assert native.w.embed.fmt == "q8"
     ids = torch.tensor([[1, 40, 77, 200, 261, 5, 2]])

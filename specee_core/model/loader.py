@@ -18,6 +18,7 @@ import torch
 from specee_core.model.config import ARCHITECTURES, ModelConfig, resolve_dtype
 from specee_core.model.gguf import model_file
 from specee_core.model.model import LayerWeights, DecoderModel, ModelWeights, Weight
+from kernels.ggml_blocks import as_q8_0
 from specee_core.model.quant import ACT8, LOW_BIT, NATIVE, QK, QuantWeight, planes_of, quantize
 
 log = logging.getLogger(__name__)
@@ -155,10 +156,18 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin:
         raw_blocks, gguf_types = found
         name_of = {id(t): n for n, t in tensors.items()}
 
+    def q8_planes(part: torch.Tensor, name: str, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Q8_0 / Q4_0 / Q5_0 matrix as Q8_0 planes (qs, d), its values exactly."""
+        if kind == "Q8_0":
+            qw = quantize(part.to(device), "q8")
+            return qw.qs, qw.d
+        return as_q8_0(raw_blocks[name].to(device), kind.lower())
+
     def native_weight(*parts: torch.Tensor) -> Weight:
         """The parts (one matrix, or q/k/v, gate/up put together) in the file's own format: its blocks where
         every part is stored in one block format, Q4_1 / Q8_0 planes (quantizing their values gives back the
-        file's blocks exactly), else dense in dtype (a float tensor, or parts of mixed types)."""
+        file's blocks exactly), Q8_0 planes for parts mixing Q4_0 / Q5_0 / Q8_0 (each exact in Q8_0), else dense
+        in dtype (a float tensor, or parts of other mixed types)."""
         names = [name_of.get(id(p)) for p in parts]
         kinds = [gguf_types.get(n) for n in names]  # None: a float tensor
         kind = kinds[0] if len(set(kinds)) == 1 else None
@@ -166,6 +175,12 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin:
             return QuantWeight(kind.lower(), torch.cat([raw_blocks[n] for n in names]).to(device).contiguous())
         if kind in ("Q4_1", "Q8_0"):
             return mat(*parts, fmt="q4" if kind == "Q4_1" else "q8")
+        if (kind is None and set(kinds) <= {"Q4_0", "Q5_0", "Q8_0"} and all(p.shape[1] % QK == 0 for p in parts)
+                and all(k == "Q8_0" or n in raw_blocks for n, k in zip(names, kinds))):
+            # types that Q8_0 holds without loss (Gemma 3's q/k in Q5_0 with v in Q8_0): one q8 matrix
+            planes = [q8_planes(p, n, k) for p, n, k in zip(parts, names, kinds)]
+            return QuantWeight("q8", torch.cat([qs for qs, _ in planes]).contiguous(),
+                               torch.cat([d for _, d in planes]).contiguous())
         kept_dense.append(f"{'+'.join(str(n) for n in names)} ({'/'.join(k or 'float' for k in kinds)})")
         return put(*parts)
 
