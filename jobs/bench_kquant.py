@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -100,7 +101,8 @@ def bench(cfg: BenchConfig) -> dict:
             results[f"{model} B={b}"] = {"ms_per_layer": {k: round(v, 4) for k, v in ms.items()},
                                          "vs_dense_fp32": {k: round(v / ms["dense_fp32"], 3) for k, v in ms.items()}}
     return {"config": asdict(cfg), "git_commit": git_commit(), "torch": torch.__version__, "cpu": cpu_name(),
-            "simd": ext.simd(), "threads": torch.get_num_threads(), "results": results}
+            "simd": ext.simd(), "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
+            "results": results}
 
 
 def main(argv: list[str] | None = None) -> None:
