@@ -31,7 +31,10 @@ from specee_core.model.quant import quantize
 
 # (out, in) of q, k, v, o, gate+up (fused), down
 SHAPES = {"gemma3-270m": ((1024, 640), (256, 640), (256, 640), (640, 1024), (4096, 640), (640, 2048)),
-          "smollm2-135m": ((576, 576), (192, 576), (192, 576), (576, 576), (3072, 576), (576, 1536))}
+          "smollm2-135m": ((576, 576), (192, 576), (192, 576), (576, 576), (3072, 576), (576, 1536)),
+          # the matrices of the two whose input dim holds super-blocks of 256, so all Q4_K (Q6_K in q6_k_mix):
+          # Gemma's o and down, SmolLM2's down
+          "q4_k-only": ((640, 1024), (640, 2048), (576, 1536))}
 
 
 @dataclass
