@@ -327,6 +327,8 @@ def _write_blocks(gguf_path: Path, model, tensors: dict[str, torch.Tensor], tmp:
     if skipped:
         log.warning("%s: %d block-format matrices do not match their conversion and stay fp32 only: %s",
                     gguf_path.name, len(skipped), ", ".join(skipped[:8]))
+    if not blocks:  # nothing to keep (a float file, Q4_1 / Q8_0 only): no file, and weights="gguf" is refused
+        return
     save_file(blocks, str(tmp / BLOCKS_FILE), metadata={"format": "pt", "types": json.dumps(types, sort_keys=True)})
     (tmp / BLOCKS_FILE).chmod(0o644)
 
