@@ -55,10 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the last rows of the current one, so the engine stays full; 1: one engine call at a time "
                         "(the default: two measured no faster on a 2-core VM, docs/RESULTS.md)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda: one GPU per actor)")
-    p.add_argument("--weights", choices=["auto", "fp32", "bf16", "q8", "q4", "q8a8", "q4a8"], default="auto",
+    p.add_argument("--weights", choices=["auto", "fp32", "bf16", "q8", "q4", "q8a8", "q4a8", "gguf"], default="auto",
                    help="auto (default: with --dtype auto, the checkpoint's own low-bit format, e.g. the Q4_1 of a GGUF, where its "
                         "kernel is faster here at the batch size; else the dtype) | fp32 | bf16 | q8 | q4 (quantized at load: "
-                        "lossy for a float checkpoint) | q8a8 | q4a8 (int8 activations: lossy)")
+                        "lossy for a float checkpoint) | q8a8 | q4a8 (int8 activations: lossy) | gguf (a GGUF's matrices in "
+                        "its own formats: Q4_K, Q6_K, Q5_0 ... blocks as stored)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="auto (default: bf16 where the hardware computes it natively, CUDA or CPUs with "
                         "avx512_bf16/AMX, else float32) | float32 (equals transformers token for token) | bfloat16 | "

@@ -1,5 +1,5 @@
-"""Builds and loads kernels/lowbit_cpu.cpp (the CPU low-bit GEMV; it includes lowbit_i8.cpp and layer_cpu.cpp,
-one translation unit) on first use.
+"""Builds and loads kernels/lowbit_cpu.cpp (the CPU low-bit GEMV; it includes lowbit_i8.cpp, layer_cpu.cpp and
+kquant_cpu.cpp, one translation unit) on first use.
 
 torch.utils.cpp_extension compiles it with the machine's g++ and ninja (~35 s, once; cached under
 $SPECEE_CACHE/torch_extensions, or ~/.cache/specee/torch_extensions, keyed by the source's hash and
@@ -26,7 +26,8 @@ import torch
 log = logging.getLogger(__name__)
 
 # the module and what it includes (one translation unit: lowbit_cpu.cpp includes the other two sources)
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("lowbit_cpu.cpp", "lowbit_i8.cpp", "layer_cpu.cpp"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("lowbit_cpu.cpp", "lowbit_i8.cpp", "layer_cpu.cpp",
+                                                      "kquant_cpu.cpp"))
 HEADER = Path(__file__).with_name("lowbit_cpu.h")
 
 
@@ -47,7 +48,8 @@ def source_digest() -> str:
 @lru_cache(maxsize=2)
 def lowbit_cpu(avx2_only: bool = False) -> ModuleType:
     """The compiled module (q4_linear, q8_linear, their int8-activation twins q4_linear_i8, q8_linear_i8 and
-    quantize_rows_i8, dequantize, the fused layer pieces, simd, simd_i8). Raises
+    quantize_rows_i8, dequantize, blocks_linear and blocks_dequantize for GGUF's block formats, the fused layer
+    pieces, simd, simd_i8). Raises
     CpuKernelUnavailable. avx2_only: a build without AVX-512 (tests its AVX2 path on an AVX-512 machine)."""
     from torch.utils import cpp_extension
 

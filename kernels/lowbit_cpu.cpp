@@ -554,6 +554,7 @@ torch::Tensor dequantize(torch::Tensor qs, torch::Tensor d, c10::optional<torch:
 // side by side by two builds took twice as long on 2 cores as one each. The sources stay apart for reading.
 #include "lowbit_i8.cpp"  // NOLINT(bugprone-suspicious-include)
 #include "layer_cpu.cpp"  // NOLINT(bugprone-suspicious-include)
+#include "kquant_cpu.cpp"  // NOLINT(bugprone-suspicious-include)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q4_linear", &q4_linear, "x [B, I] fp32 @ dequant(Q4_1 planes)^T -> [B, O] fp32");
@@ -581,6 +582,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "x fp32/bf16 [B, I] -> (qx int8 [B, I], dx fp32 [B, I/32], sx fp32 [B, I/32]): Q8_1 blocks, fp32 scales");
   mod.def("q4_linear_i8", &q4_linear_i8, "x [B, I] as int8 blocks @ dequant(Q4_1 planes)^T -> [B, O] fp32");
   mod.def("q8_linear_i8", &q8_linear_i8, "x [B, I] as int8 blocks @ dequant(Q8_0 planes)^T -> [B, O] fp32");
+  mod.def("blocks_linear", &blocks_linear,
+          "x [B, I] fp32 @ dequant(W)^T -> [B, O] fp32, W uint8 [O, bytes] in a GGUF block format (q4_k, q6_k, q5_0, ...)");
+  mod.def("blocks_dequantize", &blocks_dequantize, "W uint8 [O, bytes] in a GGUF block format, in_features -> fp32 [O, I]");
   mod.def("simd_i8", []() { return std::string(simd_i8()); });
   mod.def(
       "grouped_attention",

@@ -11,6 +11,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -166,6 +168,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows_i8(torch::
 torch::Tensor q4_linear_i8(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
 torch::Tensor q8_linear_i8(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
 const char* simd_i8();
+// GGUF block formats in their own bytes (kquant_cpu.cpp): fmt "q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"
+torch::Tensor blocks_linear(torch::Tensor x, torch::Tensor w, std::string fmt);
+torch::Tensor blocks_dequantize(torch::Tensor w, std::string fmt, int64_t in);
 // a decoder layer's pieces (layer_cpu.cpp)
 torch::Tensor linear_add(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
                          torch::Tensor residual);

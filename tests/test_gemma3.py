@@ -91,3 +91,22 @@ def test_fp32_equals_transformers_on_the_same_gguf(engine, hf, prompts):
         want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=N_TOKENS, do_sample=False,
                            eos_token_id=None, pad_token_id=0)[0, x.shape[1]:].tolist()
         assert r.token_ids == want, prompt[:60]
+
+
+def test_its_own_blocks_give_fp32s_greedy_tokens(engine, prompts):
+    """weights="gguf": the layers in the file's Q4_K / Q6_K / Q5_0 blocks (q/k/v of the layers whose v is Q8_0 as
+    one Q8_0 matrix), the embedding in Q8_0: a quarter of fp32's bytes, the same greedy tokens (the kernels change
+    only the order of the fp32 sums)."""
+    from specee_core.model.gguf import BLOCKS_FILE
+    from specee_core.model.quant import weight_bytes
+
+    need(f"{MODEL} was imported before the import kept its blocks (`python -m jobs.import_gguf --model gemma3-270m "
+         f"--out {MODEL}` imports it again)", (MODEL / BLOCKS_FILE).is_file())
+    native = SpecEEEngine.from_pretrained(MODEL, weights="gguf")
+    formats = {getattr(getattr(lw, f), "fmt", "dense") for lw in native.model.w.layers
+               for f in ("wqkv", "wo", "w_gate_up", "w_down")}
+    assert formats == {"q8", "q5_0", "q4_k", "q6_k"} and native.model.w.embed.fmt == "q8"
+    assert weight_bytes(native.model.w) < 0.25 * weight_bytes(engine.model.w)
+    got = native.generate(prompts, max_new_tokens=N_TOKENS, mode="dense", ignore_eos=True)
+    want = engine.generate(prompts, max_new_tokens=N_TOKENS, mode="dense", ignore_eos=True)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]

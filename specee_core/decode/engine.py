@@ -167,9 +167,10 @@ class SpecEEEngine:
         faster here at max_batch_size rows, or at one row when max_batch_size is not given; else the
         matrices in dtype), "fp32" / "bf16" (sets the
         dtype), "q8" / "q4" (quantized at load; activations in fp32 unless dtype says otherwise), "q8a8" /
-        "q4a8" (the same, the linears' activations quantized to int8 per block: llama.cpp's arithmetic).
+        "q4a8" (the same, the linears' activations quantized to int8 per block: llama.cpp's arithmetic), "gguf"
+        (a GGUF file's matrices in its own formats: Q4_K, Q6_K, Q5_0 ... blocks as stored, fp32 activations).
         options: EngineOptions fields and early-exit options (see specee_core.early_exit.step.EarlyExitOptions)."""
-        from specee_core.model.quant import ACT8, LOW_BIT, WEIGHT_FORMATS, dtype_name
+        from specee_core.model.quant import ACT8, LOW_BIT, NATIVE, WEIGHT_FORMATS, dtype_name
         from specee_core.model.weight_plan import choose_weights
 
         if weights != "auto" and weights not in WEIGHT_FORMATS:
@@ -182,7 +183,7 @@ class SpecEEEngine:
             if dtype not in ("auto", None) and resolve_dtype(dtype) != want:
                 raise ValueError(f"weights={weights!r} with dtype={dtype!r}: the format is the dtype; pass one")
             dtype, chosen, weights_reason = want, None, f"{weights}: asked for"
-        elif weights in LOW_BIT or weights in ACT8:
+        elif weights in LOW_BIT or weights in ACT8 or weights == NATIVE:
             weights_reason = f"{weights}: asked for"
             if dtype == "auto":
                 dtype, reason = torch.float32, f"float32: the {weights} kernels compute in fp32"

@@ -6,8 +6,9 @@ The file is checked first with gguf's GGUFReader (an architecture of SUPPORTED_A
 quant type one gguf can dequantize); only then does transformers dequantize it (its GGUF loader maps llama.cpp's
 tensor names and metadata per architecture, undoes llama.cpp's q/k permutation and Gemma's norm offset, and builds
 the tokenizer from the metadata). The output
-directory gets config.json, model.safetensors, generation_config.json, the tokenizer files and
-specee_import.json (source file, sha256, size, versions). Files are written into a temporary
+directory gets config.json, model.safetensors, generation_config.json, the tokenizer files,
+gguf_blocks.safetensors (BLOCKS_FILE: the matrices in a block format of kernels.ggml_blocks, Q4_K, Q6_K, Q5_0 ...,
+in the file's own bytes, for weights="gguf") and specee_import.json (source file, sha256, size, versions). Files are written into a temporary
 sibling directory and moved into place at the end, the record last, so a directory with a record
 is complete. A directory whose record has the same sha256 is left alone. A record that lists a file outside
 its directory is refused (a re-import removes the files the old record lists).
@@ -32,6 +33,9 @@ import torch
 log = logging.getLogger(__name__)
 
 IMPORT_RECORD = "specee_import.json"
+BLOCKS_FILE = "gguf_blocks.safetensors"
+# 2: BLOCKS_FILE written; an older conversion of a file with block-format tensors is converted again
+CONVERTER = 2
 # llama.cpp's general.architecture -> what it holds (Mistral files are "llama"; transformers reads one whose
 # general.name says mistral as Mistral)
 SUPPORTED_ARCHITECTURES = {"llama": "Llama, Mistral", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3", "gemma3": "Gemma 3",
@@ -81,6 +85,7 @@ class ImportRecord:
     gguf_version: str
     transformers_version: str
     files: list[str] = field(default_factory=list)  # what the conversion wrote, relative to the dir
+    converter: int = 1  # CONVERTER when it was written (records before it had none)
 
     @classmethod
     def read(cls, out_dir: Path) -> ImportRecord | None:
@@ -211,7 +216,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, expected_sha256:
     if expected_sha256 is not None and sha != expected_sha256.lower():
         raise ValueError(f"{gguf_path}: sha256 is {sha}, expected {expected_sha256.lower()}")
     old = ImportRecord.read(out_dir)
-    if old is not None and old.sha256 == sha and all((out_dir / f).is_file() for f in old.files):
+    if (old is not None and old.sha256 == sha and all((out_dir / f).is_file() for f in old.files)
+            and (old.converter >= CONVERTER or not has_block_types(old.quant_types))):
         log.info("%s is up to date with %s (sha256 %s); nothing to do", out_dir, gguf_path.name, sha[:16])
         return ConvertResult(out_dir, old, converted=False, seconds=time.perf_counter() - start)
     if not (out_dir / IMPORT_RECORD).exists() and (out_dir / "config.json").is_file():
@@ -268,6 +274,76 @@ def _write_model(gguf_path: Path, tmp: Path) -> None:
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "model.safetensors").chmod(0o644)  # safetensors creates it owner-only, unlike the other files
+    _write_blocks(gguf_path, model, tensors, tmp)
+
+
+def has_block_types(quant_types) -> bool:
+    """Whether GGUF quant type names (Q4_K, ...) include one of kernels.ggml_blocks' formats."""
+    from kernels.ggml_blocks import BLOCK_FORMATS
+
+    return any(t.lower() in BLOCK_FORMATS for t in quant_types)
+
+
+def _write_blocks(gguf_path: Path, model, tensors: dict[str, torch.Tensor], tmp: Path) -> None:
+    """BLOCKS_FILE: each matrix of the file in a block format of kernels.ggml_blocks, its own bytes uint8
+    [O, bytes] under its Hugging Face name, kept only where their dequantization equals the converted fp32
+    tensor exactly (Llama's q / k rows put back in Hugging Face's order first, as transformers does: a row
+    permutation, blocks running along rows); its metadata "types" names every quantized matrix's GGUF type
+    (JSON), so the loader keeps Q4_1 / Q8_0 ones as its planes."""
+    import numpy as np
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, TensorProcessor, get_gguf_hf_weights_map
+
+    from kernels.ggml_blocks import BLOCK_FORMATS, dequantize_blocks_reference
+
+    names = get_gguf_hf_weights_map(model, TensorProcessor())
+    c = model.config
+    heads, kv_heads = getattr(c, "num_attention_heads", None), getattr(c, "num_key_value_heads", None)
+    blocks: dict[str, torch.Tensor] = {}
+    types: dict[str, str] = {}
+    skipped = []
+    for t in GGUFReader(gguf_path).tensors:
+        hf, kind = names.get(t.name), t.tensor_type.name
+        if hf not in tensors or kind in ("F32", "F16", "BF16") or tensors[hf].dim() != 2:
+            continue
+        types[hf] = kind
+        fmt = kind.lower()
+        if fmt not in BLOCK_FORMATS:
+            continue
+        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # a copy: the reader maps the file read-only
+        raw = raw.reshape(tensors[hf].shape[0], -1)
+        candidates = [raw]
+        if heads and kv_heads and (".attn_q." in t.name or ".attn_k." in t.name):
+            n_kv = heads if ".attn_q." in t.name else kv_heads
+            perm = LlamaTensorProcessor()._reverse_permute_weights(np.arange(raw.shape[0]), heads, n_kv)
+            candidates.append(raw[torch.from_numpy(np.ascontiguousarray(perm))].contiguous())
+        for cand in candidates:
+            if torch.equal(dequantize_blocks_reference(cand, fmt), tensors[hf]):
+                blocks[hf] = cand
+                break
+        else:
+            skipped.append(hf)
+    if skipped:
+        log.warning("%s: %d block-format matrices do not match their conversion and stay fp32 only: %s",
+                    gguf_path.name, len(skipped), ", ".join(skipped[:8]))
+    if not blocks:  # nothing to keep (a float file, Q4_1 / Q8_0 only): no file, and weights="gguf" is refused
+        return
+    save_file(blocks, str(tmp / BLOCKS_FILE), metadata={"format": "pt", "types": json.dumps(types, sort_keys=True)})
+    (tmp / BLOCKS_FILE).chmod(0o644)
+
+
+def read_blocks(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    """A conversion's BLOCKS_FILE: (raw blocks by Hugging Face name, GGUF type name of every quantized matrix), or
+    None where the directory has none (a float checkpoint, an older conversion)."""
+    from safetensors import safe_open
+
+    path = Path(model_dir) / BLOCKS_FILE
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        types = json.loads((f.metadata() or {}).get("types", "{}"))
+        return {k: f.get_tensor(k) for k in f.keys()}, types
 
 
 def _write_tokenizer(gguf_path: Path, tmp: Path) -> None:
@@ -291,7 +367,7 @@ def _make_record(gguf_path: Path, sha: str, arch: str, quant_types: dict[str, in
     return ImportRecord(source=gguf_path.name, sha256=sha, size=gguf_path.stat().st_size, architecture=arch,
                         quant_types=quant_types, stored_dtype=str(STORED_DTYPE).removeprefix("torch."),
                         gguf_version=version("gguf"), transformers_version=version("transformers"),
-                        files=files + [IMPORT_RECORD])
+                        files=files + [IMPORT_RECORD], converter=CONVERTER)
 
 
 def _install(tmp: Path, out_dir: Path, old: ImportRecord | None, record: ImportRecord) -> None:

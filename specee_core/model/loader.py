@@ -18,7 +18,8 @@ import torch
 from specee_core.model.config import ARCHITECTURES, ModelConfig, resolve_dtype
 from specee_core.model.gguf import model_file
 from specee_core.model.model import LayerWeights, DecoderModel, ModelWeights, Weight
-from specee_core.model.quant import ACT8, LOW_BIT, QK, planes_of, quantize
+from kernels.ggml_blocks import as_q8_0
+from specee_core.model.quant import ACT8, LOW_BIT, NATIVE, QK, QuantWeight, planes_of, quantize
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,8 @@ def read_state_dict(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str,
 def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin: dict[str, Path],
                   device: torch.device, dtype: torch.dtype, model_dir: Path, weights: str | None = None) -> ModelWeights:
     """weights "q4" / "q8": the layers' matrices quantized at load (specee_core.model.quant), the embedding /
-    LM head in q8; anything else: every tensor in dtype. Norm weights of a (1 + w) architecture (Gemma) are
+    LM head in q8; "gguf" (NATIVE): every matrix in the GGUF file's own format (native_weight); anything else:
+    every tensor in dtype. Norm weights of a (1 + w) architecture (Gemma) are
     stored as 1 + w, in fp32 (as Gemma's norm computes it)."""
     c = config
     q, kv, d, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.hidden_size, c.intermediate_size
@@ -127,6 +129,8 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin:
         return (1.0 + t.float()).to(device) if c.norm_offset else put(t)
 
     def mat(*parts: torch.Tensor, fmt: str | None = weights) -> Weight:
+        if fmt == NATIVE:
+            return native_weight(*parts)
         planes, act8 = planes_of(fmt)
         if planes is None:
             return put(*parts)
@@ -142,6 +146,43 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin:
 
     kept_dense: list[str] = []
     err = [0.0, 0.0]  # squared error and squared norm of the quantized matrices
+    if weights == NATIVE:
+        from specee_core.model.gguf import BLOCKS_FILE, read_blocks
+
+        found = read_blocks(model_dir)
+        if found is None:
+            raise ValueError(f"weights={NATIVE!r}: {model_dir} has no {BLOCKS_FILE} (only the conversion of a GGUF file "
+                             f"with block-format tensors has; import it again, or pass weights=q4/q8/None)")
+        raw_blocks, gguf_types = found
+        name_of = {id(t): n for n, t in tensors.items()}
+
+    def q8_planes(part: torch.Tensor, name: str, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Q8_0 / Q4_0 / Q5_0 matrix as Q8_0 planes (qs, d), its values exactly."""
+        if kind == "Q8_0":
+            qw = quantize(part.to(device), "q8")
+            return qw.qs, qw.d
+        return as_q8_0(raw_blocks[name].to(device), kind.lower())
+
+    def native_weight(*parts: torch.Tensor) -> Weight:
+        """The parts (one matrix, or q/k/v, gate/up put together) in the file's own format: its blocks where
+        every part is stored in one block format, Q4_1 / Q8_0 planes (quantizing their values gives back the
+        file's blocks exactly), Q8_0 planes for parts mixing Q4_0 / Q5_0 / Q8_0 (each exact in Q8_0), else dense
+        in dtype (a float tensor, or parts of other mixed types)."""
+        names = [name_of.get(id(p)) for p in parts]
+        kinds = [gguf_types.get(n) for n in names]  # None: a float tensor
+        kind = kinds[0] if len(set(kinds)) == 1 else None
+        if kind is not None and all(n in raw_blocks for n in names):
+            return QuantWeight(kind.lower(), torch.cat([raw_blocks[n] for n in names]).to(device).contiguous())
+        if kind in ("Q4_1", "Q8_0"):
+            return mat(*parts, fmt="q4" if kind == "Q4_1" else "q8")
+        if (kind is None and set(kinds) <= {"Q4_0", "Q5_0", "Q8_0"} and all(p.shape[1] % QK == 0 for p in parts)
+                and all(k == "Q8_0" or n in raw_blocks for n, k in zip(names, kinds))):
+            # types that Q8_0 holds without loss (Gemma 3's q/k in Q5_0 with v in Q8_0): one q8 matrix
+            planes = [q8_planes(p, n, k) for p, n, k in zip(parts, names, kinds)]
+            return QuantWeight("q8", torch.cat([qs for qs, _ in planes]).contiguous(),
+                               torch.cat([d for _, d in planes]).contiguous())
+        kept_dense.append(f"{'+'.join(str(n) for n in names)} ({'/'.join(k or 'float' for k in kinds)})")
+        return put(*parts)
 
     def qkv(a: str, kind: str) -> list[torch.Tensor]:  # q, k, v weights or biases (Phi-3: one fused tensor)
         sizes = {"weight": lambda o: (o, d), "bias": lambda o: (o,)}[kind]
@@ -177,13 +218,17 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin:
             mlp_out_norm=norm(p + "post_feedforward_layernorm.weight", d) if sandwich else None,
         ))
     # llama.cpp's choice for this head too (4 bits hurt it most), with the layers' activations
-    head_fmt = None if planes_of(weights)[0] is None else "q8" + ("a8" if planes_of(weights)[1] else "")
+    head_fmt = NATIVE if weights == NATIVE else None if planes_of(weights)[0] is None else \
+        "q8" + ("a8" if planes_of(weights)[1] else "")
     embed = mat(get("model.embed_tokens.weight", (c.vocab_size, d)), fmt=head_fmt)
     head = tensors.get("lm_head.weight")
     if head is None and not c.tie_word_embeddings:
         raise ValueError(f"{model_dir}: tensor 'lm_head.weight' missing and tie_word_embeddings is false")
     lm_head = embed if c.tie_word_embeddings or head is None else mat(get("lm_head.weight", (c.vocab_size, d)), fmt=head_fmt)
-    if kept_dense:
+    if kept_dense and weights == NATIVE:
+        log.info("%s: %d matrices kept in %s (float, or parts of mixed GGUF types): %s", model_dir, len(kept_dense),
+                 dtype, "; ".join(kept_dense))
+    elif kept_dense:
         log.warning("%s: %d matrices kept in %s, not %s: input dims not a multiple of %d (shapes %s)", model_dir,
                     len(kept_dense), dtype, weights, QK, ", ".join(sorted(set(kept_dense))))
     quant_error = (err[0] / err[1]) ** 0.5 if err[1] else None
@@ -198,9 +243,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     """Load config and weights from a local HF-layout directory. dtype None: fp32 on CPU, the
     checkpoint's own dtype on CUDA; "auto": bf16 where the hardware computes it natively, else fp32.
     weights: None (the matrices in dtype) or a low-bit format of specee_core.model.quant ("q8", "q4"; "q8a8",
-    "q4a8": int8 activations in the linears), quantized at load; the activations stay in dtype elsewhere."""
-    if weights is not None and weights not in (*LOW_BIT, *ACT8):
-        raise ValueError(f"weights={weights!r}: expected None or one of {(*LOW_BIT, *ACT8)}")
+    "q4a8": int8 activations in the linears), quantized at load; "gguf": a GGUF conversion's matrices in the file's
+    own formats (Q4_K, Q6_K, Q5_0 ... blocks as stored); the activations stay in dtype elsewhere."""
+    if weights is not None and weights not in (*LOW_BIT, *ACT8, NATIVE):
+        raise ValueError(f"weights={weights!r}: expected None or one of {(*LOW_BIT, *ACT8, NATIVE)}")
     model_dir = find_model_dir(path)
     config = ModelConfig.from_file(model_dir / "config.json")
     device = torch.device(device)

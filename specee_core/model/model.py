@@ -141,7 +141,8 @@ class LayerLinears:
         main = lins[:4]
         if not llama_layer or any(lin.b is not None for lin in main) or cpu_kernel() is None:
             return LayerLinears(*lins, act=act)
-        if (all(isinstance(lin, QuantLinear) and not lin.qw.act8 for lin in main) and dtype == torch.float32
+        if (all(isinstance(lin, QuantLinear) and not lin.qw.act8 and not lin.qw.blocks for lin in main)
+                and dtype == torch.float32
                 and lins[0].qw.device.type == "cpu"):
             return FusedLowbitLinears(*lins)
         if all(type(lin) is Linear and lin.w.device.type == "cpu" and lin.w.dtype == dtype

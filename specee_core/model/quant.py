@@ -6,6 +6,10 @@
     q8a8, q4a8  the same weights with the activations quantized too, per block of 32 to int8 (llama.cpp's
                 Q8_1), multiplied with integer dot products (kernels/lowbit_cpu.cpp's *_linear_i8): as llama.cpp
                 computes; changes outputs (an approximation of the activations, like bf16's)
+    q4_k, q5_k, q6_k, q4_0, q5_0, q5_1
+                a GGUF file's own blocks, kept in its bytes (kernels/ggml_blocks.py: the layouts and the
+                reference; kernels/kquant_cpu.cpp: the CPU kernel); never made by quantize() here, only read
+                from a file (weights="gguf": every matrix in the checkpoint's own format)
 
 Quantizing is round-to-nearest exactly as llama.cpp's reference (quantize_row_q4_1_ref /
 quantize_row_q8_0_ref). SmolLM2's GGUF holds Q4_1 layers and a Q8_0 embedding; the converted
@@ -27,11 +31,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.ggml_blocks import BLOCK_FORMATS, dequantize_blocks_reference
 from kernels.reference_math import dequantize_reference as dequantize_planes, lowbit_linear_i8_reference
 
 log = logging.getLogger(__name__)
 
-WEIGHT_FORMATS = ("fp32", "bf16", "q8", "q4", "q8a8", "q4a8")
+WEIGHT_FORMATS = ("fp32", "bf16", "q8", "q4", "q8a8", "q4a8", "gguf")
+NATIVE = "gguf"  # every matrix in its GGUF file's own format (block formats as stored, Q4_1 / Q8_0 as planes)
 LOW_BIT = ("q8", "q4")  # the weight planes' formats
 ACT8 = {"q8a8": "q8", "q4a8": "q4"}  # formats with int8 activations -> their planes'
 
@@ -47,13 +53,14 @@ DENSE_ROW_CANDIDATES = (32, 64, 96, 128, 192)  # where a low-bit linear may swit
 
 @dataclass
 class QuantWeight:
-    """A weight [O, I] in blocks of QK along I. q4: qs uint8 [O, I/2] (block g of a row is bytes
+    """A weight [O, I] in blocks along I. q4: qs uint8 [O, I/2] (block g of a row is bytes
     16g..16g+15; element j < 16 is the low nibble of byte j, element j + 16 its high nibble),
-    m fp16 [O, I/QK]; q8: qs int8 [O, I], m None. d fp16 [O, I/QK]."""
+    m fp16 [O, I/QK]; q8: qs int8 [O, I], m None. d fp16 [O, I/QK]. A GGUF block format (BLOCK_FORMATS):
+    qs uint8 [O, I / n * bytes], the file's blocks as they are (scales inside), d and m None."""
 
     fmt: str
     qs: torch.Tensor
-    d: torch.Tensor
+    d: torch.Tensor | None = None  # None only in a block format
     m: torch.Tensor | None = None
     act8: bool = False  # products with int8-quantized activations (q4a8 / q8a8), not fp32 ones
 
@@ -63,15 +70,30 @@ class QuantWeight:
         return self.fmt + ("a8" if self.act8 else "")
 
     def __post_init__(self):
+        if self.fmt in BLOCK_FORMATS:
+            if self.qs.dtype != torch.uint8 or self.qs.dim() != 2 or self.qs.shape[1] % BLOCK_FORMATS[self.fmt][1]:
+                raise ValueError(f"{self.fmt} blocks must be uint8 [O, G * {BLOCK_FORMATS[self.fmt][1]}], got "
+                                 f"{self.qs.dtype} {tuple(self.qs.shape)}")
+            if self.d is not None or self.m is not None or self.act8:
+                raise ValueError(f"{self.fmt} keeps its scales inside its blocks (d, m None) and has fp32 activations")
+            return
         if self.fmt not in LOW_BIT:
-            raise ValueError(f"QuantWeight format {self.fmt!r}: expected one of {LOW_BIT}")
-        if self.d.dtype != torch.float16 or (self.m is not None and self.m.dtype != torch.float16):
+            raise ValueError(f"QuantWeight format {self.fmt!r}: expected one of {LOW_BIT + tuple(BLOCK_FORMATS)}")
+        if self.d is None or self.d.dtype != torch.float16 or (self.m is not None and self.m.dtype != torch.float16):
             raise ValueError("QuantWeight scales must be float16")
         if (self.fmt == "q4") != (self.m is not None):
             raise ValueError("q4 needs a minimum m; q8 has none")
 
     @property
+    def blocks(self) -> bool:
+        """Whether this is a GGUF block format in the file's own bytes (not Q4_1 / Q8_0 planes)."""
+        return self.fmt in BLOCK_FORMATS
+
+    @property
     def shape(self) -> tuple[int, int]:
+        if self.blocks:
+            n, nbytes = BLOCK_FORMATS[self.fmt]
+            return self.qs.shape[0], self.qs.shape[1] // nbytes * n
         return self.qs.shape[0], self.d.shape[1] * QK
 
     @property
@@ -84,8 +106,8 @@ class QuantWeight:
 
     def rows(self, idx: torch.Tensor | slice) -> QuantWeight:
         """The weight of output rows idx (index tensor or slice); blocks run along I so rows split cleanly."""
-        pick = (lambda t: t[idx].contiguous())
-        return QuantWeight(self.fmt, pick(self.qs), pick(self.d), None if self.m is None else pick(self.m), self.act8)
+        pick = (lambda t: None if t is None else t[idx].contiguous())
+        return QuantWeight(self.fmt, pick(self.qs), pick(self.d), pick(self.m), self.act8)
 
     def to(self, device: torch.device | str) -> QuantWeight:
         move = (lambda t: None if t is None else t.to(device))
@@ -94,7 +116,8 @@ class QuantWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[O, I] in dtype; the CPU kernel where it builds, else dequantize_reference (equal bit for bit)."""
         if self.device.type == "cpu" and cpu_kernel() is not None:
-            w = cpu_kernel().dequantize(self.qs, self.d, self.m)
+            k = cpu_kernel()
+            w = k.blocks_dequantize(self.qs, self.fmt, self.shape[1]) if self.blocks else k.dequantize(self.qs, self.d, self.m)
         else:
             w = dequantize_reference(self)
         return w.to(dtype)
@@ -131,6 +154,8 @@ def _round_half_away(x: torch.Tensor) -> torch.Tensor:
 
 def dequantize_reference(qw: QuantWeight) -> torch.Tensor:
     """fp32 [O, I], computed as gguf's numpy reference does (kernels.lowbit_gemv's, the one definition)."""
+    if qw.blocks:
+        return dequantize_blocks_reference(qw.qs, qw.fmt)
     return dequantize_planes(qw.qs, qw.d, qw.m if qw.fmt == "q4" else None)
 
 
@@ -221,6 +246,15 @@ class QuantLinear:
             if self.b is not None:
                 y = y + self.b.float()
             return y.to(x.dtype).reshape(*lead, self.out_features)
+        if qw.blocks:  # a GGUF block format: its kernel on CPU (fp32 activations), else dequantize + GEMM
+            x2 = x2.float().contiguous()
+            if qw.device.type == "cpu" and not self.dense_from(n) and (k := cpu_kernel()) is not None:
+                y = k.blocks_linear(x2, qw.qs, qw.fmt)
+            else:
+                y = F.linear(x2, qw.dequantize())
+            if self.b is not None:
+                y = y + self.b.float()
+            return y.to(x.dtype).reshape(*lead, self.out_features)
         if (x.dtype == torch.bfloat16 and n > 1 and qw.device.type == "cpu" and (k := cpu_kernel()) is not None
                 and k.has_bf16() and n < (self._dense_rows or DENSE_ROW_CANDIDATES[-1])):
             # bf16 activations, several rows: bf16 dot products (the weights rounded to bf16 as a bf16
@@ -290,6 +324,10 @@ def random_weight(o: int, i: int, fmt: str | None, dtype: torch.dtype, gen: torc
     timing only."""
     if fmt is None:
         return _tiled(o, i, lambda n: torch.empty(n, i, dtype=dtype).normal_(0, 0.02, generator=gen))
+    if fmt in BLOCK_FORMATS:
+        from kernels.ggml_blocks import random_blocks
+
+        return QuantWeight(fmt, _tiled(o, 0, lambda n: random_blocks(n, i, fmt, gen)))
     planes, act8 = planes_of(fmt)
     g = i // QK
     d = _tiled(o, g, lambda n: torch.empty(n, g, dtype=torch.float16).uniform_(0, 0.01, generator=gen))

@@ -2,7 +2,7 @@
 
 The checkpoint's own low-bit format is a candidate only where it has one (a GGUF conversion whose
 matrices were Q4_1 / Q8_0 blocks: quantizing them again gives back exactly those blocks, so nothing is
-approximated). It is chosen when decode steps (one token per row, and a drafted chain of 4 verified),
+approximated; or one with block formats such as Q4_K / Q6_K / Q5_0, kept in the file's bytes: "gguf"). It is chosen when decode steps (one token per row, and a drafted chain of 4 verified),
 timed here on random weights of the model's shapes at the batch size in use, are faster than in the dtype's
 dense matrices. The same blocks with int8 activations (q4a8: llama.cpp's arithmetic) are not a candidate: on
 SmolLM2 their greedy outputs part from fp32's sooner than bf16's do (docs/RESULTS.md, "int8 activations");
@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from specee_core.machine import machine_name, measured_once
-from specee_core.model.quant import QK, cpu_kernel, dtype_name, random_weight
+from specee_core.model.quant import NATIVE, QK, cpu_kernel, dtype_name, random_weight
 
 log = logging.getLogger(__name__)
 CACHE_FOLDER = "weight_plans"  # beside the plans' cost tables (specee_core.machine.cache_path)
@@ -27,8 +28,9 @@ VERSION = 4  # a change to what time_steps measures, or to its file, bumps it
 def checkpoint_format(model_dir) -> tuple[str | None, str]:
     """The low-bit format the checkpoint's layer matrices came in: "q4" / "q8" when model_dir is a
     conversion of a GGUF whose quantized tensors are all Q4_1 / Q8_0 (its import record says so; the
-    values then quantize back into the file's own blocks exactly), else None. With a description."""
-    from specee_core.model.gguf import ImportRecord
+    values then quantize back into the file's own blocks exactly), "gguf" when it holds block formats (Q4_K,
+    Q6_K, Q5_0 ...) and their bytes were kept (gguf.BLOCKS_FILE), else None. With a description."""
+    from specee_core.model.gguf import BLOCKS_FILE, ImportRecord, has_block_types
 
     rec = ImportRecord.read(model_dir)
     if rec is None:
@@ -36,6 +38,8 @@ def checkpoint_format(model_dir) -> tuple[str | None, str]:
     quant = {t: n for t, n in rec.quant_types.items() if t not in ("F32", "F16", "BF16")}
     layer_types = {t for t in quant if t != "Q8_0"} or set(quant)  # the Q8_0 one is the embedding
     fmt = {frozenset({"Q4_1"}): "q4", frozenset({"Q8_0"}): "q8"}.get(frozenset(layer_types))
+    if has_block_types(quant) and (Path(model_dir) / BLOCKS_FILE).is_file():
+        fmt = NATIVE
     return fmt, f"{rec.source} ({', '.join(f'{n} {t}' for t, n in sorted(quant.items()))})"
 
 
@@ -48,6 +52,8 @@ def random_model(config, fmt: str | None, dtype: torch.dtype, gen: torch.Generat
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
 
     def weight(o: int, i: int, f: str | None = fmt):
+        if f == NATIVE:  # a Q4_K_M file's mix: Q4_K where the input dim holds super-blocks of 256, else Q5_0
+            f = "q4_k" if i % 256 == 0 else "q5_0"
         return random_weight(o, i, f, dtype, gen)
 
     def norm() -> torch.Tensor:
@@ -63,7 +69,7 @@ def random_model(config, fmt: str | None, dtype: torch.dtype, gen: torch.Generat
                            weight(2 * c.intermediate_size, d), None, weight(d, c.intermediate_size), None,
                            head_norm(), head_norm(), sandwich(), sandwich())
               for _ in range(c.num_hidden_layers)]
-    head = weight(c.vocab_size, d, None if fmt is None else "q8a8" if fmt.endswith("a8") else "q8")
+    head = weight(c.vocab_size, d, None if fmt is None else "q8a8" if fmt.endswith("a8") else "q8")  # gguf: Q8_0
     return DecoderModel(c, ModelWeights(head, layers, norm(), head), "cpu", dtype)
 
 
