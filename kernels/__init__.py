@@ -10,6 +10,8 @@ import importlib
 _EXPORTS = {
     "lowbit_linear": "kernels.lowbit_gemv",
     "lowbit_linear_reference": "kernels.lowbit_gemv",
+    "blocks_linear": "kernels.kquant_gemv",
+    "blocks_linear_reference": "kernels.ggml_blocks",
     "BACKENDS": "kernels.predictor",
     "triton_mode": "kernels.predictor",
     "cand_logits_forward": "kernels.predictor",

@@ -1,5 +1,6 @@
 """llama.cpp's block formats as a GGUF file stores them, read from their raw bytes: the plain-torch reference
-of the CPU kernels' `blocks_linear` / `blocks_dequantize` (kernels/kquant_cpu.cpp).
+of the CPU kernels' `blocks_linear` / `blocks_dequantize` (kernels/kquant_cpu.cpp) and of the CUDA one's
+`blocks_linear` (kernels/kquant_gemv.py).
 
 A weight [O, I] in one of these formats is uint8 [O, I / n * bytes]: each row its blocks of n weights along I,
 each block `bytes` bytes exactly as ggml lays it out (fp16 scales inside the block). Dequantization computes what

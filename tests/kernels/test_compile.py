@@ -22,6 +22,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.lowbit_gemv import BLOCK_B, BLOCK_K, BLOCK_O, _lowbit_gemv_kernel
+from kernels.ggml_blocks import BLOCK_FORMATS
+from kernels.kquant_gemv import BLOCK_B as KQ_BLOCK_B, BLOCK_K as KQ_BLOCK_K, BLOCK_O as KQ_BLOCK_O, _blocks_gemv_kernel
 from kernels.predictor import _MAX_BLOCK_D, _MAX_BLOCK_H, _fused_predictor_kernel, _rmsnorm_cand_logits_kernel
 
 def compile_for_gpu(fn, types, constexprs):
@@ -46,6 +48,10 @@ for q4, qs in ((True, "*u8"), (False, "*i8")):
                                               B="i32", I="i32", O="i32"),
                     dict(Q4=q4, BLOCK_B=BLOCK_B, BLOCK_O=BLOCK_O, BLOCK_K=BLOCK_K))
     print("lowbit_gemv", "q4" if q4 else "q8", "compiled")
+for fmt, (n, nbytes) in BLOCK_FORMATS.items():
+    compile_for_gpu(_blocks_gemv_kernel, dict(x_ptr=PTR, raw_ptr="*u8", y_ptr=PTR, B="i32", I="i32", O="i32"),
+                    dict(FMT=fmt, N=n, NBYTES=nbytes, BLOCK_B=KQ_BLOCK_B, BLOCK_O=KQ_BLOCK_O, BLOCK_K=KQ_BLOCK_K))
+    print("kquant_gemv", fmt, "compiled")
 """
 
 
@@ -57,5 +63,6 @@ def test_every_triton_kernel_compiles_for_a_gpu():
     out = subprocess.run([sys.executable, "-c", CASE], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     for line in ("predictor EXTRA 0", "predictor EXTRA 1", "predictor EXTRA 2", "rmsnorm_cand_logits",
-                 "lowbit_gemv q4", "lowbit_gemv q8"):
+                 "lowbit_gemv q4", "lowbit_gemv q8",
+                 *(f"kquant_gemv {fmt}" for fmt in ("q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"))):
         assert line in out.stdout, out.stdout
