@@ -8,8 +8,9 @@
                 computes; changes outputs (an approximation of the activations, like bf16's)
     q4_k, q5_k, q6_k, q4_0, q5_0, q5_1
                 a GGUF file's own blocks, kept in its bytes (kernels/ggml_blocks.py: the layouts and the
-                reference; kernels/kquant_cpu.cpp: the CPU kernel); never made by quantize() here, only read
-                from a file (weights="gguf": every matrix in the checkpoint's own format)
+                reference; kernels/kquant_cpu.cpp: the CPU kernel; kernels/kquant_gemv.py: the CUDA one); never
+                made by quantize() here, only read from a file (weights="gguf": every matrix in the checkpoint's
+                own format)
 
 Quantizing is round-to-nearest exactly as llama.cpp's reference (quantize_row_q4_1_ref /
 quantize_row_q8_0_ref). SmolLM2's GGUF holds Q4_1 layers and a Q8_0 embedding; the converted
@@ -20,7 +21,8 @@ that directory runs the model itself, not an approximation of it.
 In q4 and q8 the embedding / LM head is Q8_0 (as llama.cpp keeps it in this file); the layers take
 the format asked for. Linears compute in fp32 whatever the model dtype: the CPU kernel
 (kernels/lowbit_cpu.cpp) dequantizes in registers and reads each weight once per call; many rows
-(prefill) dequantize the weight and use a dense GEMM; CUDA uses kernels/lowbit_gemv.py.
+(prefill) dequantize the weight and use a dense GEMM; CUDA uses kernels/lowbit_gemv.py (the block formats
+kernels/kquant_gemv.py).
 """
 from __future__ import annotations
 
@@ -188,6 +190,14 @@ def cpu_kernel():
 
 
 @functools.lru_cache(maxsize=1)
+def _has_triton() -> bool:
+    """Whether triton imports (kernels/kquant_gemv.py's CUDA kernel; the block formats dequantize + GEMM without it)."""
+    from kernels.predictor import triton_mode
+
+    return triton_mode() is not None
+
+
+@functools.lru_cache(maxsize=1)
 def dense_rows() -> int:
     """Rows from which dequantizing a weight and running a dense GEMM beats the fused kernel (prefill),
     measured once per process on a random q4 [3072, 576] weight (tens of ms): the crossover moves with
@@ -246,10 +256,16 @@ class QuantLinear:
             if self.b is not None:
                 y = y + self.b.float()
             return y.to(x.dtype).reshape(*lead, self.out_features)
-        if qw.blocks:  # a GGUF block format: its kernel on CPU (fp32 activations), else dequantize + GEMM
+        if qw.blocks:  # a GGUF block format: its kernel (fp32 activations) for few rows, else dequantize + GEMM
             x2 = x2.float().contiguous()
-            if qw.device.type == "cpu" and not self.dense_from(n) and (k := cpu_kernel()) is not None:
+            if self.dense_from(n):
+                y = F.linear(x2, qw.dequantize())
+            elif qw.device.type == "cpu" and (k := cpu_kernel()) is not None:
                 y = k.blocks_linear(x2, qw.qs, qw.fmt)
+            elif qw.device.type == "cuda" and _has_triton():
+                from kernels.kquant_gemv import blocks_linear
+
+                y = blocks_linear(x2, qw.qs, qw.fmt)
             else:
                 y = F.linear(x2, qw.dequantize())
             if self.b is not None:
