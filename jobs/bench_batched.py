@@ -32,7 +32,7 @@ import torch
 from jobs.bench import emit, git_commit
 from specee_core import SamplingParams, SpecEEEngine
 from specee_core.machine import machine_facts
-from specee_core.model.gguf import default_gguf_path
+from specee_core.model.gguf import imported_gguf
 
 
 def llama_batched(binary: Path, gguf: Path, sizes: list[int], prompt_tokens: int, tokens: int,
@@ -59,6 +59,8 @@ def chat_prompts(engine: SpecEEEngine, path: Path, n: int) -> list[str]:
     rows = [json.loads(line) for line in path.read_text().splitlines()][:n]
     if len(rows) < n:
         raise ValueError(f"{path} holds {len(rows)} prompts, {n} needed")
+    if not engine.has_chat_template:  # a base model: the instructions as plain prompts
+        return [r["prompt"] for r in rows]
     return [engine.chat_prompt([{"role": "user", "content": r["prompt"]}]) for r in rows]
 
 
@@ -140,7 +142,7 @@ def main() -> None:
             ours(engines[w], dec, pre[:1], 16, m, one_at_a_time=n == 1)
         for rnd in range(args.rounds):
             for build, binary in llama_builds.items():
-                got = llama_batched(binary, args.gguf or default_gguf_path(), [n], args.prompt_tokens,
+                got = llama_batched(binary, args.gguf or imported_gguf(args.model), [n], args.prompt_tokens,
                                     args.tokens, threads)[n]
                 for k, v in got.items():
                     runs.setdefault(f"{build}_{k}@{n}", []).append(v)

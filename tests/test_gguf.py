@@ -284,3 +284,17 @@ def test_real_smollm2_loads_in_transformers_and_matches(smollm2_dir):
     ours = logits_of(load_model(smollm2_dir), ids)
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
     assert ours[0, -1].argmax() == ref[0, -1].argmax()
+
+
+def test_the_file_a_conversion_came_from_is_found_by_its_checksum(smollm2_dir, tmp_path):
+    """imported_gguf (the peers' benchmarks run llama.cpp on it): a packaged file by the import record's sha256;
+    a directory without a record, or from a file no package ships, is an error naming the directory."""
+    from specee_core.model.gguf import imported_gguf
+
+    assert imported_gguf(smollm2_dir) == default_gguf_path()
+    with pytest.raises(FileNotFoundError, match="has no specee_import.json"):
+        imported_gguf(tmp_path)
+    record = json.loads((smollm2_dir / IMPORT_RECORD).read_text())
+    (tmp_path / IMPORT_RECORD).write_text(json.dumps({**record, "sha256": "0" * 64, "files": []}))
+    with pytest.raises(FileNotFoundError, match="which no package here ships"):
+        imported_gguf(tmp_path)

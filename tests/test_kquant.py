@@ -240,7 +240,7 @@ def test_the_engine_runs_a_kquant_gguf_in_its_blocks_as_fp32_does(kquant_dir):
 
     native = SpecEEEngine.from_pretrained(kquant_dir, weights="gguf")
     dense = SpecEEEngine.from_pretrained(kquant_dir, weights="fp32")
-    assert native.model.weight_format == "q4_k" and native.model.dtype == torch.float32
+    assert native.model.weight_format == "gguf" and native.model.dtype == torch.float32
     prompts = ["the world", "hello the world, hello", "or"]
     a = native.generate(prompts, max_new_tokens=12, mode="dense", ignore_eos=True)
     b = dense.generate(prompts, max_new_tokens=12, mode="dense", ignore_eos=True)

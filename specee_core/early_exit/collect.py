@@ -2,6 +2,8 @@
 see: the training data of the predictors and the candidates' hit rates."""
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -10,6 +12,8 @@ from specee_core.early_exit.predictors import DraftRecord, candidate_probs, exit
 from specee_core.step.sampling import SamplingParams
 from specee_core.draft.proposer import Proposer
 from specee_core.step.stepper import StepOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,14 +41,32 @@ class ExitData:
         return torch.cat(self.lookup)
 
 
+class Progress:
+    """Logs tokens decoded of a known total, at most once per `every_s` seconds (long collections show progress)."""
+
+    def __init__(self, total: int, every_s: float = 30.0):
+        self.total, self.every_s, self.done = total, every_s, 0
+        self.t0 = self.last = time.perf_counter()
+
+    def tick(self, tokens: int) -> None:
+        self.done += tokens
+        now = time.perf_counter()
+        if now - self.last >= self.every_s:
+            self.last = now
+            rate = self.done / (now - self.t0)
+            log.info("collected %d of %d tokens (%.0f%%, %.0f tokens/s, ~%.0f min left)", self.done, self.total,
+                     100 * self.done / self.total, rate, (self.total - self.done) / max(rate, 1e-9) / 60)
+
+
 class CollectStepper:
     """Runs every layer (dense output), and after each layer l < L records z_l = the final-normed
     hidden state projected on the k candidate rows of the LM head. Candidates as mode="specee" gets them
     (source, draft, k: EarlyExit's); shadow: a second draft head whose top-k from the same inputs is recorded."""
 
-    def __init__(self, source: str, draft, k: int, shadow, data: ExitData, engine, batch, cache, prefill_hidden,
-                 lens):
+    def __init__(self, source: str, draft, k: int, shadow, data: ExitData, progress: Progress | None, engine, batch,
+                 cache, prefill_hidden, lens):
         self.source, self.k, self.data, self.batch, self.cache = source, k, data, batch, cache
+        self.progress = progress
         self.model = m = engine.model
         self.record = DraftRecord(batch.size)  # as the SpecEE stepper keeps it
         self.features = m.final_norm(batch.last_hidden)  # [B, D] feature of each row's last fed position
@@ -81,6 +103,8 @@ class CollectStepper:
         if q is not None:
             self.data.q.append(q.float().cpu())
         self.features[idx] = hn
+        if self.progress is not None:
+            self.progress.tick(len(alive))
         return StepOutput([[t] for t in tok.tolist()], [[m.num_layers]] * len(alive))
 
     def admit(self, rows: list[int], prefill_hidden: torch.Tensor, lens: torch.Tensor) -> None:
@@ -106,7 +130,8 @@ def collect_exit_data(engine, prompts: list[str], source: str, k: int, max_new_t
     data = ExitData()
     ids = [engine.encode_prompt(p) for p in prompts]
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    engine.run(ids, params, lambda *a: CollectStepper(source, engine.draft, k, shadow, data, *a))
+    progress = Progress(len(ids) * max_new_tokens)
+    engine.run(ids, params, lambda *a: CollectStepper(source, engine.draft, k, shadow, data, progress, *a))
     return data
 
 

@@ -126,6 +126,19 @@ def default_gguf_path() -> Path:
     return path
 
 
+def imported_gguf(model_dir: str | Path) -> Path:
+    """The GGUF file model_dir was converted from, where a package ships it (SmolLM2's, Gemma 3's: known by the
+    sha256 its import record holds). FileNotFoundError naming model_dir otherwise (pass the file's path)."""
+    record = ImportRecord.read(Path(model_dir))
+    if record is None:
+        raise FileNotFoundError(f"{model_dir} has no {IMPORT_RECORD}: it is not a GGUF conversion (pass the .gguf path)")
+    locate = {DEFAULT_GGUF_SHA256: default_gguf_path, GEMMA3_GGUF_SHA256: gemma3_gguf_path}.get(record.sha256)
+    if locate is None:
+        raise FileNotFoundError(f"{model_dir} was converted from {record.source}, which no package here ships: "
+                                "pass its path")
+    return locate()
+
+
 def gemma3_gguf_path(cache_root: str | Path | None = None) -> Path:
     """Gemma 3 270M's GGUF, assembled once from the installed chunk packages into <root>/gguf-src/ (root
     $SPECEE_CACHE or ~/.cache/specee); the package's assemble() checks its sha256 (each call: about a second)."""

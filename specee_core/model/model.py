@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from specee_core.model.config import ModelConfig
 from specee_core.model.kv_cache import KVCache
-from specee_core.model.quant import QuantLinear, QuantWeight, embedding, cpu_kernel, take_rows
+from specee_core.model.quant import NATIVE, QuantLinear, QuantWeight, embedding, cpu_kernel, take_rows
 from specee_core.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -293,7 +293,10 @@ class DecoderModel:
     @property
     def weight_format(self) -> str:
         """How the layers' matrices are stored and multiplied: "q4" / "q8" / "q4a8" / "q8a8" (specee_core.model.quant)
-        or the dtype ("fp32", "bf16", "fp16")."""
+        or the dtype ("fp32", "bf16", "fp16"); "gguf" where any matrix is in a GGUF block format (a file's mix)."""
+        mats = [m for layer in self.w.layers for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        if any(isinstance(m, QuantWeight) and m.blocks for m in mats):
+            return NATIVE
         w = self.w.layers[0].wqkv
         return w.format if isinstance(w, QuantWeight) else {torch.float32: "fp32", torch.bfloat16: "bf16",
                                                           torch.float16: "fp16"}[w.dtype]

@@ -334,7 +334,7 @@ def test_the_default_job_equals_dense_on_held_out_instructions(tmp_path):
     need_model()
     rows = [json.loads(line) for line in (REPO / "prompts" / "instructions_heldout.jsonl").read_text().splitlines()]
     src = write_jsonl(tmp_path / "heldout.jsonl", [{"id": f"h{i}", "prompt": r["prompt"]} for i, r in
-                                                   enumerate(rows[-8:])])
+                                                   enumerate(rows[-4:])])
     summary = generate.main(["--input", str(src), "--output", str(tmp_path / "out"), "--model", str(MODEL),
                              "--max-new-tokens", "24", "--num-actors", "1", "--dtype", "float32", "--no-progress"])
     assert summary["mode"] == "auto" and summary["dtype"] == "float32" and summary["errors"] == 0

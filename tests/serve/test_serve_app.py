@@ -45,7 +45,17 @@ def dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(dirs, ray_cluster):
+def gemma_dir(tmp_path_factory):
+    """A random tiny Gemma 3 (local and global layers, q/k norms, GeGLU: tests/test_architectures.py's)."""
+    from tests.test_architectures import make_arch_model, tiny_config
+
+    path = tmp_path_factory.mktemp("serve-gemma3")
+    make_arch_model("gemma3", tiny_config("gemma3", layers=3), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(dirs, gemma_dir, ray_cluster):
     """Base URL of a running Serve instance with both apps; torn down after the module."""
     from ray import serve
 
@@ -69,10 +79,13 @@ def server(dirs, ray_cluster):
                              "max_stop_chars": 8, "max_chars_per_token": 4, "max_batch_size": 1,
                              "max_queued_requests": 0}), name="strict", route_prefix="/strict"),
         # a KV budget of 64 token slots (768 bytes each): rows that can never fit it are refused before any answer
-        serve.RunTarget(app({"model": str(plain), "model_name": "tiny", "num_cpus": 0.25, "dtype": "float32",
+        serve.RunTarget(app({"model": str(plain), "model_name": "tiny", "num_cpus": 0.15, "dtype": "float32",
                              "engine_options": {"kv_cache_gb": 64 * 768 / 2**30, "kv_block_size": 16,
                                                 "prefix_cache": False}}),
                         name="tight", route_prefix="/tight"),
+        # another architecture than Llama's behind the same endpoint
+        serve.RunTarget(app({"model": str(gemma_dir), "model_name": "tiny-gemma3", "num_cpus": 0.1,
+                             "dtype": "float32"}), name="gemma", route_prefix="/gemma"),
     ])
     try:
         yield f"http://127.0.0.1:{port}"
@@ -753,6 +766,20 @@ def test_a_stream_that_can_never_fit_the_kv_budget_is_a_400_before_any_event(ser
     r = post(server, "/tight/v1/completions", body)
     assert r.status_code == 400 and "KV" in r.json()["error"]["message"], r.text
     assert post(server, "/tight/v1/completions", {**body, "max_tokens": 8}).status_code == 200
+
+
+def test_a_gemma3_model_answers_as_the_engine_does_in_process(server, gemma_dir):
+    """Serve runs any architecture the engine runs: a tiny Gemma 3's greedy completion (fp32, mode auto) over HTTP
+    is the in-process engine's dense one."""
+    from specee_core import SpecEEEngine
+
+    r = post(server, "/gemma/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["model"] == "tiny-gemma3" and got["usage"]["completion_tokens"] >= 1
+    [want] = SpecEEEngine.from_pretrained(gemma_dir, dtype="float32").generate([PROMPTS[1]], max_new_tokens=12,
+                                                                                mode="dense")
+    assert got["choices"][0]["text"] == want.text
 
 
 def test_health_and_errors_answer_without_internals(server):
