@@ -81,6 +81,12 @@ $(GEMMA3)/specee_import.json: | $(VENV)/.installed
 gemma3:
 	$(MAKE) model SPECEE_MODEL_NAME=gemma3-270m
 
+# Train Gemma 3 270M's exit predictors, calibration and schedule on CPU (prompt lookup's candidates: no draft head;
+# docs/TRAINING.md has the times)
+gemma3-artifacts: gemma3
+	$(PY) -m jobs.train_predictors --model $(GEMMA3) --weights gguf --speculator lookup --prompts prompts/instructions_train.jsonl --num-prompts 600 --calib-prompts 240 --max-new-tokens 64 --batch-size 16 --epochs 30 --max-samples 40000 --lookup-veto 2 --ckpt-dir runs/train_predictors_gemma3 --plot docs/predictors_pr_gemma3.png
+	$(PY) -m jobs.profile_schedule --model $(GEMMA3) --weights gguf --speculator lookup --prompts prompts/instructions_train.jsonl --max-disagreement 0.02
+
 # Retrain SmolLM2's draft head, predictors and schedule on CPU (hours on 2 cores; see the README).
 SMOL_DATA := data/distill/smollm2.jsonl
 smollm2-artifacts: model
@@ -90,4 +96,4 @@ smollm2-artifacts: model
 	$(PY) -m jobs.profile_schedule --model $(SMOLLM2) --weights q4 --prompts prompts/instructions_train.jsonl --max-disagreement 0.05
 	$(PY) -m jobs.model_card --model $(SMOLLM2)
 
-.PHONY: install demo test bench eval corpus tokenizer base draft predictors schedule model gemma3 test-gemma3 smollm2-artifacts
+.PHONY: install demo test bench eval corpus tokenizer base draft predictors schedule model gemma3 test-gemma3 smollm2-artifacts gemma3-artifacts
