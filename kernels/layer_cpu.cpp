@@ -743,8 +743,9 @@ torch::Tensor decode_layer(torch::Tensor h, torch::Tensor in_norm, torch::Tensor
                            torch::Tensor sin, torch::Tensor kc, torch::Tensor vc, torch::Tensor starts,
                            c10::optional<torch::Tensor> rows, int64_t heads, int64_t kv_heads, double scale,
                            c10::optional<torch::Tensor> tree, const LayerForm& form) {
+  const bool blocks = std::any_of(form.fmts.begin(), form.fmts.end(), [](const std::string& f) { return !f.empty(); });
   const bool llama = !form.q_norm && !form.k_norm && !form.attn_out_norm && !form.mlp_out_norm &&
-                     form.act == "silu" && form.window == 0 && form.fmts.empty();
+                     form.act == "silu" && form.window == 0 && !blocks;
   TORCH_CHECK(form.act == "silu" || form.act == "gelu_pytorch_tanh", "activation '", form.act,
               "': expected silu or gelu_pytorch_tanh");
   TORCH_CHECK(form.fmts.empty() || form.fmts.size() == 4, "fmts: one per linear (qkv, o, gate_up, down) or none");
