@@ -3,14 +3,15 @@ kernels/layer_cpu.cpp) against the same layers op by op through torch, interleav
 
     python -m jobs.bench_layers                                   # SmolLM2-135M's shapes, bf16 and fp32, batch 8
     python -m jobs.bench_layers --formats bf16,fp32,q4 --batches 1,8,16 --out docs/bench_layers.json
+    python -m jobs.bench_layers --model models/gemma3-270m --formats fp32,gguf --batches 1,16
 
 One call is every decoder layer, the final norm and the LM head over `batch` rows after --context cached
 tokens each (rows at lengths context .. context + batch - 1, as different prompts are): a decode step (one
 token per row) or a drafted chain of --verify tokens verified (each token sees the ones before it), on random
 weights of the model's shapes (specee_core.model.weight_plan.random_model: the layout the engine runs). Variants
 per format: "fused" (the engine's path), "fused_loop" (the same with attention's grouped AVX-512 path off: one
-query at a time, the same bits) and "op_by_op" (the same weights, every layer's norm, RoPE, attention, SiLU and
-adds as torch ops); also "gemms": the four linears of each layer and the head alone, what the fused layer cannot
+query at a time, the same bits) and "op_by_op" (the same weights, every layer's norms, RoPE, attention, activation
+and adds as torch ops); also "gemms": the four linears of each layer and the head alone, what the fused layer cannot
 make cheaper. Median milliseconds of --rounds interleaved rounds; JSON with the commit
 and the CPU's capability.
 """
@@ -31,13 +32,15 @@ from specee_core.model.model import LayerLinears
 from specee_core.model.quant import cpu_kernel
 from specee_core.model.weight_plan import random_model
 
-FORMATS = {"bf16": (None, torch.bfloat16), "fp32": (None, torch.float32), "q4": ("q4", torch.float32)}
+# gguf: a Q4_K_M file's mix (weight_plan.random_model), fp32 activations
+FORMATS = {"bf16": (None, torch.bfloat16), "fp32": (None, torch.float32), "q4": ("q4", torch.float32),
+           "gguf": ("gguf", torch.float32)}
 
 
 def op_by_op(model):
     """The model with the same weights whose layers run as torch ops (no fused layer, no stack)."""
     plain = copy.copy(model)
-    plain.linears = [LayerLinears(lin.qkv, lin.o, lin.gate_up, lin.down, lin.kv) for lin in model.linears]
+    plain.linears = [LayerLinears(lin.qkv, lin.o, lin.gate_up, lin.down, lin.kv, act=lin.act) for lin in model.linears]
     plain._stackable = False
     return plain
 

@@ -131,6 +131,83 @@ void silu_mul(const float* gu, float* act, int64_t rows, int64_t inter) {
   }
 }
 
+// tanh as Cephes' tanhf computes it: an odd polynomial for |x| < 0.625, 1 - 2 / (exp(2|x|) + 1) above (exp clamped
+// at 88.3: tanh is 1 in fp32 long before); within 2 ulp of tanh, as torch's (Sleef's) is within 1
+constexpr float TANH_SMALL = 0.625f, T0 = -5.70498872745e-3f, T1 = 2.06390887954e-2f, T2 = -5.37397155531e-2f,
+                T3 = 1.33314422036e-1f, T4 = -3.33332819422e-1f;
+
+inline float tanh_scalar(float x) {
+  const float z = std::fabs(x);
+  if (z >= TANH_SMALL) {
+    const float r = 1.f - 2.f / (exp_scalar(z + z) + 1.f);
+    return x < 0.f ? -r : r;
+  }
+  const float z2 = x * x;
+  return ((((T0 * z2 + T1) * z2 + T2) * z2 + T3) * z2 + T4) * z2 * x + x;
+}
+
+#if LOWBIT_AVX512
+inline __m512 tanh512(__m512 x) {
+  const __m512 sign = _mm512_set1_ps(-0.f), one = _mm512_set1_ps(1.f);
+  const __m512 z = _mm512_andnot_ps(sign, x), z2 = _mm512_mul_ps(x, x);
+  const __m512 big = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(exp512(_mm512_add_ps(z, z)), one)));
+  __m512 p = _mm512_set1_ps(T0);
+  for (float c : {T1, T2, T3, T4}) p = _mm512_add_ps(_mm512_mul_ps(p, z2), _mm512_set1_ps(c));
+  const __m512 small = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, z2), x), x);
+  const __m512 signed_big = _mm512_or_ps(big, _mm512_and_ps(sign, x));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(z, _mm512_set1_ps(TANH_SMALL), _CMP_GE_OQ), small, signed_big);
+}
+#elif LOWBIT_AVX2
+inline __m256 tanh256(__m256 x) {
+  const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+  const __m256 z = _mm256_andnot_ps(sign, x), z2 = _mm256_mul_ps(x, x);
+  const __m256 big = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(exp256(_mm256_add_ps(z, z)), one)));
+  __m256 p = _mm256_set1_ps(T0);
+  for (float c : {T1, T2, T3, T4}) p = _mm256_add_ps(_mm256_mul_ps(p, z2), _mm256_set1_ps(c));
+  const __m256 small = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, z2), x), x);
+  const __m256 signed_big = _mm256_or_ps(big, _mm256_and_ps(sign, x));
+  return _mm256_blendv_ps(small, signed_big, _mm256_cmp_ps(z, _mm256_set1_ps(TANH_SMALL), _CMP_GE_OQ));
+}
+#endif
+
+// act[r, i] = gelu_tanh(gu[r, i]) * gu[r, I + i], gu [rows, 2I]; gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi)
+// (g + 0.044715 g^3))), each op in the order torch's F.gelu(approximate="tanh") computes it
+constexpr float GELU_BETA = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), GELU_KAPPA = 0.044715f;
+
+void gelu_tanh_mul(const float* gu, float* act, int64_t rows, int64_t inter) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gu + r * 2 * inter;
+    const float* u = g + inter;
+    float* a = act + r * inter;
+    int64_t i = 0;
+#if LOWBIT_AVX512
+    const __m512 beta = _mm512_set1_ps(GELU_BETA), kappa = _mm512_set1_ps(GELU_KAPPA), half = _mm512_set1_ps(0.5f),
+                 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= inter; i += 16) {
+      const __m512 x = _mm512_loadu_ps(g + i);
+      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+      const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(x, _mm512_mul_ps(kappa, cube)));
+      const __m512 y = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, tanh512(inner)));
+      _mm512_storeu_ps(a + i, _mm512_mul_ps(y, _mm512_loadu_ps(u + i)));
+    }
+#elif LOWBIT_AVX2
+    const __m256 beta = _mm256_set1_ps(GELU_BETA), kappa = _mm256_set1_ps(GELU_KAPPA), half = _mm256_set1_ps(0.5f),
+                 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= inter; i += 8) {
+      const __m256 x = _mm256_loadu_ps(g + i);
+      const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+      const __m256 inner = _mm256_mul_ps(beta, _mm256_add_ps(x, _mm256_mul_ps(kappa, cube)));
+      const __m256 y = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, tanh256(inner)));
+      _mm256_storeu_ps(a + i, _mm256_mul_ps(y, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < inter; ++i) {
+      const float x = g[i], inner = GELU_BETA * (x + GELU_KAPPA * (x * x * x));
+      a[i] = 0.5f * x * (1.f + tanh_scalar(inner)) * u[i];
+    }
+  }
+}
+
 // y[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w, as torch's rms_norm computes it
 void rms_norm_rows(const float* x, const float* w, float eps, float* y, int64_t rows, int64_t d) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -163,6 +240,27 @@ inline float softmax_numerators(float* p, int64_t s0, int64_t t, float mx, Sees 
     sum += (p[s0 + i] = sees(i) && p[s0 + i] - mx >= SOFTMAX_FLOOR ? exp_scalar(p[s0 + i] - mx) : 0.f);
   return sum;
 }
+
+// A sliding window over a chunk of T tokens per row (KVCache.append's rule): a query at position p sees only keys
+// at positions > p - window, a token's position its row's start plus its depth (its index in a causal chunk; in a
+// tree, the ancestors it sees, tree[r, j, :], less one). window 0: every key.
+struct Window {
+  int64_t window, t;
+  std::vector<int64_t> depth;  // [N T]
+
+  Window(int64_t window, const bool* tree, int64_t n, int64_t t) : window(window), t(t), depth(n * t) {
+    for (int64_t row = 0; row < n * t; ++row)
+      depth[row] = tree == nullptr ? row % t : std::count(tree + row * t, tree + (row + 1) * t, true) - 1;
+  }
+  // the first cached slot query (r, j) sees
+  int64_t first(int64_t r, int64_t j, int64_t start) const {
+    return window > 0 ? std::min(start, std::max<int64_t>(0, start + depth[r * t + j] - window + 1)) : 0;
+  }
+  // whether query (r, j) is within the window of the chunk's token i (its tree or causal rule aside)
+  bool sees(int64_t r, int64_t j, int64_t i) const {
+    return window <= 0 || depth[r * t + i] > depth[r * t + j] - window;
+  }
+};
 
 // attend takes its grouped path where it applies (tests turn it off to compare the two: grouped_attention())
 std::atomic<bool> grouped_attention_on{true};
@@ -200,10 +298,11 @@ inline void transpose16(__m512 r[16]) {
 // against the keys transposed (broadcast FMAs, no horizontal sum per key), then P V with each query's output in
 // registers while V streams by once (a key no query of the tile weighs is skipped). Every sum in the order of
 // attend's loop (dot(), its reduction tree, the softmax, the axpy of normalized weights): the same bits, faster.
-// p: [G, s0 + t] scratch; kt: [16 C, 16].
+// Query g sees the cached keys from cut[g] on (a sliding window; 0: all). p: [G, s0 + t] scratch; kt: [16 C, 16].
 template <int C>
 void attend_group(const float* const* q, float* const* out, int64_t G, const float* K, const float* V, int64_t s_t,
-                  int64_t s0, int64_t t, const uint8_t* vis, float scale, float* p, float* inv, float* kt) {
+                  int64_t s0, int64_t t, const uint8_t* vis, const int64_t* cut, float scale, float* p, float* inv,
+                  float* kt) {
   constexpr int64_t HD = 16 * C;
   constexpr int TQ = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // queries a tile: TQ x C accumulators
   const int64_t L = s0 + t;
@@ -239,6 +338,7 @@ void attend_group(const float* const* q, float* const* out, int64_t G, const flo
   for (int64_t g = 0; g < G; ++g) {
     float* pg = p + g * L;
     for (int64_t x = x0; x < s0; ++x) pg[x] = dot(q[g], K + x * s_t, HD) * scale;
+    std::fill(pg, pg + cut[g], -std::numeric_limits<float>::infinity());  // under the floor: weight 0
     for (int64_t i = 0; i < t; ++i)
       pg[s0 + i] = vis[g * t + i] ? dot(q[g], K + (s0 + i) * s_t, HD) * scale
                                   : -std::numeric_limits<float>::infinity();
@@ -268,10 +368,11 @@ void attend_group(const float* const* q, float* const* out, int64_t G, const flo
   }
 }
 
-// attend, by (row, K/V head): hd 32, 64 or 128; false where it does not apply (then attend's own loop runs)
+// attend, by (row, K/V head): hd 32, 64 or 128; false where it does not apply (then attend's own loop runs). The
+// group's cached keys from the first any of its queries sees (see window_of), each query's own first cut from it.
 bool attend_grouped(const float* q, const float* kc, const float* vc, const bool* tree, float* o, const int64_t* start,
                     const int64_t* cr, int64_t n, int64_t t, int64_t heads, int64_t kv_heads, int64_t s_n,
-                    int64_t s_h, int64_t s_t, int64_t hd, float scale) {
+                    int64_t s_h, int64_t s_t, int64_t hd, float scale, const Window& win) {
   if ((hd != 32 && hd != 64 && hd != 128) || !grouped_attention_on) return false;
   const int64_t group = heads / kv_heads, G = group * t, longest = *std::max_element(start, start + n) + t;
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t b0, int64_t b1) {
@@ -279,23 +380,32 @@ bool attend_grouped(const float* q, const float* kc, const float* vc, const bool
     std::vector<const float*> qp(G);
     std::vector<float*> op(G);
     std::vector<uint8_t> vis(G * t);
+    std::vector<int64_t> cut(G);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r = b / kv_heads, kvh = b % kv_heads;
+      int64_t base = start[r];
+      for (int64_t j = 0; j < t; ++j) base = std::min(base, win.first(r, j, start[r]));
       for (int64_t j = 0; j < t; ++j)
         for (int64_t hh = 0; hh < group; ++hh) {
           const int64_t g = j * group + hh, row = (r * t + j) * heads + kvh * group + hh;
           qp[g] = q + row * hd;
           op[g] = o + row * hd;
-          for (int64_t i = 0; i < t; ++i) vis[g * t + i] = tree != nullptr ? tree[(r * t + j) * t + i] : i <= j;
+          cut[g] = win.first(r, j, start[r]) - base;
+          for (int64_t i = 0; i < t; ++i)
+            vis[g * t + i] = (tree != nullptr ? tree[(r * t + j) * t + i] : i <= j) && win.sees(r, j, i);
         }
-      const float* K = kc + cr[r] * s_n + kvh * s_h;
-      const float* V = vc + cr[r] * s_n + kvh * s_h;
+      const float* K = kc + cr[r] * s_n + kvh * s_h + base * s_t;
+      const float* V = vc + cr[r] * s_n + kvh * s_h + base * s_t;
+      const int64_t s0 = start[r] - base;
       if (hd == 32)
-        attend_group<2>(qp.data(), op.data(), G, K, V, s_t, start[r], t, vis.data(), scale, p.data(), inv.data(), kt.data());
+        attend_group<2>(qp.data(), op.data(), G, K, V, s_t, s0, t, vis.data(), cut.data(), scale, p.data(), inv.data(),
+                        kt.data());
       else if (hd == 64)
-        attend_group<4>(qp.data(), op.data(), G, K, V, s_t, start[r], t, vis.data(), scale, p.data(), inv.data(), kt.data());
+        attend_group<4>(qp.data(), op.data(), G, K, V, s_t, s0, t, vis.data(), cut.data(), scale, p.data(), inv.data(),
+                        kt.data());
       else
-        attend_group<8>(qp.data(), op.data(), G, K, V, s_t, start[r], t, vis.data(), scale, p.data(), inv.data(), kt.data());
+        attend_group<8>(qp.data(), op.data(), G, K, V, s_t, s0, t, vis.data(), cut.data(), scale, p.data(), inv.data(),
+                        kt.data());
     }
   });
   return true;
@@ -304,24 +414,27 @@ bool attend_grouped(const float* q, const float* kc, const float* vc, const bool
 
 // Attention for T new tokens per row r written at slots [start[r], start[r] + T) of its cache row cr[r]: query
 // (row r, token j, head h) sees slots [0, start[r]) and the chunk's slots start[r] + i that tree[r, j, i] marks
-// (nullptr: i <= j, a causal chunk). o = softmax(scale * q K^T) V over what it sees. GQA: heads / kv_heads
-// query heads share a K/V head. q, o [N T, H, hd]; K, V strided [B, Hkv, S, hd] (s_* the strides of B, Hkv, S).
+// (nullptr: i <= j, a causal chunk), within the sliding window where window > 0 (Window). o = softmax(scale * q K^T)
+// V over what it sees. GQA: heads / kv_heads query heads share a K/V head. q, o [N T, H, hd]; K, V strided
+// [B, Hkv, S, hd] (s_* the strides of B, Hkv, S).
 void attend(const float* q, const float* kc, const float* vc, const bool* tree, float* o, const int64_t* start,
             const int64_t* cr, int64_t n, int64_t t, int64_t heads, int64_t kv_heads, int64_t s_n, int64_t s_h,
-            int64_t s_t, int64_t hd, float scale) {
+            int64_t s_t, int64_t hd, float scale, int64_t window = 0) {
+  const Window win(window, tree, n, t);
 #if LOWBIT_AVX512
-  if (attend_grouped(q, kc, vc, tree, o, start, cr, n, t, heads, kv_heads, s_n, s_h, s_t, hd, scale)) return;
+  if (attend_grouped(q, kc, vc, tree, o, start, cr, n, t, heads, kv_heads, s_n, s_h, s_t, hd, scale, win)) return;
 #endif
   const int64_t group = heads / kv_heads, longest = *std::max_element(start, start + n) + t;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, longest * hd));  // ~32k multiply-adds a task
   at::parallel_for(0, n * t * heads, grain, [&](int64_t b0, int64_t b1) {
     std::vector<float> p(longest);
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t row = b / heads, r = row / t, j = row % t, kvh = (b % heads) / group, s0 = start[r];
+      const int64_t row = b / heads, r = row / t, j = row % t, kvh = (b % heads) / group;
+      const int64_t first = win.first(r, j, start[r]), s0 = start[r] - first;  // the cached keys it sees
       const float* qb = q + b * hd;
-      const float* K = kc + cr[r] * s_n + kvh * s_h;
-      const float* V = vc + cr[r] * s_n + kvh * s_h;
-      auto sees = [&](int64_t i) { return tree != nullptr ? tree[row * t + i] : i <= j; };
+      const float* K = kc + cr[r] * s_n + kvh * s_h + first * s_t;
+      const float* V = vc + cr[r] * s_n + kvh * s_h + first * s_t;
+      auto sees = [&](int64_t i) { return (tree != nullptr ? tree[row * t + i] : i <= j) && win.sees(r, j, i); };
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t x = 0; x < s0; ++x) mx = std::max(mx, p[x] = dot(qb, K + x * s_t, hd) * scale);
       for (int64_t i = 0; i < t; ++i)
@@ -335,13 +448,21 @@ void attend(const float* q, const float* kc, const float* vc, const bool* tree, 
   });
 }
 
-using Planes = std::tuple<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>>;
+// One linear's weight as decode_layer takes it: (qs, d) Q8_0 / (qs, d, m) Q4_1 planes, (w) a dense matrix, or (w)
+// a GGUF block format's bytes, fmt its name
+struct LinearWeight {
+  torch::Tensor qs, d;  // d undefined: a dense matrix or blocks
+  c10::optional<torch::Tensor> m;
+  std::string fmt;
 
-// (qs, d) Q8_0 / (qs, d, m) Q4_1 planes, or (w) a dense matrix (d then undefined: see linear_any)
-Planes planes_of(const std::vector<torch::Tensor>& w) {
+  torch::Tensor operator()(const torch::Tensor& x) const { return linear_any(x, qs, d, m, fmt); }
+};
+
+LinearWeight weight_of(const std::vector<torch::Tensor>& w, const std::string& fmt = "") {
   TORCH_CHECK(w.size() >= 1 && w.size() <= 3, "weight planes are (qs, d), (qs, d, m) or a dense matrix (w)");
-  if (w.size() == 1) return {w[0], torch::Tensor(), c10::nullopt};
-  return {w[0], w[1], w.size() == 3 ? c10::optional<torch::Tensor>(w[2]) : c10::nullopt};
+  TORCH_CHECK(fmt.empty() || w.size() == 1, "a block format's weight is its bytes alone");
+  if (w.size() == 1) return {w[0], torch::Tensor(), c10::nullopt, fmt};
+  return {w[0], w[1], w.size() == 3 ? c10::optional<torch::Tensor>(w[2]) : c10::nullopt, ""};
 }
 
 }  // namespace
@@ -574,22 +695,63 @@ torch::Tensor decode_layer_bf16(torch::Tensor h, const torch::Tensor& in_norm, c
   return out;
 }
 
+// a norm weight of the form's: fp32 [n], contiguous
+const float* norm_weight(const c10::optional<torch::Tensor>& w, int64_t n, const char* name) {
+  TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->numel() == n, name, " must be fp32 [", n,
+              "], got ", w->scalar_type(), " ", w->sizes());
+  return w->data_ptr<float>();
+}
+
+// each head's q and k in qkv [M, (H + 2 Hkv) hd] normed in place (the form's q_norm, k_norm)
+void norm_heads(torch::Tensor& qkv, const LayerForm& form, double eps, int64_t heads, int64_t kv_heads, int64_t hd) {
+  const float* qn = norm_weight(form.q_norm, hd, "q_norm");
+  const float* kn = norm_weight(form.k_norm, hd, "k_norm");
+  float* p = qkv.data_ptr<float>();
+  const int64_t width = qkv.size(1);
+  at::parallel_for(0, qkv.size(0), ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      rms_norm_rows(p + r * width, qn, static_cast<float>(eps), p + r * width, heads, hd);
+      rms_norm_rows(p + (r * width + heads * hd), kn, static_cast<float>(eps), p + (r * width + heads * hd), kv_heads,
+                    hd);
+    }
+  });
+}
+
+// residual + y, or residual + rms_norm(y) * w with an output norm (y normed in place): a residual add
+torch::Tensor add_residual(torch::Tensor y, const torch::Tensor& residual, const c10::optional<torch::Tensor>& w,
+                           double eps, const char* name) {
+  if (w.has_value())
+    rms_norm_rows(y.data_ptr<float>(), norm_weight(w, y.size(1), name), static_cast<float>(eps), y.data_ptr<float>(),
+                  y.size(0), y.size(1));
+  return y.add_(residual);
+}
+
 }  // namespace
 
 // A whole decoder layer for T new tokens per row (a decode step: T = 1; a drafted chain or tree being
 // verified: T nodes): norm + qkv, RoPE on q and k (rotate-half with the sign folded into sin: x*cos +
 // roll(x)*sin), row r's tokens' K/V written into slots [starts[r], starts[r] + T) of cache row rows[r] (rows
 // absent: r) of kc / vc [B, Hkv, S, hd], attention (see attend; tree [N, T, T] bool, node j sees node i
-// where tree[r, j, i], none: causal), o + residual, the MLP. h [N T, D] row-major over (row, token); cos, sin
-// [N, 1, T, hd]; starts, rows int64 [N] on the CPU. The Python layer's math. Weights: low-bit planes, or one
-// dense matrix each (fp32; bf16 packed by oneDNN, where h is bf16: decode_layer_bf16); K/V are fp32.
+// where tree[r, j, i], none: causal), o + residual, the MLP; with what form adds (q/k norms before RoPE, output
+// norms before the residual adds, GeGLU, a window). h [N T, D] row-major over (row, token); cos, sin
+// [N, 1, T, hd] (the layer's RoPE table); starts, rows int64 [N] on the CPU. The Python layer's math. Weights:
+// low-bit planes, GGUF blocks, or one dense matrix each (fp32; bf16 packed by oneDNN, where h is bf16 and the
+// layer is Llama's: decode_layer_bf16); K/V are fp32.
 torch::Tensor decode_layer(torch::Tensor h, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
                            std::vector<torch::Tensor> qkv_w, std::vector<torch::Tensor> o_w,
                            std::vector<torch::Tensor> gu_w, std::vector<torch::Tensor> dn_w, torch::Tensor cos,
                            torch::Tensor sin, torch::Tensor kc, torch::Tensor vc, torch::Tensor starts,
                            c10::optional<torch::Tensor> rows, int64_t heads, int64_t kv_heads, double scale,
-                           c10::optional<torch::Tensor> tree) {
+                           c10::optional<torch::Tensor> tree, const LayerForm& form) {
+  const bool blocks = std::any_of(form.fmts.begin(), form.fmts.end(), [](const std::string& f) { return !f.empty(); });
+  const bool llama = !form.q_norm && !form.k_norm && !form.attn_out_norm && !form.mlp_out_norm &&
+                     form.act == "silu" && form.window == 0 && !blocks;
+  TORCH_CHECK(form.act == "silu" || form.act == "gelu_pytorch_tanh", "activation '", form.act,
+              "': expected silu or gelu_pytorch_tanh");
+  TORCH_CHECK(form.fmts.empty() || form.fmts.size() == 4, "fmts: one per linear (qkv, o, gate_up, down) or none");
+  TORCH_CHECK(form.q_norm.has_value() == form.k_norm.has_value(), "q_norm and k_norm go together");
   if (h.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(llama, "a bf16 layer is a Llama layer (no q/k or output norms, SiLU, no window, dense matrices)");
     TORCH_CHECK(qkv_w.size() == 1 && o_w.size() == 1 && gu_w.size() == 1 && dn_w.size() == 1,
                 "a bf16 layer takes one dense matrix per linear");
     return decode_layer_bf16(h, in_norm, post_norm, eps, {qkv_w[0], o_w[0], gu_w[0], dn_w[0]}, cos, sin, kc, vc,
@@ -597,9 +759,10 @@ torch::Tensor decode_layer(torch::Tensor h, torch::Tensor in_norm, torch::Tensor
   }
   const Slots sl = check_slots(h, cos, sin, kc, vc, starts, rows, heads, kv_heads, tree);
   const int64_t hd = sl.hd, m = sl.m;
-  auto [qq, qd, qm] = planes_of(qkv_w);
-  auto qkv = norm_linear(h, in_norm, eps, qq, qd, qm).contiguous();  // [N T, (H + 2 Hkv) hd]
+  auto fmt = [&](size_t i) { return form.fmts.empty() ? std::string() : form.fmts[i]; };
+  auto qkv = weight_of(qkv_w, fmt(0))(rms_norm(h, in_norm, eps)).contiguous();  // [N T, (H + 2 Hkv) hd]
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * hd, "qkv has ", qkv.size(1), " columns");
+  if (form.q_norm) norm_heads(qkv, form, eps, heads, kv_heads, hd);
   auto q = torch::empty({m, heads, hd}, h.options());
   rope_write(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(),
              kc.data_ptr<float>(), vc.data_ptr<float>(), sl, heads, kv_heads, kc.stride(0), kc.stride(1),
@@ -607,12 +770,13 @@ torch::Tensor decode_layer(torch::Tensor h, torch::Tensor in_norm, torch::Tensor
   auto o = torch::empty({m, heads * hd}, h.options());
   attend(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), sl.tree, o.data_ptr<float>(), sl.start,
          sl.cache_rows.data(), sl.n, sl.t, heads, kv_heads, kc.stride(0), kc.stride(1), kc.stride(2), hd,
-         static_cast<float>(scale));
-  auto [oq, od, om] = planes_of(o_w);
-  h = linear_add(o, oq, od, om, h);
-  auto [gq, gd, gm] = planes_of(gu_w);
-  auto [dq, dd, dm] = planes_of(dn_w);
-  return mlp(h, post_norm, eps, gq, gd, gm, dq, dd, dm);
+         static_cast<float>(scale), form.window);
+  h = add_residual(weight_of(o_w, fmt(1))(o), h, form.attn_out_norm, eps, "attn_out_norm");
+  auto gu = weight_of(gu_w, fmt(2))(rms_norm(h, post_norm, eps));  // [N T, 2I]
+  const int64_t inter = gu.size(1) / 2;
+  auto act = torch::empty({m, inter}, gu.options());
+  (form.act == "silu" ? silu_mul : gelu_tanh_mul)(gu.data_ptr<float>(), act.data_ptr<float>(), m, inter);
+  return add_residual(weight_of(dn_w, fmt(3))(act), h, form.mlp_out_norm, eps, "mlp_out_norm");
 }
 
 torch::Tensor LayerStack::forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor k,
@@ -625,6 +789,6 @@ torch::Tensor LayerStack::forward(torch::Tensor h, torch::Tensor cos, torch::Ten
   sin = sin.contiguous();
   for (int64_t i = 0; i < layers; ++i)
     h = decode_layer(h, in_norms[i], post_norms[i], eps, qkv[i], o[i], gate_up[i], down[i], cos, sin, k.select(0, i),
-                     v.select(0, i), starts, rows, heads, kv_heads, scale, tree);
+                     v.select(0, i), starts, rows, heads, kv_heads, scale, tree, LayerForm{});
   return h;
 }

@@ -511,9 +511,11 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& w) {
   return stack[0].toTensor();
 }
 
-// x @ W^T for low-bit planes (Q4_1 with m, Q8_0 without) or, d undefined, a dense matrix qs
+// x @ W^T for low-bit planes (Q4_1 with m, Q8_0 without), a GGUF block format's bytes qs (fmt named, d undefined)
+// or, d undefined and no fmt, a dense matrix qs
 torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
-                         const c10::optional<torch::Tensor>& m) {
+                         const c10::optional<torch::Tensor>& m, const std::string& fmt) {
+  if (!fmt.empty()) return blocks_linear(x, qs, fmt);
   if (!d.defined()) return dense_linear(x, qs);
   return m.has_value() ? q4_linear(x, qs, d, *m) : q8_linear(x, qs, d);
 }
@@ -565,6 +567,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("has_bf16", []() { return bool(LOWBIT_BF16); });
   mod.def("norm_linear", &norm_linear, "rms_norm(x) * norm_w @ dequant(W)^T");
   mod.def("decode_layer", &decode_layer, "a decoder layer for T new tokens per row (a step, a chain, a tree)");
+  pybind11::class_<LayerForm>(mod, "LayerForm", pybind11::module_local())  // decode_layer's beyond Llama's
+      .def(pybind11::init([](c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
+                             c10::optional<torch::Tensor> attn_out_norm, c10::optional<torch::Tensor> mlp_out_norm,
+                             std::string act, int64_t window, std::vector<std::string> fmts) {
+             return LayerForm{q_norm, k_norm, attn_out_norm, mlp_out_norm, act, window, fmts};
+           }),
+           pybind11::arg("q_norm") = pybind11::none(), pybind11::arg("k_norm") = pybind11::none(),
+           pybind11::arg("attn_out_norm") = pybind11::none(), pybind11::arg("mlp_out_norm") = pybind11::none(),
+           pybind11::arg("act") = "silu", pybind11::arg("window") = 0,
+           pybind11::arg("fmts") = std::vector<std::string>());
   pybind11::class_<LayerStack>(mod, "LayerStack", pybind11::module_local())  // one per build (native, avx2)
       .def(pybind11::init([](std::vector<torch::Tensor> in_norms, std::vector<torch::Tensor> post_norms,
                              std::vector<std::vector<torch::Tensor>> qkv, std::vector<std::vector<torch::Tensor>> o,

@@ -162,7 +162,7 @@ inline void halves_to_f32(const at::Half* h, int64_t g, float* out) {
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
 torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
-                         const c10::optional<torch::Tensor>& m);
+                         const c10::optional<torch::Tensor>& m, const std::string& fmt = "");
 // int8 activations (lowbit_i8.cpp)
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows_i8(torch::Tensor x);
 torch::Tensor q4_linear_i8(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
@@ -179,12 +179,22 @@ torch::Tensor norm_linear(torch::Tensor x, torch::Tensor norm_w, double eps, tor
 torch::Tensor mlp(torch::Tensor h, torch::Tensor norm_w, double eps, torch::Tensor gu_qs, torch::Tensor gu_d,
                   c10::optional<torch::Tensor> gu_m, torch::Tensor dn_qs, torch::Tensor dn_d,
                   c10::optional<torch::Tensor> dn_m);
+// What a decoder layer computes beyond Llama's (each absent in a Llama layer, the default): Qwen3's and Gemma 3's
+// RMSNorms over each head's q and k before RoPE, Gemma 3's on attention's and the MLP's outputs before each residual
+// add, its GeGLU, a sliding window; and how each linear's weight is stored where it is a GGUF block format.
+struct LayerForm {
+  c10::optional<torch::Tensor> q_norm, k_norm;  // fp32 [hd]
+  c10::optional<torch::Tensor> attn_out_norm, mlp_out_norm;  // fp32 [D]
+  std::string act = "silu";  // the gate's: "silu" or "gelu_pytorch_tanh" (gelu, tanh approximation)
+  int64_t window = 0;  // a query at slot s sees only slots > s - window (KVCache.append); 0: every slot
+  std::vector<std::string> fmts;  // per linear (qkv, o, gate_up, down): a block format's name, or "" (planes, dense)
+};
 torch::Tensor decode_layer(torch::Tensor h, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
                            std::vector<torch::Tensor> qkv_w, std::vector<torch::Tensor> o_w,
                            std::vector<torch::Tensor> gu_w, std::vector<torch::Tensor> dn_w, torch::Tensor cos,
                            torch::Tensor sin, torch::Tensor kc, torch::Tensor vc, torch::Tensor starts,
                            c10::optional<torch::Tensor> rows, int64_t heads, int64_t kv_heads, double scale,
-                           c10::optional<torch::Tensor> tree);
+                           c10::optional<torch::Tensor> tree, const LayerForm& form);
 
 // Every decoder layer of a model in one call (decode_layer for each, no return to Python between layers):
 // the layers' norms and weight planes bound once, the cache's K/V as [L, B, Hkv, S, hd], every layer of a row

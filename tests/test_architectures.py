@@ -107,7 +107,8 @@ def test_logits_equal_transformers_and_the_window_matters(pair):
     arch, hf, engine = pair
     model = engine.model
     assert model.config.architecture == ("gemma3_text" if arch == "gemma3" else arch)
-    assert not model.fused_layers  # every layer here needs more than the fused Llama kernel does
+    # decode steps run each layer in one call of the fused kernel, but for Qwen2's biases and Phi-3's partial RoPE
+    assert model.fused_layers == (arch in ("mistral", "qwen3", "gemma3"))
     ids = torch.tensor([engine.tokenizer(LONG)["input_ids"]])
     assert ids.shape[1] > 4 * WINDOW
     with torch.no_grad():
@@ -127,12 +128,36 @@ def test_logits_equal_transformers_and_the_window_matters(pair):
             model.windows = windows
 
 
-def test_decode_steps_across_the_window_equal_transformers(pair):
+class CountingKernel:
+    """The CPU kernel module, its decode_layer calls counted (which layers a pass ran in the fused kernel)."""
+
+    def __init__(self, ext):
+        self.ext, self.decode_layers = ext, 0
+
+    def decode_layer(self, *args):
+        self.decode_layers += 1
+        return self.ext.decode_layer(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.ext, name)
+
+
+def count_fused_layers(monkeypatch) -> CountingKernel:
+    from specee_core.model import model as model_module
+    from specee_core.model.quant import cpu_kernel
+
+    counting = CountingKernel(cpu_kernel())
+    monkeypatch.setattr(model_module, "cpu_kernel", lambda: counting)
+    return counting
+
+
+def test_decode_steps_across_the_window_equal_transformers(pair, monkeypatch):
     """One token per step past the window, logit for logit (greedy tokens alone would hide an off-by-one window):
     one row (every row at one length: the window's slots alone are attended) and two rows at different lengths
-    (per-row masks)."""
-    _, hf, engine = pair
+    (per-row masks); each step's layers in one fused kernel call each where the architecture has them."""
+    arch, hf, engine = pair
     model = engine.model
+    kernel = count_fused_layers(monkeypatch)
     seq = torch.tensor([engine.tokenizer(LONG)["input_ids"]])
     with torch.no_grad():
         ref = hf(input_ids=seq).logits[0]  # [T, V]
@@ -144,6 +169,7 @@ def test_decode_steps_across_the_window_equal_transformers(pair):
             pos = torch.tensor([[s + step] for s in starts])  # [N, 1]
             logits = model.logits(model.forward(seq[0, pos], pos, cache))[:, 0]
             assert float((logits - ref[pos[:, 0]]).abs().max()) < 1e-4, (starts, step)
+    assert kernel.decode_layers == (2 * 3 * WINDOW * model.num_layers if model.fused_layers else 0)
 
 
 def test_the_batch_jobs_stage_equals_transformers(pair, tmp_path):
@@ -311,3 +337,80 @@ def test_a_gguf_of_each_architecture_loads_as_transformers_reads_it(arch, tmp_pa
     prompt = ids[0, :5].tolist()
     got = engine.generate([engine.tokenizer.decode(prompt)], max_new_tokens=12, mode="dense", ignore_eos=True)[0]
     assert got.token_ids == hf_greedy(ref, engine.encode_prompt(engine.tokenizer.decode(prompt)), 12)
+
+
+# ---- the fused decode layer ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("head_dim", [64, 48])  # 64: attention by K/V head on AVX-512; 48: per query everywhere
+@pytest.mark.parametrize("weights", ["fp32", "gguf"])
+def test_fused_gemma3_layer_equals_the_layer_op_by_op(weights, head_dim):
+    """Gemma 3's decode layer in one C++ call (q/k norms, RoPE of the layer's own table, a sliding window, the
+    query scale, output norms before each residual add, GeGLU) equals the layer op by op through torch, a local
+    and a global layer, with a window (6) shorter than the context: one token per row, a chain and a tree of 5
+    (depth 2) being verified, rows at one length and at different ones, a subset of the cache's rows; the K/V
+    written equal too. Dense fp32 matrices, and a GGUF's mix (Q4_K / Q6_K / Q5_0 blocks, Q8_0 planes for q/k/v)."""
+    import copy
+
+    from specee_core.model import weight_plan
+    from specee_core.model.config import ModelConfig
+    from specee_core.model.model import DecoderModel, FusedLayerLinears, LayerLinears, ModelWeights
+    from specee_core.model.quant import random_weight
+
+    window = 6
+    config = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=480, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=512,
+                         architecture="gemma3_text", hidden_act="gelu_pytorch_tanh", norm_offset=True, qk_norm=True,
+                         sandwich_norm=True, embed_scale=16.0, query_scale=24 ** -0.5, sliding_window=window,
+                         layer_types=["sliding_attention", "full_attention"], rope_theta=1e6, local_rope_theta=1e4)
+    g = torch.Generator().manual_seed(1)
+    base = weight_plan.random_model(config, None if weights == "fp32" else "gguf", torch.float32, g)
+    qkv_rows = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+    for lw in base.w.layers:  # norms away from 1 (a swapped or missing norm shows), q/k/v as a GGUF mix keeps them
+        for name in ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"):
+            setattr(lw, name, 1.0 + 0.3 * torch.randn(getattr(lw, name).shape, generator=g))
+        if weights == "gguf":
+            lw.wqkv = random_weight(qkv_rows, config.hidden_size, "q8", torch.float32, g)
+            if head_dim == 64:  # o_proj's input holds super-blocks: Q6_K, as Q4_K_M files keep some
+                lw.wo = random_weight(config.hidden_size, 4 * head_dim, "q6_k", torch.float32, g)
+    m = DecoderModel(config, ModelWeights(base.w.embed, base.w.layers, base.w.norm, base.w.lm_head), "cpu",
+                     torch.float32)
+    assert all(isinstance(lin, FusedLayerLinears) for lin in m.linears) and m.windows == [window, None]
+    if weights == "gguf":
+        assert m.linears[0].formats() == ["", "q6_k" if head_dim == 64 else "q5_0", "q4_k", "q5_0"]
+    plain = copy.copy(m)  # the same weights, every op through torch
+    plain.linears = [LayerLinears(lin.qkv, lin.o, lin.gate_up, lin.down, lin.kv, act=lin.act) for lin in m.linears]
+    parents = [-1, 0, 0, 1, 2]  # a tree of 5: root 0; 1 and 2 its children; 3 under 1; 4 under 2
+    tree = torch.zeros(5, 5, dtype=torch.bool)
+    for j in range(5):
+        a = j
+        while a >= 0:
+            tree[j, a], a = True, parents[a]
+    chain = torch.tril(torch.ones(5, 5, dtype=torch.bool))
+    # (cache rows, lengths before the step, rows stepped (None: all), the chunk: None for one token)
+    cases = [(1, [0], None, None), (1, [3], None, None), (1, [40], None, None), (3, [40, 40, 40], None, None),
+             (3, [40, 9, 2], None, None), (4, [9, 30, 2, 17], [3, 1], None), (1, [0], None, tree),
+             (2, [45, 45], None, tree), (2, [45, 4], None, chain), (4, [9, 30, 2, 17], [2, 0], tree)]
+    g = torch.Generator().manual_seed(0)
+    for layer in (0, 1):
+        for rows_in_cache, lens, rows, chunk in cases:
+            caches = [model.new_cache(rows_in_cache, 64) for model in (m, plain)]
+            longest = max(lens)
+            if longest:
+                pre = torch.randn(rows_in_cache, longest, config.hidden_size, generator=g)
+                rope = m.rope_for(torch.arange(longest).expand(rows_in_cache, longest))
+                for cache in caches:  # the same prompt K/V in both, then each row cut to its length
+                    plain.layer(layer, pre, rope, cache)
+                    cache.truncate(torch.arange(rows_in_cache), torch.tensor(lens))
+            sel = torch.arange(rows_in_cache) if rows is None else torch.tensor(rows)
+            n, t = len(sel), 1 if chunk is None else 5
+            h = torch.randn(n, t, config.hidden_size, generator=g)
+            depth = chunk.sum(-1)[:t] - 1 if chunk is not None else torch.zeros(1, dtype=torch.long)
+            rope = m.rope_for(torch.tensor(lens)[sel][:, None] + depth)
+            trees = None if chunk is None else chunk.expand(n, t, t)
+            rows_arg = None if rows is None else sel
+            a = m.layer(layer, h, rope, caches[0], rows=rows_arg, tree=trees)  # the fused call
+            b = plain.layer(layer, h, rope, caches[1], rows=rows_arg, tree=trees)  # torch's ops
+            case = (layer, lens, rows, None if chunk is None else "tree" if chunk is tree else "chain")
+            assert caches[0].lengths[layer].tolist() == caches[1].lengths[layer].tolist(), case
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda s: f"{case}: {s}")
+            torch.testing.assert_close(caches[0].k[layer], caches[1].k[layer], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(caches[0].v[layer], caches[1].v[layer], rtol=1e-5, atol=1e-5)

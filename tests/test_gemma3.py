@@ -107,6 +107,7 @@ def test_its_own_blocks_give_fp32s_greedy_tokens(engine, prompts):
                for f in ("wqkv", "wo", "w_gate_up", "w_down")}
     assert formats == {"q8", "q5_0", "q4_k", "q6_k"} and native.model.w.embed.fmt == "q8"
     assert weight_bytes(native.model.w) < 0.25 * weight_bytes(engine.model.w)
+    assert native.model.fused_layers and engine.model.fused_layers  # decode steps: a C++ call a layer
     got = native.generate(prompts, max_new_tokens=N_TOKENS, mode="dense", ignore_eos=True)
     want = engine.generate(prompts, max_new_tokens=N_TOKENS, mode="dense", ignore_eos=True)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]

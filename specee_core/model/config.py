@@ -178,10 +178,17 @@ class ModelConfig:
 
     @property
     def llama_layers(self) -> bool:
-        """Every layer computes what a Llama layer does (what kernels/layer_cpu.cpp fuses): SwiGLU, plain
-        RMSNorms before attention and the MLP only, full attention, RoPE on whole heads from one table."""
+        """Every layer computes what a Llama layer does: SwiGLU, plain RMSNorms before attention and the MLP only,
+        full attention, RoPE on whole heads from one table."""
         return (self.hidden_act == "silu" and not (self.norm_offset or self.qk_norm or self.sandwich_norm)
                 and self.sliding_window is None and self.partial_rotary_factor == 1.0 and len(self.ropes()) == 1)
+
+    def kernel_layers(self, dtype: torch.dtype) -> bool:
+        """Every layer is one the fused CPU kernel (kernels/layer_cpu.cpp's decode_layer) computes in dtype: in fp32
+        any with RoPE on whole heads (q/k norms, output norms, GeGLU, sliding windows and a RoPE table per layer
+        type are its LayerForm; (1 + w) norms are folded at load); in bf16 a Llama layer alone. Biases are the
+        weights' business (model.LayerLinears.of)."""
+        return self.partial_rotary_factor == 1.0 if dtype == torch.float32 else self.llama_layers
 
     def architecture_key(self) -> dict:
         """What a measured cost depends on beyond the sizes measured plans key on, for architectures other than

@@ -1,7 +1,8 @@
 """The decoder, written for decoding: fused QKV and gate/up weights, a layer-by-layer API (embed, layer i, final
 norm, LM head) so a caller can stop after any layer. One decoder for every architecture (config.py): Llama's layer,
 with what the config switches on (biases, q/k norms, sliding windows, per-layer RoPE, GeGLU, norms around attention
-and the MLP, an embedding scale); the fused CPU kernels run the layers that are Llama's (config.llama_layers)."""
+and the MLP, an embedding scale); the fused CPU kernel runs the decode steps of the layers it computes
+(config.kernel_layers: in fp32 all with RoPE on whole heads, in bf16 Llama's)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -130,25 +131,26 @@ class LayerLinears:
     act: Callable[[torch.Tensor], torch.Tensor] = F.silu  # of the gate (ACTIVATIONS)
 
     @staticmethod
-    def of(lw: LayerWeights, q_size: int, dtype: torch.dtype, llama_layer: bool = True,
+    def of(lw: LayerWeights, q_size: int, dtype: torch.dtype, kernel_layer: bool = True,
            act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> LayerLinears:
-        """The layer's linears. On CPU, for a Llama layer (llama_layer: config.llama_layers) without biases, decode
-        steps run the layer in one C++ call: low-bit ones with fp32 activations (FusedLowbitLinears), dense fp32
-        matrices and oneDNN-packed bf16 ones (FusedDenseLinears)."""
+        """The layer's linears. On CPU, for a layer the fused kernel computes (kernel_layer: config.kernel_layers)
+        without biases, decode steps run the layer in one C++ call: low-bit ones (Q4_1 / Q8_0 planes, GGUF blocks)
+        with fp32 activations (FusedLowbitLinears), dense fp32 matrices and oneDNN-packed bf16 ones
+        (FusedDenseLinears)."""
         kv_bias = None if lw.bqkv is None else lw.bqkv[q_size:]
         lins = (make_linear(lw.wqkv, lw.bqkv), make_linear(lw.wo, lw.bo), make_linear(lw.w_gate_up, lw.b_gate_up),
                 make_linear(lw.w_down, lw.b_down), make_linear(_rows(lw.wqkv, q_size), kv_bias))
         main = lins[:4]
-        if not llama_layer or any(lin.b is not None for lin in main) or cpu_kernel() is None:
+        if not kernel_layer or any(lin.b is not None for lin in main) or cpu_kernel() is None:
             return LayerLinears(*lins, act=act)
-        if (all(isinstance(lin, QuantLinear) and not lin.qw.act8 and not lin.qw.blocks for lin in main)
+        if (all(isinstance(lin, QuantLinear) and not lin.qw.act8 for lin in main)
                 and dtype == torch.float32
                 and lins[0].qw.device.type == "cpu"):
-            return FusedLowbitLinears(*lins)
+            return FusedLowbitLinears(*lins, act=act)
         if all(type(lin) is Linear and lin.w.device.type == "cpu" and lin.w.dtype == dtype
                and (dtype == torch.float32 or dtype == torch.bfloat16 and lin.pack) for lin in main):
-            return FusedDenseLinears(*lins)
-        return LayerLinears(*lins)
+            return FusedDenseLinears(*lins, act=act)
+        return LayerLinears(*lins, act=act)
 
     # the three pieces of a layer around attention; FusedLowbitLinears runs each as one kernel call
     def qkv_normed(self, h: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
@@ -181,14 +183,19 @@ class FusedLayerLinears(LayerLinears):
     def planes(self) -> list[list[torch.Tensor]]:
         raise NotImplementedError
 
+    def formats(self) -> list[str]:
+        """Per linear (qkv, o, gate_up, down): the GGUF block format its planes() are, or "" (planes, dense)."""
+        return ["", "", "", ""]
+
     def decode_layer(self, h: torch.Tensor, norms: tuple[RMSNorm, RMSNorm], rope: tuple[torch.Tensor, torch.Tensor],
                      slot: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], heads: tuple[int, int],
-                     scale: float, tree: torch.Tensor | None = None) -> torch.Tensor:
-        """The whole layer for h [N, T, D] in one kernel call: slot (keys, values, starts, cache rows or None),
-        row r's K/V written from slot starts[r] on (the caller advances the cache); tree [N, T, T] bool: which
-        of the chunk's tokens each one sees (None: causal)."""
+                     scale: float, tree: torch.Tensor | None, form) -> torch.Tensor:
+        """The whole layer for h [N, T, D] in one kernel call: rope the layer's (cos, sin) [N, 1, T, hd]; slot
+        (keys, values, starts, cache rows or None), row r's K/V written from slot starts[r] on (the caller advances
+        the cache); tree [N, T, T] bool: which of the chunk's tokens each one sees (None: causal); form: the
+        kernel's LayerForm of this layer (DecoderModel._kernel_form)."""
         out = cpu_kernel().decode_layer(_rows2d(h), norms[0].weight, norms[1].weight, norms[0].eps, *self.planes(),
-                                          *rope, *slot, *heads, scale, tree)
+                                          *rope, *slot, *heads, scale, tree, form)
         return out.view(h.shape)
 
 
@@ -210,38 +217,45 @@ class FusedDenseLinears(FusedLayerLinears):
 
 @dataclass
 class FusedLowbitLinears(FusedLayerLinears):
-    """Low-bit linears whose layer pieces (norm + qkv, o + residual, the whole MLP) are one C++ call each
+    """Low-bit linears (Q4_1 / Q8_0 planes, GGUF block formats, a file's mix of them) whose decode layer is one C++
+    call, and whose layer pieces (norm + qkv, o + residual, the whole SwiGLU MLP) on planes are one C++ call each
     (kernels/lowbit_cpu.cpp): the norm, SiLU and residual adds between the GEMVs go through ATen from C++
     instead of a dozen Python-dispatched ops. Same math as LayerLinears' (tested against it). From the
-    rows where dequantize + GEMM is faster (prefill: QuantLinear.dense_from), the pieces run unfused."""
+    rows where dequantize + GEMM is faster (prefill: QuantLinear.dense_from), the pieces run unfused; so do the
+    pieces over block formats, GeGLU and output norms (QuantLinear's ops)."""
 
     def _prefill(self, x: torch.Tensor) -> bool:
         return self.qkv.dense_from(x.numel() // x.shape[-1])
 
     def qkv_normed(self, h: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
-        if norm is None or self._prefill(h):
+        if norm is None or self._prefill(h) or self.qkv.qw.blocks:
             return super().qkv_normed(h, norm)
         w = self.qkv.qw
         return cpu_kernel().norm_linear(_rows2d(h), norm.weight, norm.eps, w.qs, w.d, w.m).view(*h.shape[:-1], -1)
 
     def o_add(self, o: torch.Tensor, h: torch.Tensor, out_norm: RMSNorm | None = None) -> torch.Tensor:
-        if self._prefill(h) or out_norm is not None:
+        if self._prefill(h) or out_norm is not None or self.o.qw.blocks:
             return super().o_add(o, h, out_norm)
         w = self.o.qw
         return cpu_kernel().linear_add(_rows2d(o), w.qs, w.d, w.m, _rows2d(h)).view(h.shape)
 
     def mlp(self, h: torch.Tensor, norm: RMSNorm, out_norm: RMSNorm | None = None) -> torch.Tensor:
-        if self._prefill(h) or out_norm is not None:
+        if (self._prefill(h) or out_norm is not None or self.act is not F.silu or self.gate_up.qw.blocks
+                or self.down.qw.blocks):
             return super().mlp(h, norm, out_norm)
         gu, dn = self.gate_up.qw, self.down.qw
         return cpu_kernel().mlp(_rows2d(h), norm.weight, norm.eps, gu.qs, gu.d, gu.m, dn.qs, dn.d, dn.m).view(h.shape)
 
     def planes(self) -> list[list[torch.Tensor]]:
-        """The kernel's arguments for qkv, o, gate_up and down: each (qs, d) or (qs, d, m)."""
+        """The kernel's arguments for qkv, o, gate_up and down: each (qs, d) or (qs, d, m), or a block format's
+        bytes (qs) alone (formats() names it)."""
         if self._planes is None:
             self._planes = [[t for t in (lin.qw.qs, lin.qw.d, lin.qw.m) if t is not None]
                             for lin in (self.qkv, self.o, self.gate_up, self.down)]
         return self._planes
+
+    def formats(self) -> list[str]:
+        return [lin.qw.fmt if lin.qw.blocks else "" for lin in (self.qkv, self.o, self.gate_up, self.down)]
 
 
 def _rows2d(x: torch.Tensor) -> torch.Tensor:
@@ -275,7 +289,7 @@ class DecoderModel:
         # Gemma's embedding scale, rounded to the dtype as transformers rounds it
         self.embed_scale = None if c.embed_scale == 1.0 else torch.tensor(c.embed_scale).to(self.device, dtype)
         self.q_size = c.num_attention_heads * c.head_dim
-        self.linears = [LayerLinears.of(lw, self.q_size, dtype, c.llama_layers, ACTIVATIONS[c.hidden_act])
+        self.linears = [LayerLinears.of(lw, self.q_size, dtype, c.kernel_layers(dtype), ACTIVATIONS[c.hidden_act])
                         for lw in weights.layers]
         self.head = make_linear(weights.lm_head)
         self.qk_heads = c.num_attention_heads + c.num_key_value_heads  # heads RoPE rotates
@@ -286,9 +300,11 @@ class DecoderModel:
         self.windows = [c.window(i) for i in range(self.num_layers)]  # per layer: its sliding window or None
         self.rope_index = [c.rope_index(i) for i in range(self.num_layers)]
         self.multi_rope = len(c.ropes()) > 1
-        self._stackable = (all(isinstance(lin, FusedLayerLinears) for lin in self.linears)
-                           and all(n is not None for n in self.input_norms))
+        # the stack of layers in one call takes Llama layers (no LayerForm) over planes or dense matrices
+        self._stackable = (all(isinstance(lin, FusedLayerLinears) and not any(lin.formats()) for lin in self.linears)
+                           and all(n is not None for n in self.input_norms) and c.llama_layers)
         self._stack = None  # kernels' LayerStack, bound on first use
+        self._forms: list[tuple | None] = [None] * self.num_layers  # per layer: (window, its kernel LayerForm)
 
     @property
     def weight_format(self) -> str:
@@ -359,8 +375,9 @@ class DecoderModel:
                 and (t == 1 or tree is not None and tree.shape[-1] == t) and not lin._prefill(h)):
             host_rows = None if rows is None else rows.cpu()  # a step, or a draft verified, in one C++ call
             k, v, starts = cache.decode_slots(i, host_rows, t)
-            h = lin.decode_layer(h, (self.input_norms[i], self.post_norms[i]), rope, (k, v, starts, host_rows),
-                                 self.qk_split, self.scale, None if tree is None else tree.to(h.device).contiguous())
+            h = lin.decode_layer(h, (self.input_norms[i], self.post_norms[i]), self._layer_rope(i, rope),
+                                 (k, v, starts, host_rows), self.qk_split, self.scale,
+                                 None if tree is None else tree.to(h.device).contiguous(), self._kernel_form(i))
             cache.advance(i, host_rows, t)
             return h
         qkv = lin.qkv_normed(h, self.input_norms[i]).view(n, t, self.all_heads, c.head_dim).transpose(1, 2)
@@ -370,6 +387,19 @@ class DecoderModel:
                                            scale=self.scale, enable_gqa=self.gqa)
         h = lin.o_add(o.transpose(1, 2).reshape(n, t, self.q_size).to(h.dtype), h, self.attn_out_norms[i])
         return lin.mlp(h, self.post_norms[i], self.mlp_out_norms[i])
+
+    def _kernel_form(self, i: int):
+        """Layer i's LayerForm for the fused kernel (its q/k and output norms, activation, window, block formats),
+        made once per window (tests switch the windows off)."""
+        window = self.windows[i] or 0
+        if self._forms[i] is None or self._forms[i][0] != window:
+            weight = (lambda norm: None if norm is None else norm.weight)
+            form = cpu_kernel().LayerForm(
+                q_norm=weight(self.q_norms[i]), k_norm=weight(self.k_norms[i]),
+                attn_out_norm=weight(self.attn_out_norms[i]), mlp_out_norm=weight(self.mlp_out_norms[i]),
+                act=self.config.hidden_act, window=window, fmts=self.linears[i].formats())
+            self._forms[i] = (window, form)
+        return self._forms[i][1]
 
     def write_kv(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
                  rows: torch.Tensor | None = None, n_valid: torch.Tensor | None = None) -> None:
