@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from jobs.bench_kernels import git_commit
 from kernels.cpu_ext import lowbit_cpu
 from kernels.ggml_blocks import dequantize_blocks_reference, random_blocks
+from specee_core.machine import cpu_model
 from specee_core.model.quant import quantize
 
 # (out, in) of q, k, v, o, gate+up (fused), down
@@ -46,16 +46,6 @@ class BenchConfig:
     rounds: int = 9
     iters: int = 3
     out: str | None = None
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def native_format(fmt_k: str, i: int) -> str:
@@ -103,7 +93,7 @@ def bench(cfg: BenchConfig) -> dict:
             ms = {k: statistics.median(v) for k, v in samples.items()}
             results[f"{model} B={b}"] = {"ms_per_layer": {k: round(v, 4) for k, v in ms.items()},
                                          "vs_dense_fp32": {k: round(v / ms["dense_fp32"], 3) for k, v in ms.items()}}
-    return {"config": asdict(cfg), "git_commit": git_commit(), "torch": torch.__version__, "cpu": cpu_name(),
+    return {"config": asdict(cfg), "git_commit": git_commit(), "torch": torch.__version__, "cpu": cpu_model(),
             "simd": ext.simd(), "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
             "results": results}
 

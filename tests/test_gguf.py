@@ -27,23 +27,16 @@ def logits_of(model, ids):
     return model.logits(model.forward(ids, torch.arange(ids.shape[1])[None], model.new_cache(1, ids.shape[1])))
 
 
-def write_tiny_gguf(path, *, arch: str = "llama", seed: int = 0, raw_tensor: tuple[str, str] | None = None,
-                    layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, ffn: int = 128):
-    """A random Llama in GGUF: F32 tensors, token_embd in Q8_0 and one ffn_down in Q4_0 (as llama.cpp
-    quantizes them). raw_tensor=(name, quant type): add a tensor declared with that type, raw bytes."""
-    import gguf
-    from gguf.quants import quantize
+def gguf_tokens() -> list[str]:
+    """The tiny GGUFs' vocabulary: the specials, every byte and the merges' results (a GPT-2 style BPE)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    tokens = SPECIALS + sorted(bytes_to_unicode().values()) + [m.replace(" ", "") for m in MERGES]
-    vocab, head_dim = len(tokens), hidden // heads
-    rng = np.random.default_rng(seed)
+    return SPECIALS + sorted(bytes_to_unicode().values()) + [m.replace(" ", "") for m in MERGES]
 
-    def rand(*shape, scale=0.08):
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny-random-llama")
+def write_llama_header(w, tokens: list[str], *, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int) -> None:
+    """A tiny Llama's GGUF metadata and BPE tokenizer (with the chat template) into the GGUFWriter w."""
+    vocab = len(tokens)
     w.add_block_count(layers)
     w.add_context_length(256)
     w.add_embedding_length(hidden)
@@ -51,7 +44,7 @@ def write_tiny_gguf(path, *, arch: str = "llama", seed: int = 0, raw_tensor: tup
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(hidden // heads)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     w.add_tokenizer_model("gpt2")
@@ -65,6 +58,25 @@ def write_tiny_gguf(path, *, arch: str = "llama", seed: int = 0, raw_tensor: tup
     w.add_pad_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
+
+
+def write_tiny_gguf(path, *, arch: str = "llama", seed: int = 0, raw_tensor: tuple[str, str] | None = None,
+                    layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, ffn: int = 128):
+    """A random Llama in GGUF: F32 tensors, token_embd in Q8_0 and one ffn_down in Q4_0 (as llama.cpp
+    quantizes them). raw_tensor=(name, quant type): add a tensor declared with that type, raw bytes."""
+    import gguf
+    from gguf.quants import quantize
+
+    tokens = gguf_tokens()
+    vocab, head_dim = len(tokens), hidden // heads
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape, scale=0.08):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny-random-llama")
+    write_llama_header(w, tokens, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn)
 
     def quantized(name, data, qtype):
         w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)

@@ -111,36 +111,15 @@ def write_kquant_gguf(path, *, layers: int = 3, hidden: int = 256, heads: int = 
     import gguf
     from gguf.quants import quantize
 
-    from tests.test_gguf import CHAT_TEMPLATE, MERGES, SPECIALS
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from tests.test_gguf import gguf_tokens, write_llama_header
 
-    tokens = SPECIALS + sorted(bytes_to_unicode().values()) + [m.replace(" ", "") for m in MERGES]
+    tokens = gguf_tokens()
     vocab, head_dim = len(tokens), hidden // heads
     rng = np.random.default_rng(0)
     gen = torch.Generator().manual_seed(0)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-kquant-llama")
-    w.add_block_count(layers)
-    w.add_context_length(256)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(head_dim)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(vocab)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types([3] * len(SPECIALS) + [1] * (vocab - len(SPECIALS)))
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_pad_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    write_llama_header(w, tokens, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn)
 
     def blocks_of(name, o, i, fmt):
         w.add_tensor(name, random_blocks(o, i, fmt, gen).numpy(), raw_dtype=GGML[fmt])
