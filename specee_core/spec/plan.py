@@ -672,7 +672,7 @@ def cost_key(model, dtype: torch.dtype, device: torch.device) -> dict:
 def _weights_key(model) -> dict:
     """Low-bit weights: their format; where the CPU kernel runs the decode layers (low-bit weights, and dense ones
     whose layers it fuses), its source hash: the costs are the kernel's, and a new kernel is measured anew."""
-    key = {"weights": model.weight_format} if model.weight_format in ("q4", "q8") else {}
+    key = {"weights": model.weight_format} if model.weight_format in ("q4", "q8", "gguf") else {}
     if key or model.fused_layers:
         from kernels.cpu_ext import source_digest
 
