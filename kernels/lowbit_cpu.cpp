@@ -559,14 +559,17 @@ torch::Tensor dequantize(torch::Tensor qs, torch::Tensor d, c10::optional<torch:
 #include "kquant_cpu.cpp"  // NOLINT(bugprone-suspicious-include)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("q4_linear", &q4_linear, "x [B, I] fp32 @ dequant(Q4_1 planes)^T -> [B, O] fp32");
-  mod.def("q8_linear", &q8_linear, "x [B, I] fp32 @ dequant(Q8_0 planes)^T -> [B, O] fp32");
-  mod.def("dequantize", &dequantize, "Q4_1 (with m) or Q8_0 planes -> fp32 [O, I]");
-  mod.def("linear_add", &linear_add, "residual + x @ dequant(W)^T");
-  mod.def("linear_bf16", &linear_bf16, "x bf16 [B, I] @ dequant(W)^T -> fp32 [B, O] (bf16 dot products where native)");
+  // The kernels touch no Python object: they let go of the GIL while they compute (as torch's own ops do), so that
+  // a server's event loop and other Python threads run beside an engine's step.
+  const auto release = pybind11::call_guard<pybind11::gil_scoped_release>();
+  mod.def("q4_linear", &q4_linear, release, "x [B, I] fp32 @ dequant(Q4_1 planes)^T -> [B, O] fp32");
+  mod.def("q8_linear", &q8_linear, release, "x [B, I] fp32 @ dequant(Q8_0 planes)^T -> [B, O] fp32");
+  mod.def("dequantize", &dequantize, release, "Q4_1 (with m) or Q8_0 planes -> fp32 [O, I]");
+  mod.def("linear_add", &linear_add, release, "residual + x @ dequant(W)^T");
+  mod.def("linear_bf16", &linear_bf16, release, "x bf16 [B, I] @ dequant(W)^T -> fp32 [B, O] (bf16 dot products where native)");
   mod.def("has_bf16", []() { return bool(LOWBIT_BF16); });
-  mod.def("norm_linear", &norm_linear, "rms_norm(x) * norm_w @ dequant(W)^T");
-  mod.def("decode_layer", &decode_layer, "a decoder layer for T new tokens per row (a step, a chain, a tree)");
+  mod.def("norm_linear", &norm_linear, release, "rms_norm(x) * norm_w @ dequant(W)^T");
+  mod.def("decode_layer", &decode_layer, release, "a decoder layer for T new tokens per row (a step, a chain, a tree)");
   pybind11::class_<LayerForm>(mod, "LayerForm", pybind11::module_local())  // decode_layer's beyond Llama's
       .def(pybind11::init([](c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
                              c10::optional<torch::Tensor> attn_out_norm, c10::optional<torch::Tensor> mlp_out_norm,
@@ -588,15 +591,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
                              down.size() == n, "one norm pair and four weights per layer");
              return LayerStack{in_norms, post_norms, qkv, o, gate_up, down, eps, scale, heads, kv_heads};
            }))
-      .def("forward", &LayerStack::forward, "h [N T, D] through every layer (see decode_layer)");
-  mod.def("mlp", &mlp, "h + down(silu(gate) * up), (gate, up) = gate_up(rms_norm(h) * norm_w)");
-  mod.def("quantize_rows_i8", &quantize_rows_i8,
+      .def("forward", &LayerStack::forward, release, "h [N T, D] through every layer (see decode_layer)");
+  mod.def("mlp", &mlp, release, "h + down(silu(gate) * up), (gate, up) = gate_up(rms_norm(h) * norm_w)");
+  mod.def("quantize_rows_i8", &quantize_rows_i8, release,
           "x fp32/bf16 [B, I] -> (qx int8 [B, I], dx fp32 [B, I/32], sx fp32 [B, I/32]): Q8_1 blocks, fp32 scales");
-  mod.def("q4_linear_i8", &q4_linear_i8, "x [B, I] as int8 blocks @ dequant(Q4_1 planes)^T -> [B, O] fp32");
-  mod.def("q8_linear_i8", &q8_linear_i8, "x [B, I] as int8 blocks @ dequant(Q8_0 planes)^T -> [B, O] fp32");
-  mod.def("blocks_linear", &blocks_linear,
+  mod.def("q4_linear_i8", &q4_linear_i8, release, "x [B, I] as int8 blocks @ dequant(Q4_1 planes)^T -> [B, O] fp32");
+  mod.def("q8_linear_i8", &q8_linear_i8, release, "x [B, I] as int8 blocks @ dequant(Q8_0 planes)^T -> [B, O] fp32");
+  mod.def("blocks_linear", &blocks_linear, release,
           "x [B, I] fp32 @ dequant(W)^T -> [B, O] fp32, W uint8 [O, bytes] in a GGUF block format (q4_k, q6_k, q5_0, ...)");
-  mod.def("blocks_dequantize", &blocks_dequantize, "W uint8 [O, bytes] in a GGUF block format, in_features -> fp32 [O, I]");
+  mod.def("blocks_dequantize", &blocks_dequantize, release, "W uint8 [O, bytes] in a GGUF block format, in_features -> fp32 [O, I]");
   mod.def("simd_i8", []() { return std::string(simd_i8()); });
   mod.def(
       "grouped_attention",

@@ -126,3 +126,17 @@ def test_a_finished_lanes_kv_memory_is_freed_at_once(engine, mode):
         gc.enable()
         del engine.model.new_cache
 
+
+
+def test_the_core_hands_the_heaps_free_pages_back_while_it_steps(engine, code_ids):
+    """glibc's malloc keeps freed pages in its heap; with prefix blocks living long among each step's activations
+    those pages grew the process to several times its KV budget. The core calls malloc_trim every few seconds of
+    stepping (here: every step)."""
+    core = EngineCore(engine, max_rows=2, kv_bytes=64 << 20)
+    real = core.heap._trim
+    assert real is not None, "malloc_trim not found (not glibc?)"
+    calls = []
+    core.heap.every_s = 0.0
+    core.heap._trim = lambda pad: calls.append(pad) or real(pad)
+    core.run(Request([code_ids[0]], SamplingParams(max_new_tokens=6, ignore_eos=True), "dense", None))
+    assert len(calls) >= 5  # a step each: the prompt's, then a token each

@@ -41,7 +41,7 @@ from typing import Callable
 import torch
 
 from specee_core.decode.dense import DenseStepper
-from specee_core.decode.memory import KVBudget, PrefixBlock, PrefixCache
+from specee_core.decode.memory import HeapTrim, KVBudget, PrefixBlock, PrefixCache
 from specee_core.step.sampling import SamplingParams, row_key
 from specee_core.step.state import FREE, PREFILL, Batch, GenerationResult, PromptError, SavedRow
 from specee_core.step.stepper import StepperFactory
@@ -321,6 +321,7 @@ class EngineCore:
         self.min_slots = MIN_SLOTS  # a new lane's first allocation per row, and the shortest max_len
         self.budget = KVBudget(kv_bytes, block_size, engine.slot_bytes())
         self.prefix = PrefixCache(self.budget) if prefix_cache else None
+        self.heap = HeapTrim()
         self.computing: dict[bytes, int] = {}  # prefix blocks being prefilled now -> rows computing them
         self.inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.requests: deque[Request] = deque()  # with prompts waiting for a row, in turn order
@@ -426,6 +427,7 @@ class EngineCore:
         self._settle(ended)
         self.steps += 1
         self.load = (self.running_rows(), self.waiting_prompts())
+        self.heap.maybe()
         return ended
 
     def _drop_cancelled(self) -> None:

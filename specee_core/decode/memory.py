@@ -11,12 +11,19 @@ before it, so a key names the whole prefix up to the block's end. It holds the b
 in every layer and the last layer's hidden states (what the draft head and SpecEE's stepper read of a
 prompt; the draft head's own KV is recomputed from them, one layer). Entries are evicted least recently
 used when the budget needs their blocks.
+
+HeapTrim: the host allocator (glibc's malloc) keeps freed pages inside its heap; with cached blocks living long
+among each step's short-lived activations, the heap's free pages grew to several times the budget. The core hands
+them back to the system every few seconds of stepping.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import logging
 import os
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -46,6 +53,25 @@ def _host_available() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class HeapTrim:
+    """malloc_trim(0) at most every `every_s` seconds (call maybe() once per step); nothing where the C library
+    has no malloc_trim (not glibc)."""
+
+    def __init__(self, every_s: float = 5.0):
+        self.every_s = every_s
+        self._last = time.monotonic()
+        self._trim = None
+        try:
+            self._trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            pass
+
+    def maybe(self) -> None:
+        if self._trim is not None and time.monotonic() - self._last >= self.every_s:
+            self._trim(0)
+            self._last = time.monotonic()
 
 
 class KVBudget:

@@ -19,7 +19,7 @@ from specee_core.model.config import ARCHITECTURES, ModelConfig, resolve_dtype
 from specee_core.model.gguf import model_file
 from specee_core.model.model import LayerWeights, DecoderModel, ModelWeights, Weight
 from kernels.ggml_blocks import as_q8_0
-from specee_core.model.quant import ACT8, LOW_BIT, NATIVE, QK, QuantWeight, planes_of, quantize
+from specee_core.model.quant import ACT8, LOW_BIT, NATIVE, QK, QuantWeight, planes_of, quantize, squared_error
 
 log = logging.getLogger(__name__)
 
@@ -137,11 +137,12 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], origin:
         if parts[0].shape[1] % QK:  # llama.cpp too keeps such a tensor in a float type
             kept_dense.append(f"{tuple(parts[0].shape)}")
             return put(*parts)
-        w = torch.cat([p.to(device) for p in parts], dim=0)
+        w = parts[0].to(device) if len(parts) == 1 else torch.cat([p.to(device) for p in parts], dim=0)
         qw = quantize(w, planes)
         qw.act8 = act8
-        err[0] += float((qw.dequantize() - w.float()).pow(2).sum())
-        err[1] += float(w.float().pow(2).sum())
+        e, n = squared_error(qw, w)
+        err[0] += e
+        err[1] += n
         return qw
 
     kept_dense: list[str] = []

@@ -125,14 +125,22 @@ class QuantWeight:
         return w.to(dtype)
 
 
+ROWS_AT_ONCE = 8192  # rows quantized (or compared) at a time: a vocabulary's matrix makes no fp32 temporaries of its size
+
+
 def quantize(w: torch.Tensor, fmt: str) -> QuantWeight:
-    """Round-to-nearest blocks of w [O, I] (I a multiple of 32), computed in fp32 on w's device."""
+    """Round-to-nearest blocks of w [O, I] (I a multiple of 32), computed in fp32 on w's device, ROWS_AT_ONCE rows
+    at a time."""
     if fmt not in LOW_BIT:
         raise ValueError(f"cannot quantize to {fmt!r}: expected one of {LOW_BIT}")
     if w.dim() != 2 or w.shape[1] % QK:
         raise ValueError(f"cannot quantize a weight of shape {tuple(w.shape)} to {fmt}: "
                          f"the input dim must be a multiple of {QK}")
     o, i = w.shape
+    if o > ROWS_AT_ONCE:
+        parts = [quantize(w[a : a + ROWS_AT_ONCE], fmt) for a in range(0, o, ROWS_AT_ONCE)]
+        cat = (lambda name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts]))
+        return QuantWeight(fmt, cat("qs"), cat("d"), cat("m"))
     x = w.detach().float().reshape(o, i // QK, QK)
     if fmt == "q8":  # quantize_row_q8_0_ref: d = amax / 127, q = round(x / d)
         d = x.abs().amax(-1) / 127.0
@@ -146,6 +154,16 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantWeight:
     q = ((x - lo[..., None]) * inv[..., None] + 0.5).to(torch.int8).clamp_(max=15).to(torch.uint8)  # [O, G, 32]
     qs = q[..., : QK // 2] | (q[..., QK // 2 :] << 4)
     return QuantWeight("q4", qs.reshape(o, i // 2).contiguous(), d.half().contiguous(), lo.half().contiguous())
+
+
+def squared_error(qw: QuantWeight, w: torch.Tensor) -> tuple[float, float]:
+    """(sum of (dequantize(qw) - w)^2, sum of w^2), ROWS_AT_ONCE rows at a time."""
+    err = norm = 0.0
+    for a in range(0, w.shape[0], ROWS_AT_ONCE):
+        part = w[a : a + ROWS_AT_ONCE].float()
+        err += float((qw.rows(slice(a, a + ROWS_AT_ONCE)).dequantize() - part).pow(2).sum())
+        norm += float(part.pow(2).sum())
+    return err, norm
 
 
 def _round_half_away(x: torch.Tensor) -> torch.Tensor:
