@@ -15,7 +15,7 @@ from specee_core import SpecEEEngine
 from tests.conftest import REPO
 
 MODEL = REPO / "models" / "gemma3-270m"
-N_PROMPTS, N_TOKENS = 4, 32  # 3 held-out instructions and one past the sliding window
+N_PROMPTS, N_TOKENS = 3, 24  # 2 held-out instructions and one past the sliding window
 pytestmark = pytest.mark.slow
 
 
@@ -75,7 +75,7 @@ def test_the_import_is_gemma3_as_the_file_describes_it(engine):
 
 def test_fp32_equals_transformers_on_the_same_gguf(engine, hf, prompts):
     long = engine.encode_prompt(prompts[-1])
-    assert 490 <= len(long) < 512 < len(long) + N_TOKENS
+    assert len(long) < 512 < len(long) + N_TOKENS - 8  # 8+ tokens decoded past the window
     ids = torch.tensor([long])
     with torch.no_grad():
         ref = hf(input_ids=ids).logits

@@ -20,8 +20,8 @@ log = logging.getLogger(__name__)
 MODEL = REPO / "models" / "smollm2-135m-instruct"
 N_PROMPTS, N_TOKENS = 8, 64
 # fp32 against transformers token for token and logit for logit: a position or weight bug parts every prompt
-# within its first tokens, so 4 prompts see it as surely as 8
-N_EXACT = 4
+# within its first tokens, so 3 prompts see it as surely as 8
+N_EXACT = 3
 # bf16 bounds on 4 prompts of 48 tokens (a position or weight bug parts every prompt within its first tokens;
 # the bounds sit at 12 and 24 tokens)
 BF16_PROMPTS, BF16_TOKENS = 4, 48

@@ -198,7 +198,8 @@ def test_sampled_spec_keeps_the_base_distribution_end_to_end(tiny, shape):
     params = [SamplingParams(max_new_tokens=4, temperature=temps[i % 2], top_k=3, ignore_eos=True,
                              seed=i if i % 4 < 2 else None) for i in range(2 * n)]
     torch.manual_seed(0)
-    runs = tiny.generate([prompt] * (2 * n), mode="spec", spec={"proposer": "draft", "step_budget": None, **shape},
+    wide = SpecEEEngine.from_pretrained(BUNDLED, dtype="float32", max_batch_size=2 * n)  # every row in one lane
+    runs = wide.generate([prompt] * (2 * n), mode="spec", spec={"proposer": "draft", "step_budget": None, **shape},
                          sampling_params=params)
     assert sum(r.stats["mean_accepted"] * r.stats["spec_steps"] for r in runs) > 100  # drafts were accepted
     for k, t in enumerate(temps):

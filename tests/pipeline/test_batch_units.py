@@ -589,6 +589,31 @@ def test_plan_steps_count_each_lanes_running_totals_once():
     assert steps.totals() == {"dense": 20, "depth_2": 10}
 
 
+def hold_first_decoding_step(core) -> threading.Event:
+    """The engine's thread holds on after its first step with rows decoding until the next request is submitted, so
+    that a second call comes while the first decodes however fast the first would end. Returns the event that step
+    sets."""
+    decoding, next_in = threading.Event(), threading.Event()
+    step, submit = core.step, core.submit
+
+    def held_step():
+        ended = step()
+        if core.load[0] and not decoding.is_set():
+            decoding.set()
+            next_in.wait(60)
+        return ended
+
+    def noted_submit(request):
+        try:
+            return submit(request)
+        finally:  # refused too: the call came
+            if decoding.is_set():
+                next_in.set()
+
+    core.step, core.submit = held_step, noted_submit
+    return decoding
+
+
 def test_batches_in_flight_share_the_engines_steps_and_count_them_once():
     """Two calls of the stage at once (two threads; the second while the first decodes) on the real engine in mode
     auto with a plan that drafts: the second call's rows join the first's lane and return first, every row is what
@@ -609,11 +634,11 @@ def test_batches_in_flight_share_the_engines_steps_and_count_them_once():
                          "input_error": [None] * len(ids), "_sampling": [own] * len(ids)})
 
     out = {}
+    decoding = hold_first_decoding_step(stage.engine.core)
     with drafting_plan(stage.engine):
         first = threading.Thread(target=lambda: out.update(a=stage(batch([0, 1, 2, 3], 40))))
         first.start()
-        while stage.engine.core.load[0] == 0:  # the first call's rows are decoding
-            time.sleep(0.005)
+        assert decoding.wait(60), "the first call's rows never decoded"
         out["b"] = stage(batch([4, 5, 6, 7], 8))
         running_then = stage.engine.core.load[0]
         first.join(60)
@@ -653,9 +678,9 @@ def test_a_call_that_raises_reruns_its_rows_alone_once_the_calls_in_flight_are_d
                        "_sampling": [None, bad, None]})
     out = {}
     thread = threading.Thread(target=lambda: out.update(a=stage(first)))
+    decoding = hold_first_decoding_step(stage.engine.core)
     thread.start()
-    while stage.engine.core.load[0] == 0:  # the first call's rows are decoding
-        time.sleep(0.005)
+    assert decoding.wait(60), "the first call's rows never decoded"
     b = {r["id"]: r for r in stage(second).to_pylist()}
     thread.join(60)
     a = out["a"].to_pylist()
