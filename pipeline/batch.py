@@ -19,7 +19,6 @@ id is there once.
 from __future__ import annotations
 
 import logging
-import math
 import time
 import uuid
 from dataclasses import asdict, dataclass, field, replace
@@ -35,6 +34,7 @@ import ray.data
 from pipeline.manifest import MANIFEST, check_manifest, job_manifest
 from pipeline.output import DoneIds, OutputDir, OutputIndex, digest
 from pipeline.output_lock import OutputLock
+from pipeline.processor_config import share_resources
 from pipeline.prompts import MAX_PROMPT_CHARS, prompt_rows, read_prompts, unreadable_files
 from pipeline.stage import OUTPUT_SCHEMA, WORKER_DIED, StageConfig
 from specee_core.early_exit.step import initial_schedule
@@ -148,15 +148,6 @@ def with_measured_layout(cfg: BatchConfig) -> BatchConfig:
 
 def actor_resources(cfg: BatchConfig) -> dict:
     return share_resources(cfg.stage.device, cfg.cpus_per_actor, cfg.gpus_per_actor, cfg.num_actors)
-
-
-def share_resources(device: str, cpus: float | None, gpus: float | None, actors: int) -> dict:
-    """num_cpus / num_gpus per engine actor (None: chosen): one GPU and one CPU each on GPUs, else an
-    equal share of the cluster's CPUs (fractional: two actors on two CPUs get 1 each, four get 0.5)."""
-    gpus = gpus if gpus is not None else (1 if device.startswith("cuda") else 0)
-    if cpus is None:
-        cpus = 1 if gpus else max(0.25, math.floor(4 * ray.cluster_resources().get("CPU", 1) / actors) / 4)
-    return {"num_cpus": cpus, "num_gpus": gpus}
 
 
 def starting_schedule(cfg: BatchConfig, out: OutputDir) -> Schedule | None:

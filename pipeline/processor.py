@@ -484,15 +484,17 @@ class Processor:
                                                                 "chat": cfg.apply_chat_template,
                                                                 "defaults": stage.sampling(),
                                                                 "max_prompt_chars": cfg.max_prompt_chars},
-                            batch_format="pandas", concurrency=1, num_cpus=0, batch_size=cfg.batch_size)
+                            batch_format="pandas", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0,
+                            batch_size=cfg.batch_size)
         ds = blocks_of(ds, cfg.batch_size)
         # compute: up to max_concurrent_batches calls at once per actor, on threads of their own
         ds = ds.map_batches(EngineRows, fn_constructor_kwargs={"stage": stage, "run_id": self.run_id,
                                                                "store": self._store(), "ledger": self._ledger(),
                                                                "postprocess": self.postprocess},
                             batch_format="pandas", batch_size=cfg.batch_size, compute=cfg.compute(),
-                            max_task_retries=cfg.max_task_retries, **cfg.resources(),
-                            **({"runtime_env": cfg.runtime_env} if cfg.runtime_env else {}))
+                            **cfg.resources(), **({"runtime_env": cfg.runtime_env} if cfg.runtime_env else {}),
+                            # -1 is Ray Data's own default for an actor pool; a bound goes in as a remote arg
+                            **({} if cfg.max_task_retries == -1 else {"max_task_retries": cfg.max_task_retries}))
         return ds
 
     def _store(self):

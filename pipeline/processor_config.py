@@ -7,6 +7,7 @@ ignored.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field, fields
 
@@ -177,8 +178,6 @@ class ProcessorConfig:
 
     def resources(self) -> dict:
         """num_cpus, num_gpus (and accelerator_type) of each engine actor."""
-        from pipeline.batch import share_resources
-
         out = share_resources(self.device, self.num_cpus, self.num_gpus, self.max_actors)
         return {**out, "accelerator_type": self.accelerator_type} if self.accelerator_type else out
 
@@ -198,6 +197,15 @@ class ProcessorConfig:
             return ray.data.ActorPoolStrategy(size=self.concurrency, max_tasks_in_flight_per_actor=n, **calls)
         low, high = self.concurrency
         return ray.data.ActorPoolStrategy(min_size=low, max_size=high, max_tasks_in_flight_per_actor=2 * n, **calls)
+
+
+def share_resources(device: str, cpus: float | None, gpus: float | None, actors: int) -> dict:
+    """num_cpus / num_gpus per engine actor (None: chosen): one GPU and one CPU each on GPUs, else an
+    equal share of the cluster's CPUs (fractional: two actors on two CPUs get 1 each, four get 0.5)."""
+    gpus = gpus if gpus is not None else (1 if device.startswith("cuda") else 0)
+    if cpus is None:
+        cpus = 1 if gpus else max(0.25, math.floor(4 * ray.cluster_resources().get("CPU", 1) / actors) / 4)
+    return {"num_cpus": cpus, "num_gpus": gpus}
 
 
 def concurrency_range(value) -> int | tuple[int, int]:

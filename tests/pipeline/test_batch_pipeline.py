@@ -4,7 +4,9 @@ lock), retrying error rows, a crashed actor, live re-tuning, every mode, the CLI
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -301,6 +303,15 @@ def test_rows_that_kill_or_hang_their_process_become_error_rows_with_batches_in_
     assert max(e["peak_batches_in_flight"] for e in summary["engines"]) == 2  # an actor had two batches at once
 
 
+class LogLines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 # (spec with the draft head through the CLI: test_every_mode_with_predictors)
 @pytest.mark.parametrize("mode_args, mode", [([], "auto"), (["--mode", "spec", "--spec-proposer", "lookup"], "spec")])
 def test_generate_cli(tmp_path, model_dir, capsys, mode_args, mode):
@@ -309,9 +320,22 @@ def test_generate_cli(tmp_path, model_dir, capsys, mode_args, mode):
 
     csv = tmp_path / "in.csv"
     csv.write_text("prompt\n" + "".join(f'"{p}"\n' for p in GOOD) + '""\n')
-    summary = generate.main(["--input", str(csv), "--output", str(tmp_path / "out"), "--model", str(model_dir),
-                             "--max-new-tokens", "6", "--limit", "6", "--num-actors", "1",
-                             "--batch-size", "3", "--dtype", "float32", "--no-progress", *mode_args])
+    ray_data_log = LogLines()
+    logging.getLogger("ray.data").addHandler(ray_data_log)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            summary = generate.main(["--input", str(csv), "--output", str(tmp_path / "out"), "--model",
+                                     str(model_dir), "--max-new-tokens", "6", "--limit", "6", "--num-actors", "1",
+                                     "--batch-size", "3", "--dtype", "float32", "--no-progress", *mode_args])
+    finally:
+        logging.getLogger("ray.data").removeHandler(ray_data_log)
+    # Ray says what it deprecates in our calls as a warning pointing at them (ray_remote_args) or a log line
+    # (concurrency): neither is left
+    ours = [f"{w.filename}: {w.message}" for w in caught if issubclass(w.category, DeprecationWarning)
+            and Path(w.filename).is_relative_to(REPO) and ".venv" not in Path(w.filename).parts]
+    assert not ours
+    assert not [line for line in ray_data_log.lines if "deprecated" in line]
     printed = capsys.readouterr().out
     assert json.loads(printed[printed.index("{"):]) == summary
     assert summary["mode"] == mode and summary["rows"] == 6  # --limit: the first 6 rows in file order
