@@ -1,4 +1,7 @@
-"""Triton kernels, one op per file, each beside a plain-torch reference with the same signature.
+"""Kernels for the hot paths, each beside a plain-torch reference: Triton kernels for CUDA (one op per file:
+predictor, lowbit_gemv, kquant_gemv), the CPU kernels in C++ built at first use (cpu_ext: lowbit_cpu.cpp with the
+int8, fused-layer and K-quant units it includes), and the references (reference_math, ggml_blocks: llama.cpp's
+block formats, byte-exact against the gguf package).
 
 Importing this package never needs triton, and imports it only when a kernel module is asked for
 (`from kernels import fused_predictor`, `import kernels.predictor`): the engine imports

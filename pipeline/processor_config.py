@@ -187,8 +187,7 @@ class ProcessorConfig:
         their rows share its decode steps).
 
         A fixed pool sends an actor only the calls it runs at once: a block queued behind a busy actor (Ray
-        Data's default is twice as many in flight) waits a whole batch while another actor idles; measured: 2
-        blocks of 16 rows both went to the first actor ready, the other idle. An autoscaling pool needs that
+        Data's default is twice as many in flight) waits a whole batch while another actor idles. An autoscaling pool needs that
         queue: Ray Data adds an actor only when the tasks in flight average 1.75 per concurrent call of its
         actors (DataContext's actor_pool_util_upscaling_threshold), which a pool without a queue never reaches."""
         n = self.max_concurrent_batches

@@ -123,7 +123,7 @@ class StageConfig:
     row_attempts: int = 2
     # batches in flight per engine (Ray Data LLM's max_concurrent_batches): the actor takes the next batch while
     # the engine still decodes the last rows of the current one, so those rows never decode alone; 1: one engine
-    # call at a time (the default: on the 2-core Xeon VM two in flight measured 0.89-0.90x of one, docs/RESULTS.md).
+    # call at a time (the default: two in flight ran slower than one on a 2-core CPU, docs/RESULTS.md).
     # A process that dies takes every batch in flight with it (pipeline.processor.EngineRows)
     max_concurrent_batches: int = 1
 

@@ -148,8 +148,8 @@ class EarlyExit:
         """The layers where a row may exit now: a threshold and not disabled by the schedule (the audit)."""
         return frozenset(self.thresholds) - frozenset(self.schedule.disabled_layers)
 
-    def new_stepper(self, engine, batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor) -> Stepper:
-        return Stepper(self, engine, batch, cache, prefill_hidden, lens)
+    def new_stepper(self, engine, batch, cache, prefill_hidden: torch.Tensor, lens: torch.Tensor) -> EarlyExitStepper:
+        return EarlyExitStepper(self, engine, batch, cache, prefill_hidden, lens)
 
 
 def initial_schedule(model_dir: str | Path) -> Schedule:
@@ -326,7 +326,7 @@ def _index(indices: list[int], count: int, device) -> torch.Tensor | None:
     return None if len(indices) == count else torch.tensor(indices, device=device)
 
 
-class Stepper:
+class EarlyExitStepper:
     """Decode steps of one batch in SpecEE mode. Rows exit independently; with skip "row" the
     remaining layers run only over the rows still running (compacted).
 
