@@ -22,12 +22,12 @@ N_PROMPTS, N_TOKENS = 8, 64
 # fp32 against transformers token for token and logit for logit: a position or weight bug parts every prompt
 # within its first tokens, so 3 prompts see it as surely as 8
 N_EXACT = 3
-# bf16 bounds on 4 prompts of 48 tokens (a position or weight bug parts every prompt within its first tokens;
+# bf16 bounds on 4 prompts of 32 tokens (a position or weight bug parts every prompt within its first tokens;
 # the bounds sit at 12 and 24 tokens)
-BF16_PROMPTS, BF16_TOKENS = 4, 48
-# transformers' own generate() on 2 of the N_EXACT prompts; on all of them, every one of our tokens is the
+BF16_PROMPTS, BF16_TOKENS = 4, 32
+# transformers' own generate() on 1 of the N_EXACT prompts; on all of them, every one of our tokens is the
 # argmax of transformers' full-sequence forward and every step's logits equal it
-N_HF_GENERATE = 2
+N_HF_GENERATE = 1
 SPEC_TOKENS = 48
 
 
@@ -112,7 +112,7 @@ def q4_engine():
 def test_bf16_agreement_with_transformers_bf16_is_bounded(bf16_engine, prompts):
     """bf16 GEMMs round differently per kernel (and the engine attends in fp32 on CPU), so greedy paths
     may part after a near tie, and from there on every position differs. Require each prompt's first
-    12 tokens to agree and the median first divergence to be at least 24 of 48 tokens (measured: 17 to 64,
+    12 tokens to agree and the median first divergence to be at least 24 of 32 tokens (measured: 17 to 64,
     median about 40; a position or weight bug parts within the first few tokens); log the figures."""
     from transformers import AutoModelForCausalLM
 
