@@ -566,7 +566,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q8_linear", &q8_linear, release, "x [B, I] fp32 @ dequant(Q8_0 planes)^T -> [B, O] fp32");
   mod.def("dequantize", &dequantize, release, "Q4_1 (with m) or Q8_0 planes -> fp32 [O, I]");
   mod.def("linear_add", &linear_add, release, "residual + x @ dequant(W)^T");
-  mod.def("linear_bf16", &linear_bf16, release, "x bf16 [B, I] @ dequant(W)^T -> fp32 [B, O] (bf16 dot products where native)");
+  mod.def("linear_bf16", &linear_bf16, release,
+          "x bf16 [B, I] @ dequant(W)^T -> fp32 [B, O] (bf16 dot products where native)");
   mod.def("has_bf16", []() { return bool(LOWBIT_BF16); });
   mod.def("norm_linear", &norm_linear, release, "rms_norm(x) * norm_w @ dequant(W)^T");
   mod.def("decode_layer", &decode_layer, release, "a decoder layer for T new tokens per row (a step, a chain, a tree)");
@@ -599,7 +600,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q8_linear_i8", &q8_linear_i8, release, "x [B, I] as int8 blocks @ dequant(Q8_0 planes)^T -> [B, O] fp32");
   mod.def("blocks_linear", &blocks_linear, release,
           "x [B, I] fp32 @ dequant(W)^T -> [B, O] fp32, W uint8 [O, bytes] in a GGUF block format (q4_k, q6_k, q5_0, ...)");
-  mod.def("blocks_dequantize", &blocks_dequantize, release, "W uint8 [O, bytes] in a GGUF block format, in_features -> fp32 [O, I]");
+  mod.def("blocks_dequantize", &blocks_dequantize, release,
+          "W uint8 [O, bytes] in a GGUF block format, in_features -> fp32 [O, I]");
   mod.def("simd_i8", []() { return std::string(simd_i8()); });
   mod.def(
       "grouped_attention",

@@ -187,9 +187,10 @@ class ProcessorConfig:
         their rows share its decode steps).
 
         A fixed pool sends an actor only the calls it runs at once: a block queued behind a busy actor (Ray
-        Data's default is twice as many in flight) waits a whole batch while another actor idles. An autoscaling pool needs that
-        queue: Ray Data adds an actor only when the tasks in flight average 1.75 per concurrent call of its
-        actors (DataContext's actor_pool_util_upscaling_threshold), which a pool without a queue never reaches."""
+        Data's default is twice as many in flight) waits a whole batch while another actor idles. An autoscaling
+        pool needs that queue: Ray Data adds an actor only when the tasks in flight average 1.75 per concurrent
+        call of its actors (DataContext's actor_pool_util_upscaling_threshold), which a pool without a queue never
+        reaches."""
         n = self.max_concurrent_batches
         calls = {"max_concurrent_calls_per_actor": n, "enable_true_multi_threading": True} if n > 1 else {}
         if isinstance(self.concurrency, int):

@@ -125,7 +125,7 @@ class QuantWeight:
         return w.to(dtype)
 
 
-ROWS_AT_ONCE = 8192  # rows quantized (or compared) at a time: a vocabulary's matrix makes no fp32 temporaries of its size
+ROWS_AT_ONCE = 8192  # rows quantized (or compared) at a time: no fp32 temporaries of a vocabulary's matrix
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantWeight:
