@@ -8,7 +8,6 @@ KV budget and what the prefix cache holds.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -33,14 +32,12 @@ class Config:
     out: str | None = None
 
 
-def _resident_gb(pid: int) -> tuple[float, float]:
-    """(VmRSS, VmHWM) of pid in GB."""
-    got = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                got[line.split(":")[0]] = int(line.split()[1]) / 2**20
-    return got.get("VmRSS", 0.0), got.get("VmHWM", 0.0)
+def _resident_gb(pid: int | str = "self") -> tuple[float, float]:
+    """(resident now, peak) of pid in GB."""
+    from specee_core.machine import resident_memory
+
+    now, peak = resident_memory(pid)
+    return now / 2**30, peak / 2**30
 
 
 def run_variant(cfg: Config) -> dict:
@@ -54,7 +51,7 @@ def run_variant(cfg: Config) -> dict:
     engine = SpecEEEngine.from_pretrained(cfg.model, weights=cfg.weights, max_batch_size=cfg.batch_size,
                                           prefix_cache=cfg.variant != "no_prefix_cache")
     out = {"variant": cfg.variant, "load_s": round(time.perf_counter() - t0, 1),
-           "peak_after_load_gb": round(_resident_gb(os.getpid())[1], 2)}
+           "peak_after_load_gb": round(_resident_gb()[1], 2)}
     if cfg.variant == "load":
         return out
     if cfg.variant == "prefix_cache_untrimmed":
@@ -86,10 +83,10 @@ def run(cfg: Config) -> dict:
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
         t0, trace, peak = time.monotonic(), [], 0.0
         while proc.poll() is None:
-            try:
-                rss, peak = _resident_gb(proc.pid)
-            except (FileNotFoundError, ProcessLookupError):
+            rss, now_peak = _resident_gb(proc.pid)
+            if not now_peak:  # gone
                 break
+            peak = now_peak
             trace.append([round(time.monotonic() - t0), round(rss, 2)])
             time.sleep(1.0)
         stdout, _ = proc.communicate()

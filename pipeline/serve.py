@@ -362,11 +362,9 @@ class EventStream(StreamingResponse):
 
 def rss_mb() -> float:
     """This process's resident memory in MB (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
-    except OSError:
-        return 0.0
+    from specee_core.machine import resident_memory
+
+    return round(resident_memory()[0] / 2**20, 1)
 
 
 def hung_up(e: BaseException) -> bool:

@@ -59,6 +59,19 @@ def cpu_model() -> str:  # read once: /healthz asks for the machine facts on eve
     return platform.processor() or platform.machine()
 
 
+def resident_memory(pid: int | str = "self") -> tuple[int, int]:
+    """(resident bytes now, peak resident bytes) of a process (Linux /proc; (0, 0) elsewhere or once it is gone)."""
+    got = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    got[line.split(":")[0]] = int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return got.get("VmRSS", 0), got.get("VmHWM", 0)
+
+
 def machine_facts(device: torch.device | str = "cpu") -> dict:
     """The facts every speed figure is published with."""
     device = torch.device(device)
