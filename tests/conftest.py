@@ -15,6 +15,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED = REPO / "models" / "specee-tiny"
 torch.set_num_threads(min(2, torch.get_num_threads()))
+THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Every test starts with the suite's thread count: a job's main() sets the process's own (--threads) and
+    would leave every later test on it (one thread made the rest of the suite run at half speed)."""
+    yield
+    if torch.get_num_threads() != THREADS:
+        torch.set_num_threads(THREADS)
 
 
 def make_hf_model(path: Path, *, layers: int = 4, hidden: int = 64, heads: int = 4, kv_heads: int = 4,

@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specee_core import SpecEEEngine
 from specee_core.model.quant import QuantLinear, QuantWeight, dequantize_reference, linear_reference, quantize
@@ -538,7 +539,7 @@ def test_the_weight_format_timings_are_measured_once_per_machine_and_shape(tmp_p
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
     cpu = torch.device("cpu")
     first = weight_plan.measured_steps(config, 2, "q4", torch.bfloat16, cpu, root=tmp_path)
-    assert set(first) == {("q4", torch.float32), ("q4", torch.bfloat16), (None, torch.bfloat16)}
+    assert set(first) == {("q4", torch.float32), (None, torch.bfloat16)}
     assert all(t > 0 for t in first.values())
 
     def timed(*args, **kw):
@@ -552,3 +553,33 @@ def test_the_weight_format_timings_are_measured_once_per_machine_and_shape(tmp_p
     saved.write_text("{broken")  # an unreadable cache is measured again, with a warning
     with pytest.raises(AssertionError, match="measured again"):
         weight_plan.measured_steps(config, 2, "q4", torch.bfloat16, cpu, root=tmp_path)
+
+
+def test_a_prefill_runs_on_held_bf16_copies_and_every_step_after_it_on_the_blocks(ee_model_dir, monkeypatch):
+    """hold_for_prefill: prompt chunks multiply by the weights rounded to bf16 (bf16 activations), the decode and
+    verification steps by the blocks; so every lossless mode still equals dense (all prefill alike)."""
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, dtype="float32", weights="q4")
+    model = engine.model
+    assert model.hold_for_prefill() == 4 * 2 * 64 * (128 + 64 + 2 * 160 + 160)  # 4 layers: qkv, o, gate_up, down
+    lin = model.linears[0].qkv
+    x = torch.randn(5, 64)
+    model.prefilling.on = True
+    held = lin(x)
+    model.prefilling.on = False
+    assert torch.equal(held, F.linear(x.to(torch.bfloat16), lin.qw.dequantize(torch.bfloat16)).float())
+    assert torch.equal(lin(x), QuantLinear(lin.qw, lin.b)(x))  # off: the kernel, as before holding
+
+    calls = []  # (rows, held?) of every call of a layer's QuantLinear
+    plain_call = QuantLinear.__call__
+    monkeypatch.setattr(QuantLinear, "__call__", lambda self, x: calls.append(
+        (x.numel() // x.shape[-1], self.prefilling is not None and self.prefilling.on)) or plain_call(self, x))
+    out = engine.generate(["hello the world"], max_new_tokens=4, ignore_eos=True, mode="dense")[0]
+    prompt = len(engine.encode_prompt("hello the world"))
+    assert {c for c in calls if c[1]} == {(prompt, True)} and (1, False) in calls
+    monkeypatch.undo()
+    prompts = ["hello the world", "the world, the world, the world", "or"]
+    dense = engine.generate(prompts, max_new_tokens=12, mode="dense", ignore_eos=True)
+    assert dense[0].token_ids[:4] == out.token_ids
+    for mode in ("spec", "auto"):
+        got = engine.generate(prompts, max_new_tokens=12, mode=mode, ignore_eos=True)
+        assert [r.token_ids for r in got] == [r.token_ids for r in dense], mode

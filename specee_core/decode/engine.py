@@ -170,14 +170,14 @@ class SpecEEEngine:
         "q4a8" (the same, the linears' activations quantized to int8 per block: llama.cpp's arithmetic), "gguf"
         (a GGUF file's matrices in its own formats: Q4_K, Q6_K, Q5_0 ... blocks as stored, fp32 activations).
         options: EngineOptions fields and early-exit options (see specee_core.early_exit.step.EarlyExitOptions)."""
-        from specee_core.model.quant import ACT8, LOW_BIT, NATIVE, WEIGHT_FORMATS, dtype_name
+        from specee_core.model.quant import ACT8, LOW_BIT, NATIVE, WEIGHT_FORMATS, dtype_name, holds_for_prefill
         from specee_core.model.weight_plan import choose_weights
 
         if weights != "auto" and weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights={weights!r}: expected 'auto' or one of {WEIGHT_FORMATS}")
         engine_opts = {k: options.pop(k) for k in list(options) if k in EngineOptions.__dataclass_fields__}
         reason = weights_reason = ""
-        chosen = weights
+        chosen, hold = weights, False
         if weights in ("fp32", "bf16"):
             want = torch.float32 if weights == "fp32" else torch.bfloat16
             if dtype not in ("auto", None) and resolve_dtype(dtype) != want:
@@ -197,10 +197,14 @@ class SpecEEEngine:
                 chosen, act, weights_reason = choose_weights(find_model_dir(path), config, torch.device(device),
                                                              dtype, batch)
                 if chosen is not None and act != dtype:
+                    hold = holds_for_prefill(dtype)
                     dtype, reason = act, f"{dtype_name(act)}: the {chosen} kernels were fastest with it"
         elif weights == "auto":
             chosen, weights_reason = None, "the dtype asked for"
         model = load_model(path, device=device, dtype=dtype, weights=chosen)
+        if hold and str(device) == "cpu":
+            mb = model.hold_for_prefill() / 1e6
+            weights_reason += f"; prefill through bf16 copies of its matrices ({mb:.0f} MB; the dtype auto chose bf16)"
         tokenizer = load_tokenizer(path)
         from specee_core.draft.head import DraftModel
         from specee_core.early_exit.step import load_draft_head, load_early_exit
@@ -367,7 +371,8 @@ class SpecEEEngine:
         from specee_core.model.quant import weight_bytes
 
         return {"weights": self.model.weight_format, "weights_reason": self.weights_reason,
-                "weight_mb": round(weight_bytes(self.model.w) / 1e6, 1), "quant_error": self.model.w.quant_error}
+                "weight_mb": round((weight_bytes(self.model.w) + self.model.held_bytes) / 1e6, 1),
+                "quant_error": self.model.w.quant_error}
 
     def stepper_factory(self, mode: str = "auto", spec: dict | None = None, max_disagreement: float | None = None):
         """The stepper factory of a mode (None: dense) and the KV slots it needs past a row's last token.

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from specee_core.model.config import ModelConfig
 from specee_core.model.kv_cache import KVCache
-from specee_core.model.quant import NATIVE, QuantLinear, QuantWeight, embedding, cpu_kernel, take_rows
+from specee_core.model.quant import NATIVE, PrefillSwitch, QuantLinear, QuantWeight, embedding, cpu_kernel, take_rows
 from specee_core.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -225,7 +225,7 @@ class FusedLowbitLinears(FusedLayerLinears):
     pieces over block formats, GeGLU and output norms (QuantLinear's ops)."""
 
     def _prefill(self, x: torch.Tensor) -> bool:
-        return self.qkv.dense_from(x.numel() // x.shape[-1])
+        return self.qkv.dense_from(x.numel() // x.shape[-1])  # (on in every prefill whose linears hold bf16 copies)
 
     def qkv_normed(self, h: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
         if norm is None or self._prefill(h) or self.qkv.qw.blocks:
@@ -292,6 +292,8 @@ class DecoderModel:
         self.linears = [LayerLinears.of(lw, self.q_size, dtype, c.kernel_layers(dtype), ACTIVATIONS[c.hidden_act])
                         for lw in weights.layers]
         self.head = make_linear(weights.lm_head)
+        self.prefilling = PrefillSwitch()  # on during a prefill forward (hold_for_prefill)
+        self.held_bytes = 0
         self.qk_heads = c.num_attention_heads + c.num_key_value_heads  # heads RoPE rotates
         self.all_heads = self.qk_heads + c.num_key_value_heads
         self.qk_split = (c.num_attention_heads, c.num_key_value_heads)
@@ -444,9 +446,22 @@ class DecoderModel:
                                 None if tree is None else tree.to(h.device).contiguous())
             cache.advance_all(host_rows, t)
             return out.view(n, t, -1)
-        for i in range(self.num_layers):
-            h = self.layer(i, h, rope, cache, rows, n_valid, tree)
+        self.prefilling.on = self.held_bytes > 0 and n_valid is not None  # a prompt's chunk (only prefill passes n_valid)
+        try:
+            for i in range(self.num_layers):
+                h = self.layer(i, h, rope, cache, rows, n_valid, tree)
+        finally:
+            self.prefilling.on = False
         return h
+
+    def hold_for_prefill(self) -> int:
+        """Prefill through bf16 copies of the layers' low-bit matrices (QuantLinear.hold_for_prefill); decode steps,
+        verification and the LM head keep the blocks. Returns the bytes held."""
+        for lin in self.linears:
+            for q in (lin.qkv, lin.o, lin.gate_up, lin.down):
+                if isinstance(q, QuantLinear) and not q.qw.act8:
+                    self.held_bytes += q.hold_for_prefill(self.prefilling)
+        return self.held_bytes
 
     def _fused_stack(self, h: torch.Tensor, cache: KVCache, rows: torch.Tensor | None, n_valid, tree):
         """(the C++ layer stack, each row's cache length, rows on the host) when this pass can take the stack:

@@ -215,11 +215,11 @@ def _has_triton() -> bool:
     return triton_mode() is not None
 
 
-@functools.lru_cache(maxsize=1)
-def dense_rows() -> int:
-    """Rows from which dequantizing a weight and running a dense GEMM beats the fused kernel (prefill),
-    measured once per process on a random q4 [3072, 576] weight (tens of ms): the crossover moves with
-    the CPU's SIMD and the BLAS (measured here: about 80-96 rows on AVX-512)."""
+@functools.lru_cache(maxsize=None)
+def dense_rows(dtype: torch.dtype = torch.float32) -> int:
+    """Rows from which dequantizing a weight and running a dense GEMM beats the kernel (prefill) for activations
+    in dtype, measured once per process and dtype on a random q4 [3072, 576] weight (tens of ms): the crossover
+    moves with the CPU's SIMD, its bf16 units and the BLAS."""
     import time
 
     gen = torch.Generator().manual_seed(0)
@@ -235,34 +235,61 @@ def dense_rows() -> int:
         return best
 
     for rows in DENSE_ROW_CANDIDATES:
-        x = torch.randn(rows, 576, generator=gen)
+        x = torch.randn(rows, 576, generator=gen).to(dtype)
         if ms(dense, x) < ms(kernel, x):
-            log.info("low-bit linears: dequantize + GEMM from %d rows (measured)", rows)
+            log.info("low-bit linears, %s activations: dequantize + GEMM from %d rows (measured)", dtype_name(dtype),
+                     rows)
             return rows
     return DENSE_ROW_CANDIDATES[-1]
 
 
 class QuantLinear:
     """y = x @ dequant(qw).T (+ b), same call as model.Linear. Few rows: the fused kernel; dense_rows or
-    more (measured, see dense_rows()): dequantize once per call and a dense fp32 GEMM (the weight is
-    never kept dequantized)."""
+    more (measured, see dense_rows()): dequantize once per call and a dense GEMM (the weight is never kept
+    dequantized), in fp32, or in bf16 for bf16 activations where the CPU has bf16 units (the weights rounded to
+    bf16: what a bf16 engine computes with every row count)."""
 
     def __init__(self, qw: QuantWeight, b: torch.Tensor | None = None, dense_rows: int | None = None):
         self.qw, self.b = qw, b
         self._dense_rows = dense_rows
         self.out_features, self.in_features = qw.shape
+        self.held: torch.Tensor | None = None  # a bf16 copy for prefill (hold_for_prefill)
+        self.prefilling: PrefillSwitch | None = None
 
-    def dense_from(self, n: int) -> bool:
-        """Whether n rows take the dequantize + GEMM path (prefill) rather than the kernel."""
+    def hold_for_prefill(self, switch: PrefillSwitch) -> int:
+        """Keep the weight dequantized and rounded to bf16, and compute prefill forwards (while switch.on) with it:
+        bf16 GEMMs on bf16 units, the arithmetic a bf16 engine prefills with, where the blocks' kernels and fp32
+        GEMMs are several times slower. Decode and verification steps keep the blocks. Returns the bytes held."""
+        self.held, self.prefilling = self.qw.dequantize(torch.bfloat16), switch
+        return self.held.numel() * self.held.element_size()
+
+    def dense_from(self, n: int, dtype: torch.dtype = torch.float32) -> bool:
+        """Whether n rows of activations in dtype take the dequantize + GEMM path (prefill) rather than the
+        kernel."""
+        if self.prefilling is not None and self.prefilling.on:
+            return True
         if self._dense_rows:
             return n >= self._dense_rows
         if self.qw.device.type == "cpu":
-            return n >= DENSE_ROW_CANDIDATES[0] and n >= dense_rows()
+            return n >= DENSE_ROW_CANDIDATES[0] and n >= dense_rows(_gemm_dtype(dtype))
         return n >= DENSE_ROW_CANDIDATES[-1]
 
+    def _dense(self, x2: torch.Tensor) -> torch.Tensor:
+        """Dequantize + GEMM over x2 [N, I]: the held bf16 copy in a prefill; in bf16 where x2 is bf16 on a CPU with
+        bf16 units; else fp32."""
+        if self.prefilling is not None and self.prefilling.on:
+            return F.linear(x2.to(torch.bfloat16), self.held)
+        if _gemm_dtype(x2.dtype) == torch.bfloat16 and self.qw.device.type == "cpu":
+            return F.linear(x2, self.qw.dequantize(torch.bfloat16))
+        return F.linear(x2.float(), self.qw.dequantize())
+
+    def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.b is not None:
+            y = y.float() + self.b.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        lead, i = x.shape[:-1], x.shape[-1]
-        x2 = x.reshape(-1, i)
+        x2 = x.reshape(-1, x.shape[-1])
         n = x2.shape[0]
         qw = self.qw
         if qw.act8:  # int8 activations at every row count: a row's numbers never depend on the others beside it
@@ -270,15 +297,12 @@ class QuantLinear:
             if k is None:
                 return linear_reference(x, qw, self.b)
             x2 = x2.float().contiguous()
-            y = k.q4_linear_i8(x2, qw.qs, qw.d, qw.m) if qw.fmt == "q4" else k.q8_linear_i8(x2, qw.qs, qw.d)
-            if self.b is not None:
-                y = y + self.b.float()
-            return y.to(x.dtype).reshape(*lead, self.out_features)
-        if qw.blocks:  # a GGUF block format: its kernel (fp32 activations) for few rows, else dequantize + GEMM
+            return self._finish(k.q4_linear_i8(x2, qw.qs, qw.d, qw.m) if qw.fmt == "q4" else k.q8_linear_i8(x2, qw.qs, qw.d), x)
+        if self.dense_from(n, x2.dtype):
+            return self._finish(self._dense(x2.contiguous()), x)
+        if qw.blocks:  # a GGUF block format: its kernel (fp32 activations)
             x2 = x2.float().contiguous()
-            if self.dense_from(n):
-                y = F.linear(x2, qw.dequantize())
-            elif qw.device.type == "cpu" and (k := cpu_kernel()) is not None:
+            if qw.device.type == "cpu" and (k := cpu_kernel()) is not None:
                 y = k.blocks_linear(x2, qw.qs, qw.fmt)
             elif qw.device.type == "cuda" and _has_triton():
                 from kernels.kquant_gemv import blocks_linear
@@ -286,21 +310,14 @@ class QuantLinear:
                 y = blocks_linear(x2, qw.qs, qw.fmt)
             else:
                 y = F.linear(x2, qw.dequantize())
-            if self.b is not None:
-                y = y + self.b.float()
-            return y.to(x.dtype).reshape(*lead, self.out_features)
+            return self._finish(y, x)
         if (x.dtype == torch.bfloat16 and n > 1 and qw.device.type == "cpu" and (k := cpu_kernel()) is not None
-                and k.has_bf16() and n < (self._dense_rows or DENSE_ROW_CANDIDATES[-1])):
+                and k.has_bf16()):
             # bf16 activations, several rows: bf16 dot products (the weights rounded to bf16 as a bf16
             # engine holds them); one row stays on the fp32 path, which is faster there
-            y = k.linear_bf16(x2.contiguous(), qw.qs, qw.d, qw.m)
-            if self.b is not None:
-                y = y + self.b.float()
-            return y.to(x.dtype).reshape(*lead, self.out_features)
+            return self._finish(k.linear_bf16(x2.contiguous(), qw.qs, qw.d, qw.m), x)
         x2 = x2.float().contiguous()
-        if self.dense_from(n):
-            y = F.linear(x2, qw.dequantize())
-        elif qw.device.type == "cuda":
+        if qw.device.type == "cuda":
             from kernels.lowbit_gemv import lowbit_linear
 
             y = lowbit_linear(x2, qw.qs, qw.d, qw.m)
@@ -308,9 +325,31 @@ class QuantLinear:
             y = k.q4_linear(x2, qw.qs, qw.d, qw.m) if qw.fmt == "q4" else k.q8_linear(x2, qw.qs, qw.d)
         else:
             y = F.linear(x2, dequantize_reference(qw))
-        if self.b is not None:
-            y = y + self.b.float()
-        return y.to(x.dtype).reshape(*lead, self.out_features)
+        return self._finish(y, x)
+
+
+class PrefillSwitch:
+    """On while a model runs a prefill forward: the linears holding a bf16 copy (QuantLinear.hold_for_prefill)
+    compute with it then."""
+
+    def __init__(self):
+        self.on = False
+
+
+def holds_for_prefill(dtype: torch.dtype) -> bool:
+    """Whether an engine of this dtype, on low-bit weights with fp32 activations, prefills through held bf16 copies:
+    where dtype auto resolved to bf16 (the CPU computes it natively), so bf16 rounding is the default's contract."""
+    return dtype == torch.bfloat16 and _native_bf16()
+
+
+def _gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a dequantize + GEMM runs in for activations in dtype: bf16 where the CPU multiplies bf16 natively."""
+    return torch.bfloat16 if dtype == torch.bfloat16 and _native_bf16() else torch.float32
+
+
+@functools.lru_cache(maxsize=1)
+def _native_bf16() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def embedding(ids: torch.Tensor, w: torch.Tensor | QuantWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -2,11 +2,15 @@
 
 The checkpoint's own low-bit format is a candidate only where it has one (a GGUF conversion whose
 matrices were Q4_1 / Q8_0 blocks: quantizing them again gives back exactly those blocks, so nothing is
-approximated; or one with block formats such as Q4_K / Q6_K / Q5_0, kept in the file's bytes: "gguf"). It is chosen when decode steps (one token per row, and a drafted chain of 4 verified),
-timed here on random weights of the model's shapes at the batch size in use, are faster than in the dtype's
-dense matrices. The same blocks with int8 activations (q4a8: llama.cpp's arithmetic) are not a candidate: on
-SmolLM2 their greedy outputs part from fp32's sooner than bf16's do (docs/RESULTS.md, "int8 activations");
-ask for them by name. Pure functions of what was measured; the reason string says it.
+approximated; or one with block formats such as Q4_K / Q6_K / Q5_0, kept in the file's bytes: "gguf"). It is
+chosen, with fp32 activations, when a decode step (one token per row), timed here on random weights of the model's
+shapes at the batch size in use, is faster than in the dtype's dense matrices. Verification of drafts is not in the
+race: mode auto drafts only where drafting pays on the weights in use (its planner measures that as it runs). Prefill
+is not either: where the dtype is bf16 the low-bit engine prefills through bf16 copies of its matrices
+(QuantLinear.hold_for_prefill), as fast as the dense bf16 engine's. The same blocks with int8 activations (q4a8:
+llama.cpp's arithmetic) are not a candidate: on SmolLM2 their greedy outputs part from fp32's sooner than bf16's do
+(docs/RESULTS.md, "int8 activations"); ask for them by name. Pure functions of what was measured; the reason string
+says it.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from specee_core.model.quant import NATIVE, QK, cpu_kernel, dtype_name, random_w
 
 log = logging.getLogger(__name__)
 CACHE_FOLDER = "weight_plans"  # beside the plans' cost tables (specee_core.machine.cache_path)
-VERSION = 4  # a change to what time_steps measures, or to its file, bumps it
+VERSION = 5  # a change to what time_steps measures, or to its file, bumps it
 
 
 def checkpoint_format(model_dir) -> tuple[str | None, str]:
@@ -74,16 +78,16 @@ def random_model(config, fmt: str | None, dtype: torch.dtype, gen: torch.Generat
 
 
 def time_steps(config, batch: int, variants: list[tuple[str | None, torch.dtype]], repeats: int = 3,
-               context: int = 64, tokens: tuple[int, ...] = (1, 4),
+               context: int = 64, tokens: tuple[int, ...] = (1,),
                drop_over: float = 1.5) -> dict[tuple[str | None, torch.dtype], float]:
     """{variant: ms} of decode steps over `batch` rows after `context` cached tokens each, one step of each
-    length in `tokens` per round (1: a dense step; 4: a drafted chain verified, as mode auto runs), summed:
-    every decoder layer (the linears, norms, RoPE, attention and the K/V write, through the code path the
-    engine takes for that format: the fused C++ layers for low-bit weights with fp32 activations) and the final
-    norm and LM head (q8 with a low-bit fmt). Each variant (fmt or None: dense in its dtype; the activation
-    dtype) is a model of the config's shapes with random weights; the rounds alternate over the variants so
-    the machine's drift hits each alike. Distinct weights per layer stream from memory as in a real step. A
-    variant over drop_over x the fastest after the first timed round is out of the race: its one time stands."""
+    length in `tokens` per round (1: a dense step; 4: a drafted chain verified), summed: every decoder layer (the
+    linears, norms, RoPE, attention and the K/V write, through the code path the engine takes for that format: the
+    fused C++ layers for low-bit weights with fp32 activations) and the final norm and LM head (q8 with a low-bit
+    fmt). Each variant (fmt or None: dense in its dtype; the activation dtype) is a model of the config's shapes
+    with random weights; the rounds alternate over the variants so the machine's drift hits each alike. Distinct
+    weights per layer stream from memory as in a real step. A variant over drop_over x the fastest after the first
+    timed round is out of the race: its one time stands."""
     gen = torch.Generator().manual_seed(0)
     rows = torch.arange(batch)
     base = torch.full((batch,), context)
@@ -118,12 +122,10 @@ def time_steps(config, batch: int, variants: list[tuple[str | None, torch.dtype]
 def choose_weights(model_dir, config, device: torch.device, dtype: torch.dtype,
                    batch: int) -> tuple[str | None, torch.dtype, str]:
     """weights "auto": the checkpoint's own low-bit format when it has one (so nothing is approximated)
-    and a decode step in it runs faster here, at `batch` rows, than the same shapes in `dtype`; else None (the
-    matrices in dtype). Returns (format or None, activation dtype, reason). The low-bit format is timed
-    with fp32 activations and, where dtype is bf16, with bf16 activations (bf16 dot products over the
-    weights rounded to bf16: what the bf16 engine computes, from a quarter of the bytes). Measured on
-    random weights of the model's shapes (5 s for a 135M model on 2 cores), once per machine, model shape,
-    dtype and batch size (measured_steps)."""
+    and a decode step in it, with fp32 activations, runs faster here at `batch` rows than the same shapes in
+    `dtype`; else None (the matrices in dtype). Returns (format or None, activation dtype, reason). Measured on
+    random weights of the model's shapes (a few seconds on 2 cores), once per machine, model shape, dtype and batch
+    size (measured_steps)."""
     fmt, source = checkpoint_format(model_dir)
     name = dtype_name(dtype)
     if fmt is None:
@@ -139,7 +141,7 @@ def choose_weights(model_dir, config, device: torch.device, dtype: torch.dtype,
     (best_fmt, best_act) = min(ms, key=ms.get)
     measured = ", ".join(f"{f or name}{'' if f is None or f.endswith('a8') else ' + ' + dtype_name(a)} {t:.1f}"
                          for (f, a), t in ms.items())
-    measured = f"ms per decode step + verify of 4 at batch {batch} here: {measured}"
+    measured = f"ms per decode step at batch {batch} here: {measured}"
     if best_fmt is None:
         return None, dtype, f"{name}: faster than the checkpoint's {fmt} ({measured})"
     acts = "int8" if best_fmt.endswith("a8") else dtype_name(best_act)
@@ -148,10 +150,10 @@ def choose_weights(model_dir, config, device: torch.device, dtype: torch.dtype,
 
 def measured_steps(config, batch: int, fmt: str, dtype: torch.dtype, device: torch.device,
                      root=None) -> dict[tuple[str | None, torch.dtype], float]:
-    """{(fmt or None, activation dtype): ms of a decode step}: the low-bit format with fp32 activations (and
-    bf16 ones where dtype is bf16), and the dense matrices in dtype. Measured once per machine, torch, thread
-    count, model shape, dtype, batch size and kernel source, under the machine's measuring lock (engines
-    starting side by side would time each other), and cached: every later engine start reads it."""
+    """{(fmt or None, activation dtype): ms of a decode step}: the low-bit format with fp32 activations and the dense
+    matrices in dtype. Measured once per machine, torch, thread count, model shape, dtype, batch size and kernel
+    source, under the machine's measuring lock (engines starting side by side would time each other), and cached:
+    every later engine start reads it."""
     from kernels.cpu_ext import source_digest
 
     c = config
@@ -162,8 +164,7 @@ def measured_steps(config, batch: int, fmt: str, dtype: torch.dtype, device: tor
            **c.architecture_key()}
 
     def measure() -> dict:
-        acts = [torch.float32] + ([torch.bfloat16] if dtype == torch.bfloat16 else [])
-        return time_steps(c, batch, [(fmt, a) for a in acts] + [(None, dtype)])
+        return time_steps(c, batch, [(fmt, torch.float32), (None, dtype)])
 
     return measured_once(key, measure, "weight timings", root, CACHE_FOLDER,
                          encode=lambda ms: [[f, dtype_name(a), t] for (f, a), t in ms.items()],
