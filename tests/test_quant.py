@@ -9,10 +9,10 @@ import re
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from specee_core import SpecEEEngine
-from specee_core.model.quant import QuantLinear, QuantWeight, dequantize_reference, linear_reference, quantize
+from specee_core.model.quant import (QuantLinear, QuantWeight, dequantize_reference, held_rows, linear_reference,
+                                     quantize)
 from tests.conftest import BUNDLED, REPO, add_early_exit_files, make_hf_model
 
 gguf_quants = pytest.importorskip("gguf.quants")
@@ -558,26 +558,30 @@ def test_the_weight_format_timings_are_measured_once_per_machine_and_shape(tmp_p
 def test_a_prefill_runs_on_held_bf16_copies_and_every_step_after_it_on_the_blocks(ee_model_dir, monkeypatch):
     """hold_for_prefill: prompt chunks multiply by the weights rounded to bf16 (bf16 activations), the decode and
     verification steps by the blocks; so every lossless mode still equals dense (all prefill alike)."""
+    from specee_core.model.model import Linear
+
     engine = SpecEEEngine.from_pretrained(ee_model_dir, dtype="float32", weights="q4")
     model = engine.model
     assert model.hold_for_prefill() == 4 * 2 * 64 * (128 + 64 + 2 * 160 + 160)  # 4 layers: qkv, o, gate_up, down
     lin = model.linears[0].qkv
-    x = torch.randn(5, 64)
+    x = torch.randn(held_rows(), 64)  # fewer rows of a prefill take the kernel
     model.prefilling.on = True
     held = lin(x)
     model.prefilling.on = False
-    assert torch.equal(held, F.linear(x.to(torch.bfloat16), lin.qw.dequantize(torch.bfloat16)).float())
+    bf16_engines = Linear(lin.qw.dequantize(torch.bfloat16))  # the bf16 engine's linear over the same rounded weights
+    assert torch.equal(held, bf16_engines(x.to(torch.bfloat16)).float())
     assert torch.equal(lin(x), QuantLinear(lin.qw, lin.b)(x))  # off: the kernel, as before holding
 
     calls = []  # (rows, held?) of every call of a layer's QuantLinear
     plain_call = QuantLinear.__call__
     monkeypatch.setattr(QuantLinear, "__call__", lambda self, x: calls.append(
         (x.numel() // x.shape[-1], self.prefilling is not None and self.prefilling.on)) or plain_call(self, x))
-    out = engine.generate(["hello the world"], max_new_tokens=4, ignore_eos=True, mode="dense")[0]
-    prompt = len(engine.encode_prompt("hello the world"))
-    assert {c for c in calls if c[1]} == {(prompt, True)} and (1, False) in calls
+    text = "hello the world, " * 8
+    out = engine.generate([text], max_new_tokens=4, ignore_eos=True, mode="dense")[0]
+    prompt = len(engine.encode_prompt(text))
+    assert prompt >= held_rows() and {c for c in calls if c[1]} == {(prompt, True)} and (1, False) in calls
     monkeypatch.undo()
-    prompts = ["hello the world", "the world, the world, the world", "or"]
+    prompts = [text, "the world, the world, the world", "or"]
     dense = engine.generate(prompts, max_new_tokens=12, mode="dense", ignore_eos=True)
     assert dense[0].token_ids[:4] == out.token_ids
     for mode in ("spec", "auto"):

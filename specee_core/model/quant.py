@@ -260,13 +260,16 @@ class QuantLinear:
         """Keep the weight dequantized and rounded to bf16, and compute prefill forwards (while switch.on) with it:
         bf16 GEMMs on bf16 units, the arithmetic a bf16 engine prefills with, where the blocks' kernels and fp32
         GEMMs are several times slower. Decode and verification steps keep the blocks. Returns the bytes held."""
-        self.held, self.prefilling = self.qw.dequantize(torch.bfloat16), switch
-        return self.held.numel() * self.held.element_size()
+        w = self.qw.dequantize(torch.bfloat16)
+        # oneDNN's blocked layout, made once: F.linear on the plain layout reorders the weight on every call
+        self.held = torch.ops.mkldnn._reorder_linear_weight(w, 1) if _native_bf16() else w
+        self.prefilling = switch
+        return w.numel() * w.element_size()
 
     def dense_from(self, n: int, dtype: torch.dtype = torch.float32) -> bool:
         """Whether n rows of activations in dtype take the dequantize + GEMM path (prefill) rather than the
         kernel."""
-        if self.prefilling is not None and self.prefilling.on:
+        if self._held_now(n):
             return True
         if self._dense_rows:
             return n >= self._dense_rows
@@ -277,11 +280,22 @@ class QuantLinear:
     def _dense(self, x2: torch.Tensor) -> torch.Tensor:
         """Dequantize + GEMM over x2 [N, I]: the held bf16 copy in a prefill; in bf16 where x2 is bf16 on a CPU with
         bf16 units; else fp32."""
-        if self.prefilling is not None and self.prefilling.on:
-            return F.linear(x2.to(torch.bfloat16), self.held)
+        if self._held_now(x2.shape[0]):
+            return self._held_gemm(x2)
         if _gemm_dtype(x2.dtype) == torch.bfloat16 and self.qw.device.type == "cpu":
             return F.linear(x2, self.qw.dequantize(torch.bfloat16))
         return F.linear(x2.float(), self.qw.dequantize())
+
+    def _held_gemm(self, x2: torch.Tensor) -> torch.Tensor:
+        x2 = x2.to(torch.bfloat16)
+        if _native_bf16():
+            return torch.ops.mkldnn._linear_pointwise(x2, self.held, None, "none", [], "")
+        return F.linear(x2, self.held)
+
+    def _held_now(self, n: int) -> bool:
+        """n rows of a prefill take the held bf16 copy: from held_rows() on (fewer read its 2 bytes a weight where the
+        blocks read about half a byte; a prefill then takes the kernel as a decode step does)."""
+        return self.prefilling is not None and self.prefilling.on and n >= held_rows()
 
     def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.b is not None:
@@ -326,6 +340,37 @@ class QuantLinear:
         else:
             y = F.linear(x2, dequantize_reference(qw))
         return self._finish(y, x)
+
+
+@functools.lru_cache(maxsize=1)
+def held_rows() -> int:
+    """Rows from which a held bf16 copy (oneDNN's packed layout) multiplies faster than the q4 kernel, measured once per
+    process over four distinct random [3072, 576] weights in turn (streaming from memory, as a model's layers do)."""
+    import time
+
+    gen = torch.Generator().manual_seed(0)
+    lins = [QuantLinear(random_weight(3072, 576, "q4", torch.float32, gen), dense_rows=1 << 30) for _ in range(4)]
+    for lin in lins:
+        lin.hold_for_prefill(PrefillSwitch())  # (off: calls take the kernel)
+
+    def ms(call) -> float:
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            for lin in lins:
+                call(lin)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    for rows in HELD_ROW_CANDIDATES:
+        x = torch.randn(rows, 576, generator=gen)
+        if ms(lambda lin: lin._held_gemm(x)) < ms(lambda lin: lin(x)):
+            log.info("prefill: held bf16 copies from %d rows (measured)", rows)
+            return rows
+    return HELD_ROW_CANDIDATES[-1]
+
+
+HELD_ROW_CANDIDATES = (8, 16, 32, 64)
 
 
 class PrefillSwitch:
