@@ -205,11 +205,13 @@ def test_the_measured_plan_times_the_files_own_blocks_against_dense(kquant_dir, 
     config = ModelConfig.from_file(kquant_dir / "config.json")
     cpu = torch.device("cpu")
     ms = weight_plan.measured_steps(config, 1, "gguf", torch.float32, cpu, root=tmp_path)
-    assert set(ms) == {("gguf", torch.float32), (None, torch.float32)} and all(t > 0 for t in ms.values())
+    assert set(ms) == {("gguf", torch.float32), (None, torch.float32)}
+    assert all(set(t) == {1, 4} and min(t.values()) > 0 for t in ms.values())
     monkeypatch.setattr(weight_plan, "measured_steps", lambda *a, **k: ms)
     fmt, act, reason = weight_plan.choose_weights(kquant_dir, config, cpu, torch.float32, 1)
-    assert fmt == min(ms, key=ms.get)[0] and act == torch.float32
-    assert "gguf" in reason and all(f"{t:.1f}" in reason for t in ms.values())
+    assert weight_plan.draft_acceptance(kquant_dir) is None  # no head: the one-token step decides
+    assert fmt == min(ms, key=lambda v: ms[v][1])[0] and act == torch.float32
+    assert "gguf" in reason and all(f"{t[1]:.1f}" in reason for t in ms.values())
 
 
 def test_the_engine_runs_a_kquant_gguf_in_its_blocks_as_fp32_does(kquant_dir):
@@ -225,3 +227,16 @@ def test_the_engine_runs_a_kquant_gguf_in_its_blocks_as_fp32_does(kquant_dir):
     b = dense.generate(prompts, max_new_tokens=12, mode="dense", ignore_eos=True)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     assert len({tuple(r.token_ids) for r in a}) > 1  # not one token repeated for every prompt
+
+
+def test_a_draft_heads_acceptance_weighs_verification_into_the_choice():
+    """per_token_ms: without a head the one-token step; with one, a chain of 4 over 1 + a + a^2 + a^3 tokens where
+    that is less. The figures are SmolLM2's at 16 rows (q4 blocks against bf16, ms), where the blocks win the step
+    and bf16 wins once its head drafts."""
+    from specee_core.model.weight_plan import per_token_ms
+
+    q4, bf16 = {1: 38.2, 4: 131.5}, {1: 41.7, 4: 61.9}
+    assert per_token_ms(q4, None) < per_token_ms(bf16, None)
+    assert per_token_ms(bf16, 0.668) == pytest.approx(61.9 / (1 + 0.668 + 0.668 ** 2 + 0.668 ** 3))
+    assert per_token_ms(bf16, 0.668) < per_token_ms(q4, 0.668) == 38.2
+    assert per_token_ms(q4, 0.0) == 38.2  # a head that never agrees: the chain commits one token

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from specee_core import SpecEEEngine
-from specee_core.model.quant import (QuantLinear, QuantWeight, dequantize_reference, held_rows, linear_reference,
-                                     quantize)
+from specee_core.model.quant import (HELD_ROW_CANDIDATES, QuantLinear, QuantWeight, dequantize_reference, held_rows,
+                                     linear_reference, quantize)
 from tests.conftest import BUNDLED, REPO, add_early_exit_files, make_hf_model
 
 gguf_quants = pytest.importorskip("gguf.quants")
@@ -540,7 +540,7 @@ def test_the_weight_format_timings_are_measured_once_per_machine_and_shape(tmp_p
     cpu = torch.device("cpu")
     first = weight_plan.measured_steps(config, 2, "q4", torch.bfloat16, cpu, root=tmp_path)
     assert set(first) == {("q4", torch.float32), (None, torch.bfloat16)}
-    assert all(t > 0 for t in first.values())
+    assert all(set(t) == {1, 4} and min(t.values()) > 0 for t in first.values())
 
     def timed(*args, **kw):
         raise AssertionError("measured again")
@@ -564,7 +564,7 @@ def test_a_prefill_runs_on_held_bf16_copies_and_every_step_after_it_on_the_block
     model = engine.model
     assert model.hold_for_prefill() == 4 * 2 * 64 * (128 + 64 + 2 * 160 + 160)  # 4 layers: qkv, o, gate_up, down
     lin = model.linears[0].qkv
-    x = torch.randn(held_rows(), 64)  # fewer rows of a prefill take the kernel
+    x = torch.randn(HELD_ROW_CANDIDATES[-1], 64)  # from held_rows() (measured) on; fewer rows take the kernel
     model.prefilling.on = True
     held = lin(x)
     model.prefilling.on = False
@@ -576,7 +576,7 @@ def test_a_prefill_runs_on_held_bf16_copies_and_every_step_after_it_on_the_block
     plain_call = QuantLinear.__call__
     monkeypatch.setattr(QuantLinear, "__call__", lambda self, x: calls.append(
         (x.numel() // x.shape[-1], self.prefilling is not None and self.prefilling.on)) or plain_call(self, x))
-    text = "hello the world, " * 8
+    text = "hello the world, " * 20  # over HELD_ROW_CANDIDATES[-1] tokens, whatever held_rows() measures
     out = engine.generate([text], max_new_tokens=4, ignore_eos=True, mode="dense")[0]
     prompt = len(engine.encode_prompt(text))
     assert prompt >= held_rows() and {c for c in calls if c[1]} == {(prompt, True)} and (1, False) in calls
