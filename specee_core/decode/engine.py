@@ -202,7 +202,7 @@ class SpecEEEngine:
         elif weights == "auto":
             chosen, weights_reason = None, "the dtype asked for"
         model = load_model(path, device=device, dtype=dtype, weights=chosen)
-        if hold and str(device) == "cpu":
+        if hold:  # (choose_weights picks low-bit weights on CPU only)
             mb = model.hold_for_prefill() / 1e6
             weights_reason += f"; prefill through bf16 copies of its matrices ({mb:.0f} MB; the dtype auto chose bf16)"
         tokenizer = load_tokenizer(path)

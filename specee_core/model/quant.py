@@ -220,27 +220,33 @@ def dense_rows(dtype: torch.dtype = torch.float32) -> int:
     """Rows from which dequantizing a weight and running a dense GEMM beats the kernel (prefill) for activations
     in dtype, measured once per process and dtype on a random q4 [3072, 576] weight (tens of ms): the crossover
     moves with the CPU's SIMD, its bf16 units and the BLAS."""
-    import time
-
     gen = torch.Generator().manual_seed(0)
     qw = random_weight(3072, 576, "q4", torch.float32, gen)
     kernel, dense = QuantLinear(qw, dense_rows=1 << 30), QuantLinear(qw, dense_rows=1)
+    rows = _crossover(DENSE_ROW_CANDIDATES, gen, dtype, 4, lambda x: dense(x), lambda x: kernel(x))
+    log.info("low-bit linears, %s activations: dequantize + GEMM from %d rows (measured)", dtype_name(dtype), rows)
+    return rows
 
-    def ms(lin: QuantLinear, x: torch.Tensor) -> float:
+
+def _crossover(candidates: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype, repeats: int,
+               challenger, incumbent) -> int:
+    """The first row count of candidates at which challenger(x) runs faster than incumbent(x) (best of repeats each,
+    x random [rows, 576] in dtype); the last candidate when it never does."""
+    import time
+
+    def ms(call, x: torch.Tensor) -> float:
         best = float("inf")
-        for _ in range(4):
+        for _ in range(repeats):
             t = time.perf_counter()
-            lin(x)
+            call(x)
             best = min(best, time.perf_counter() - t)
         return best
 
-    for rows in DENSE_ROW_CANDIDATES:
+    for rows in candidates:
         x = torch.randn(rows, 576, generator=gen).to(dtype)
-        if ms(dense, x) < ms(kernel, x):
-            log.info("low-bit linears, %s activations: dequantize + GEMM from %d rows (measured)", dtype_name(dtype),
-                     rows)
+        if ms(challenger, x) < ms(incumbent, x):
             return rows
-    return DENSE_ROW_CANDIDATES[-1]
+    return candidates[-1]
 
 
 class QuantLinear:
@@ -346,28 +352,14 @@ class QuantLinear:
 def held_rows() -> int:
     """Rows from which a held bf16 copy (oneDNN's packed layout) multiplies faster than the q4 kernel, measured once per
     process over four distinct random [3072, 576] weights in turn (streaming from memory, as a model's layers do)."""
-    import time
-
     gen = torch.Generator().manual_seed(0)
     lins = [QuantLinear(random_weight(3072, 576, "q4", torch.float32, gen), dense_rows=1 << 30) for _ in range(4)]
     for lin in lins:
         lin.hold_for_prefill(PrefillSwitch())  # (off: calls take the kernel)
-
-    def ms(call) -> float:
-        best = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            for lin in lins:
-                call(lin)
-            best = min(best, time.perf_counter() - t)
-        return best
-
-    for rows in HELD_ROW_CANDIDATES:
-        x = torch.randn(rows, 576, generator=gen)
-        if ms(lambda lin: lin._held_gemm(x)) < ms(lambda lin: lin(x)):
-            log.info("prefill: held bf16 copies from %d rows (measured)", rows)
-            return rows
-    return HELD_ROW_CANDIDATES[-1]
+    rows = _crossover(HELD_ROW_CANDIDATES, gen, torch.float32, 3, lambda x: [lin._held_gemm(x) for lin in lins],
+                      lambda x: [lin(x) for lin in lins])
+    log.info("prefill: held bf16 copies from %d rows (measured)", rows)
+    return rows
 
 
 HELD_ROW_CANDIDATES = (8, 16, 32, 64)

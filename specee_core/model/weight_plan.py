@@ -101,17 +101,15 @@ def time_steps(config, batch: int, variants: list[tuple[str | None, torch.dtype]
         x = {t: torch.randn(batch, t, config.hidden_size, generator=gen).to(dtype) for t in tokens}
         chain = {t: torch.tril(torch.ones(t, t, dtype=torch.bool)).expand(batch, t, t) for t in tokens}
         runs[(fmt, dtype)] = (model, cache, x, chain)
-    samples: dict[tuple[str | None, torch.dtype], list[float]] = {v: [] for v in variants}  # sums, for the race
     per_length: dict = {v: {t: [] for t in tokens} for v in variants}
     racing = list(variants)
     with torch.inference_mode():
         for rnd in range(repeats + 1):
             if rnd == 2:  # one timed round each: a variant far behind cannot win, it is timed no more
-                fastest = min(samples[v][0] for v in racing)
-                racing = [v for v in racing if samples[v][0] <= drop_over * fastest]
+                first = {v: sum(ms[0] for ms in per_length[v].values()) for v in racing}  # the first timed round's
+                racing = [v for v in racing if first[v] <= drop_over * min(first.values())]
             for v in (racing if rnd % 2 else racing[::-1]):
                 model, cache, x, chain = runs[v]
-                t_round = time.perf_counter()
                 for t in tokens:
                     t0 = time.perf_counter()
                     rope = model.rope_for(context + torch.arange(t).expand(batch, t))
@@ -119,8 +117,6 @@ def time_steps(config, batch: int, variants: list[tuple[str | None, torch.dtype]
                     cache.truncate(rows, base)
                     if rnd:  # round 0 warms up (and packs oneDNN weights)
                         per_length[v][t].append((time.perf_counter() - t0) * 1e3)
-                if rnd:
-                    samples[v].append((time.perf_counter() - t_round) * 1e3)
     return {v: {t: statistics.median(ms) for t, ms in lengths.items()} for v, lengths in per_length.items()}
 
 
