@@ -9,6 +9,12 @@ import time
 
 import httpx
 import pytest
+# imported while collecting, on one thread: pytest rewrites hypothesis's modules with ast.parse, and CPython 3.11.7
+# shares the AST converter's recursion counter between threads (gh-106905), so an import in the middle of the Ray
+# tests raised "AST constructor recursion depth mismatch" once in a clean-clone run
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis_jsonschema import from_schema
 
 from specee_core.early_exit.calibration import CALIBRATION_FILE
 from tests.conftest import BUNDLED, REPO, add_early_exit_files, make_hf_model
@@ -707,10 +713,6 @@ def test_schema_driven_fuzz_gets_no_5xx_and_the_replica_stays_healthy(server, pa
     """Bodies generated from the route's published schema (hypothesis-jsonschema), mostly valid ones, lengths
     clamped so that each generates a few tokens: every answer below 500, none dropped, the replica healthy after
     and its memory within 50 MB of where it began."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-    from hypothesis_jsonschema import from_schema
-
     base = path[: path.index("/v1/")]
     rss = lambda: httpx.get(f"{server}{base}/healthz", timeout=10).json()["rss_mb"]  # noqa: E731
     before = rss()
