@@ -61,7 +61,7 @@ def run(cfg: PlanConfig) -> dict:
         from specee_core.model.weight_plan import choose_weights
 
         dev, model_dir = torch.device(cfg.device), find_model_dir(cfg.model)
-        out["weights_by_batch"] = {str(b): choose_weights(model_dir, engine.config, dev, choose_dtype(dev)[0], b)[2]
+        out["weights_by_batch"] = {str(b): choose_weights(model_dir, engine.config, dev, choose_dtype(dev)[0], b).reason
                                    for b in cfg.sizes}
     return {**out, **plan.to_json(cfg.sizes)}
 

@@ -205,12 +205,12 @@ def test_the_measured_plan_times_the_files_own_blocks_against_dense(kquant_dir, 
     config = ModelConfig.from_file(kquant_dir / "config.json")
     cpu = torch.device("cpu")
     ms = weight_plan.measured_steps(config, 1, "gguf", torch.float32, cpu, root=tmp_path)
-    assert set(ms) == {("gguf", torch.float32), (None, torch.float32)}
+    assert set(ms) == {("gguf", torch.float32, False), (None, torch.float32, False)}  # fp32: no held bf16 head
     assert all(set(t) == {1, 4} and min(t.values()) > 0 for t in ms.values())
     monkeypatch.setattr(weight_plan, "measured_steps", lambda *a, **k: ms)
-    fmt, act, reason = weight_plan.choose_weights(kquant_dir, config, cpu, torch.float32, 1)
+    fmt, act, held_head, reason = weight_plan.choose_weights(kquant_dir, config, cpu, torch.float32, 1)
     assert weight_plan.draft_acceptance(kquant_dir) is None  # no head: the one-token step decides
-    assert fmt == min(ms, key=lambda v: ms[v][1])[0] and act == torch.float32
+    assert fmt == min(ms, key=lambda v: ms[v][1])[0] and act == torch.float32 and not held_head
     assert "gguf" in reason and all(f"{t[1]:.1f}" in reason for t in ms.values())
 
 

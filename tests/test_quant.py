@@ -12,7 +12,7 @@ import torch
 
 from specee_core import SpecEEEngine
 from specee_core.model.quant import (HELD_ROW_CANDIDATES, QuantLinear, QuantWeight, dequantize_reference, held_rows,
-                                     linear_reference, quantize)
+                                     holds_bf16, linear_reference, quantize)
 from tests.conftest import BUNDLED, REPO, add_early_exit_files, make_hf_model
 
 gguf_quants = pytest.importorskip("gguf.quants")
@@ -539,7 +539,8 @@ def test_the_weight_format_timings_are_measured_once_per_machine_and_shape(tmp_p
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
     cpu = torch.device("cpu")
     first = weight_plan.measured_steps(config, 2, "q4", torch.bfloat16, cpu, root=tmp_path)
-    assert set(first) == {("q4", torch.float32), (None, torch.bfloat16)}
+    held_head = {("q4", torch.float32, True)} if holds_bf16(torch.bfloat16) else set()  # with bf16 units
+    assert set(first) == {("q4", torch.float32, False), (None, torch.bfloat16, False)} | held_head
     assert all(set(t) == {1, 4} and min(t.values()) > 0 for t in first.values())
 
     def timed(*args, **kw):
@@ -575,7 +576,7 @@ def test_a_prefill_runs_on_held_bf16_copies_and_every_step_after_it_on_the_block
     calls = []  # (rows, held?) of every call of a layer's QuantLinear
     plain_call = QuantLinear.__call__
     monkeypatch.setattr(QuantLinear, "__call__", lambda self, x: calls.append(
-        (x.numel() // x.shape[-1], self.prefilling is not None and self.prefilling.on)) or plain_call(self, x))
+        (x.numel() // x.shape[-1], self.held_when is not None and self.held_when.on)) or plain_call(self, x))
     text = "hello the world, " * 20  # over HELD_ROW_CANDIDATES[-1] tokens, whatever held_rows() measures
     out = engine.generate([text], max_new_tokens=4, ignore_eos=True, mode="dense")[0]
     prompt = len(engine.encode_prompt(text))
@@ -587,3 +588,37 @@ def test_a_prefill_runs_on_held_bf16_copies_and_every_step_after_it_on_the_block
     for mode in ("spec", "auto"):
         got = engine.generate(prompts, max_new_tokens=12, mode=mode, ignore_eos=True)
         assert [r.token_ids for r in got] == [r.token_ids for r in dense], mode
+
+
+def test_a_held_head_computes_every_call_in_bf16_so_every_mode_still_equals_dense(ee_model_dir, monkeypatch):
+    """hold_head: every LM head call (one row, a verified chain's rows, a prefill's last tokens) multiplies by the
+    head's weights rounded to bf16, as a bf16 engine's head does; spec and auto still equal dense, and the tokens
+    differ from the unheld head's only where bf16 rounding does."""
+    from specee_core.model.model import Linear
+
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, dtype="float32", weights="q4")
+    model, head = engine.model, engine.model.head
+    plain = QuantLinear(head.qw, head.b)
+    assert model.hold_head() == 2 * head.out_features * head.in_features and model.held_bytes == model.hold_head() / 2
+    bf16_engines = Linear(head.qw.dequantize(torch.bfloat16))
+    for n in (1, 3):
+        x = torch.randn(n, head.in_features)
+        assert torch.equal(head(x), bf16_engines(x.to(torch.bfloat16)).float())
+        assert not torch.equal(head(x), plain(x))  # the blocks' fp32 kernel, not what the held head computes
+    calls = []  # (rows, held?) of every head call
+    plain_call = QuantLinear.__call__
+
+    def call(self, x):
+        if self is head:
+            calls.append((x.numel() // x.shape[-1], self._held_now(x.numel() // x.shape[-1])))
+        return plain_call(self, x)
+
+    monkeypatch.setattr(QuantLinear, "__call__", call)
+    prompts = ["hello the world, " * 3, "the world, the world, the world", "or"]
+    dense = engine.generate(prompts, max_new_tokens=12, mode="dense", ignore_eos=True)
+    assert calls and all(held for _, held in calls) and {1, 3} & {n for n, _ in calls}
+    for mode in ("spec", "auto"):
+        calls.clear()
+        got = engine.generate(prompts, max_new_tokens=12, mode=mode, ignore_eos=True)
+        assert [r.token_ids for r in got] == [r.token_ids for r in dense], mode
+        assert calls and all(held for _, held in calls), mode

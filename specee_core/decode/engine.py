@@ -170,14 +170,14 @@ class SpecEEEngine:
         "q4a8" (the same, the linears' activations quantized to int8 per block: llama.cpp's arithmetic), "gguf"
         (a GGUF file's matrices in its own formats: Q4_K, Q6_K, Q5_0 ... blocks as stored, fp32 activations).
         options: EngineOptions fields and early-exit options (see specee_core.early_exit.step.EarlyExitOptions)."""
-        from specee_core.model.quant import ACT8, LOW_BIT, NATIVE, WEIGHT_FORMATS, dtype_name, holds_for_prefill
+        from specee_core.model.quant import ACT8, LOW_BIT, NATIVE, WEIGHT_FORMATS, dtype_name, holds_bf16
         from specee_core.model.weight_plan import choose_weights
 
         if weights != "auto" and weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights={weights!r}: expected 'auto' or one of {WEIGHT_FORMATS}")
         engine_opts = {k: options.pop(k) for k in list(options) if k in EngineOptions.__dataclass_fields__}
         reason = weights_reason = ""
-        chosen, hold = weights, False
+        chosen, hold, held_head = weights, False, False
         if weights in ("fp32", "bf16"):
             want = torch.float32 if weights == "fp32" else torch.bfloat16
             if dtype not in ("auto", None) and resolve_dtype(dtype) != want:
@@ -194,10 +194,10 @@ class SpecEEEngine:
                 # (a job's, Serve's), else one row: an engine built with every default serves one request at a time
                 batch = engine_opts.get("max_batch_size", 1)
                 config = ModelConfig.from_file(find_model_dir(path) / "config.json")
-                chosen, act, weights_reason = choose_weights(find_model_dir(path), config, torch.device(device),
-                                                             dtype, batch)
+                chosen, act, held_head, weights_reason = choose_weights(find_model_dir(path), config,
+                                                                        torch.device(device), dtype, batch)
                 if chosen is not None and act != dtype:
-                    hold = holds_for_prefill(dtype)
+                    hold = holds_bf16(dtype)
                     dtype, reason = act, f"{dtype_name(act)}: the {chosen} kernels were fastest with it"
         elif weights == "auto":
             chosen, weights_reason = None, "the dtype asked for"
@@ -205,6 +205,10 @@ class SpecEEEngine:
         if hold:  # (choose_weights picks low-bit weights on CPU only)
             mb = model.hold_for_prefill() / 1e6
             weights_reason += f"; prefill through bf16 copies of its matrices ({mb:.0f} MB; the dtype auto chose bf16)"
+        if held_head:
+            before = model.held_bytes
+            mb = (model.hold_head() - before) / 1e6
+            weights_reason += f"; the LM head through a bf16 copy ({mb:.0f} MB)"
         tokenizer = load_tokenizer(path)
         from specee_core.draft.head import DraftModel
         from specee_core.early_exit.step import load_draft_head, load_early_exit

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from specee_core.model.config import ModelConfig
 from specee_core.model.kv_cache import KVCache
-from specee_core.model.quant import NATIVE, PrefillSwitch, QuantLinear, QuantWeight, embedding, cpu_kernel, take_rows
+from specee_core.model.quant import NATIVE, HoldSwitch, QuantLinear, QuantWeight, embedding, cpu_kernel, take_rows
 from specee_core.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -292,7 +292,7 @@ class DecoderModel:
         self.linears = [LayerLinears.of(lw, self.q_size, dtype, c.kernel_layers(dtype), ACTIVATIONS[c.hidden_act])
                         for lw in weights.layers]
         self.head = make_linear(weights.lm_head)
-        self.prefilling = PrefillSwitch()  # on during a prefill forward (hold_for_prefill)
+        self.prefilling = HoldSwitch()  # on during a prefill forward (hold_for_prefill)
         self.held_bytes = 0
         self.qk_heads = c.num_attention_heads + c.num_key_value_heads  # heads RoPE rotates
         self.all_heads = self.qk_heads + c.num_key_value_heads
@@ -455,12 +455,20 @@ class DecoderModel:
         return h
 
     def hold_for_prefill(self) -> int:
-        """Prefill through bf16 copies of the layers' low-bit matrices (QuantLinear.hold_for_prefill); decode steps,
-        verification and the LM head keep the blocks. Returns the bytes held."""
+        """Prefill through bf16 copies of the layers' low-bit matrices (QuantLinear.hold); decode steps and
+        verification keep the blocks. Returns the bytes held in all."""
         for lin in self.linears:
             for q in (lin.qkv, lin.o, lin.gate_up, lin.down):
                 if isinstance(q, QuantLinear) and not q.qw.act8:
-                    self.held_bytes += q.hold_for_prefill(self.prefilling)
+                    self.held_bytes += q.hold(self.prefilling)
+        return self.held_bytes
+
+    def hold_head(self) -> int:
+        """Every call of the LM head (a decode step's, a verification's, a prefill's last tokens: all alike, so the
+        lossless modes still equal dense) through a bf16 copy of its low-bit matrix: at many rows a bf16 GEMM on
+        bf16 units is faster than the blocks' fp32 kernel (weight_plan times both). Returns the bytes held in all."""
+        if isinstance(self.head, QuantLinear) and not self.head.qw.act8:
+            self.held_bytes += self.head.hold(HoldSwitch(on=True, rows=1))
         return self.held_bytes
 
     def _fused_stack(self, h: torch.Tensor, cache: KVCache, rows: torch.Tensor | None, n_valid, tree):

@@ -259,17 +259,18 @@ class QuantLinear:
         self.qw, self.b = qw, b
         self._dense_rows = dense_rows
         self.out_features, self.in_features = qw.shape
-        self.held: torch.Tensor | None = None  # a bf16 copy for prefill (hold_for_prefill)
-        self.prefilling: PrefillSwitch | None = None
+        self.held: torch.Tensor | None = None  # a bf16 copy (hold)
+        self.held_when: HoldSwitch | None = None
 
-    def hold_for_prefill(self, switch: PrefillSwitch) -> int:
-        """Keep the weight dequantized and rounded to bf16, and compute prefill forwards (while switch.on) with it:
-        bf16 GEMMs on bf16 units, the arithmetic a bf16 engine prefills with, where the blocks' kernels and fp32
-        GEMMs are several times slower. Decode and verification steps keep the blocks. Returns the bytes held."""
+    def hold(self, when: HoldSwitch) -> int:
+        """Keep the weight dequantized and rounded to bf16, and compute with it while `when` is on, from its row
+        count on: bf16 GEMMs on bf16 units, the arithmetic a bf16 engine computes with, where the blocks' kernels and
+        fp32 GEMMs are several times slower (a model's prefill: DecoderModel.hold_for_prefill; its LM head at every
+        call: DecoderModel.hold_head). Returns the bytes held."""
         w = self.qw.dequantize(torch.bfloat16)
         # oneDNN's blocked layout, made once: F.linear on the plain layout reorders the weight on every call
         self.held = torch.ops.mkldnn._reorder_linear_weight(w, 1) if _native_bf16() else w
-        self.prefilling = switch
+        self.held_when = when
         return w.numel() * w.element_size()
 
     def dense_from(self, n: int, dtype: torch.dtype = torch.float32) -> bool:
@@ -299,9 +300,10 @@ class QuantLinear:
         return F.linear(x2, self.held)
 
     def _held_now(self, n: int) -> bool:
-        """n rows of a prefill take the held bf16 copy: from held_rows() on (fewer read its 2 bytes a weight where the
-        blocks read about half a byte; a prefill then takes the kernel as a decode step does)."""
-        return self.prefilling is not None and self.prefilling.on and n >= held_rows()
+        """n rows take the held bf16 copy: while its switch is on, from the switch's rows on (a prefill's: held_rows(),
+        since fewer rows read its 2 bytes a weight where the blocks read about half a byte)."""
+        when = self.held_when
+        return when is not None and when.on and n >= (when.rows or held_rows())
 
     def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.b is not None:
@@ -355,7 +357,7 @@ def held_rows() -> int:
     gen = torch.Generator().manual_seed(0)
     lins = [QuantLinear(random_weight(3072, 576, "q4", torch.float32, gen), dense_rows=1 << 30) for _ in range(4)]
     for lin in lins:
-        lin.hold_for_prefill(PrefillSwitch())  # (off: calls take the kernel)
+        lin.hold(HoldSwitch())  # (off: calls take the kernel)
     rows = _crossover(HELD_ROW_CANDIDATES, gen, torch.float32, 3, lambda x: [lin._held_gemm(x) for lin in lins],
                       lambda x: [lin(x) for lin in lins])
     log.info("prefill: held bf16 copies from %d rows (measured)", rows)
@@ -365,17 +367,19 @@ def held_rows() -> int:
 HELD_ROW_CANDIDATES = (8, 16, 32, 64)
 
 
-class PrefillSwitch:
-    """On while a model runs a prefill forward: the linears holding a bf16 copy (QuantLinear.hold_for_prefill)
-    compute with it then."""
+class HoldSwitch:
+    """When linears holding a bf16 copy (QuantLinear.hold) compute with it: while `on`, calls of `rows` rows or more
+    (None: held_rows(), measured). A model's prefill switch is on during its prompt chunks; a head held for every
+    call has one always on, from one row."""
 
-    def __init__(self):
-        self.on = False
+    def __init__(self, on: bool = False, rows: int | None = None):
+        self.on, self.rows = on, rows
 
 
-def holds_for_prefill(dtype: torch.dtype) -> bool:
-    """Whether an engine of this dtype, on low-bit weights with fp32 activations, prefills through held bf16 copies:
-    where dtype auto resolved to bf16 (the CPU computes it natively), so bf16 rounding is the default's contract."""
+def holds_bf16(dtype: torch.dtype) -> bool:
+    """Whether an engine of this dtype, on low-bit weights with fp32 activations, may hold bf16 copies of its matrices
+    (prefill through them; its LM head where that was measured faster): where dtype auto resolved to bf16 (the CPU
+    computes it natively), so bf16 rounding is the default's contract."""
     return dtype == torch.bfloat16 and _native_bf16()
 
 
