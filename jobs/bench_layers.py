@@ -67,7 +67,7 @@ def main() -> None:
             fused = random_model(config, quant, dtype, gen)
             for name, model in (("fused", fused), ("fused_loop", fused), ("op_by_op", op_by_op(fused))):
                 cache = model.new_cache(batch, args.context + batch + args.verify)
-                cache.k.normal_(generator=gen), cache.v.normal_(generator=gen)
+                cache.randomize(gen)
                 setups[f"{fmt}_{name}"] = (model, cache, dtype)
             setups[f"{fmt}_gemms"] = (fused, None, dtype)
 

@@ -154,7 +154,9 @@ def count_fused_layers(monkeypatch) -> CountingKernel:
 def test_decode_steps_across_the_window_equal_transformers(pair, monkeypatch):
     """One token per step past the window, logit for logit (greedy tokens alone would hide an off-by-one window):
     one row (every row at one length: the window's slots alone are attended) and two rows at different lengths
-    (per-row masks); each step's layers in one fused kernel call each where the architecture has them."""
+    (per-row masks); each step's layers in one fused kernel call each where the architecture has them. The windowed
+    layers keep their window and 2 slots: a 10-token prompt grows their buffer, and the decode moves each row's
+    slots to the front of it again and again (KVCache._compact), at different steps for the two rows."""
     arch, hf, engine = pair
     model = engine.model
     kernel = count_fused_layers(monkeypatch)
@@ -162,14 +164,53 @@ def test_decode_steps_across_the_window_equal_transformers(pair, monkeypatch):
     with torch.no_grad():
         ref = hf(input_ids=seq).logits[0]  # [T, V]
     for starts in ([3], [3, 10]):
-        cache = model.new_cache(len(starts), seq.shape[1])
+        cache = model.new_cache(len(starts), seq.shape[1], room=2)
         for r, s in enumerate(starts):
             model.forward(seq[:, :s], torch.arange(s)[None], cache, rows=torch.tensor([r]))
         for step in range(3 * WINDOW):
             pos = torch.tensor([[s + step] for s in starts])  # [N, 1]
             logits = model.logits(model.forward(seq[0, pos], pos, cache))[:, 0]
             assert float((logits - ref[pos[:, 0]]).abs().max()) < 1e-4, (starts, step)
+        if any(model.windows):  # the windowed layers hold 10 slots a row, the others every token
+            assert cache.window_len == 10 and cache.max_len == seq.shape[1] and int(cache.shift.min()) > 0
+            assert cache.row_lengths(None).tolist() == [s + 3 * WINDOW for s in starts]
     assert kernel.decode_layers == (2 * 3 * WINDOW * model.num_layers if model.fused_layers else 0)
+
+
+def test_windowed_layers_keep_their_window_through_the_engine(pair):
+    """Prompt chunks of 4: a windowed layer's buffer holds its window, a chunk and WINDOW_HEADROOM slots a row (76),
+    and a 90-token prompt and its decode run past it: greedy tokens equal transformers' in dense mode, in spec mode
+    (drafts verified and kept across the moves) and on a second call that takes the prompt's blocks from the prefix
+    cache (the windowed layers from its last blocks); the KV budget counts the windowed layers' 76 slots only."""
+    from specee_core.decode.core import WINDOW_HEADROOM
+    from specee_core.decode.engine import EngineOptions
+
+    arch, hf, engine = pair
+    model = engine.model
+    if not any(model.windows):
+        pytest.skip(f"{arch}: no windowed layer")
+    small = SpecEEEngine(model, engine.tokenizer, EngineOptions(prefill_chunk=4, kv_block_size=4))
+    prompt = LONG * 2
+    ids = small.encode_prompt(prompt)
+    assert len(ids) > WINDOW + 4 + WINDOW_HEADROOM
+    want = hf_greedy(hf, ids, 12)
+    assert small.generate([prompt], max_new_tokens=12, mode="dense", ignore_eos=True)[0].token_ids == want
+    again = small.generate([prompt], max_new_tokens=12, mode="dense", ignore_eos=True)[0]
+    assert again.token_ids == want and again.cached_prompt_tokens > 2 * WINDOW
+    # LONG's blocks are cached, but their windowed K/V had moved out when they were read: a prompt that shares only
+    # them prefills anew (a prefix must end in blocks that hold the window)
+    other = LONG + "x = 1\n" * 8
+    fresh = small.generate([other], max_new_tokens=12, mode="dense", ignore_eos=True)[0]
+    assert fresh.token_ids == hf_greedy(hf, small.encode_prompt(other), 12) and fresh.cached_prompt_tokens == 0
+    spec = small.generate([prompt * 2], max_new_tokens=16, mode="spec", ignore_eos=True,
+                          spec={"proposer": "lookup", "depth": 4})[0]
+    assert spec.token_ids == hf_greedy(hf, small.encode_prompt(prompt * 2), 16)
+    assert spec.stats["spec_steps"] < 16, "no drafted token was accepted: keep() across a move went untested"
+    windowed = sum(1 for w in model.windows if w)
+    kv = 2 * model.config.num_key_value_heads * model.config.head_dim * 4  # a layer's K and V for a token, fp32
+    dropped = (512 - (WINDOW + 4 + WINDOW_HEADROOM)) * windowed * kv
+    assert small.row_bytes(512, 4 + WINDOW_HEADROOM) == small.slot_bytes() * 512 - dropped
+    assert small.core.budget.blocks(512) == -(-(small.slot_bytes() * 512 - dropped) // small.core.budget.block_bytes)
 
 
 def test_the_batch_jobs_stage_equals_transformers(pair, tmp_path):
@@ -412,5 +453,5 @@ def test_fused_gemma3_layer_equals_the_layer_op_by_op(weights, head_dim):
             case = (layer, lens, rows, None if chunk is None else "tree" if chunk is tree else "chain")
             assert caches[0].lengths[layer].tolist() == caches[1].lengths[layer].tolist(), case
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda s: f"{case}: {s}")
-            torch.testing.assert_close(caches[0].k[layer], caches[1].k[layer], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(caches[0].v[layer], caches[1].v[layer], rtol=1e-5, atol=1e-5)
+            for kv0, kv1 in zip(caches[0].layer_kv(layer), caches[1].layer_kv(layer)):
+                torch.testing.assert_close(kv0, kv1, rtol=1e-5, atol=1e-5)

@@ -49,6 +49,7 @@ from specee_core.step.stepper import StepperFactory
 log = logging.getLogger(__name__)
 
 MIN_SLOTS = 256  # a new lane's first allocation per row (it grows from there)
+WINDOW_HEADROOM = 64  # slots a sliding-window layer keeps beyond its window and a prompt chunk: a verified draft's
 _REQUEST_IDS = itertools.count()
 _ADMISSIONS = itertools.count()
 _LANE_IDS = itertools.count()
@@ -135,7 +136,7 @@ class Lane:
         m = engine.model
         self.mode = request.mode
         factory, self.headroom = core.stepper_of(request)
-        self.cache = m.new_cache(slots, capacity)
+        self.cache = m.new_cache(slots, capacity, core.window_room)
         dev = m.device
         self.batch = Batch.empty(slots, m.config.hidden_size, m.config.vocab_size, m.dtype, dev, engine.rules,
                                  request.mode, on_token=self._on_token)
@@ -272,7 +273,8 @@ class Lane:
         if prefix is not None:
             for r, (s, row) in enumerate(whole):
                 prefix.insert(row.tokens, lambda a, b, s=s, r=r: PrefixBlock(*self.cache.read_slots(s, a, b),
-                                                                            hidden[r, a:b].clone()))
+                                                                            hidden[r, a:b].clone(),
+                                                                            self.cache.holds(s, a)))
         for _, row in whole:
             self.core.computed(row)
 
@@ -319,8 +321,13 @@ class EngineCore:
         self.max_lanes = max_lanes
         self.min_lane_rows = max_rows if min_lane_rows is None else min(min_lane_rows, max_rows)
         self.min_slots = MIN_SLOTS  # a new lane's first allocation per row, and the shortest max_len
-        self.budget = KVBudget(kv_bytes, block_size, engine.slot_bytes())
-        self.prefix = PrefixCache(self.budget) if prefix_cache else None
+        # what a sliding-window layer holds beyond its window: the most one forward writes (a prompt chunk, or a
+        # verified draft)
+        self.window_room = prefill_chunk + WINDOW_HEADROOM
+        self.budget = KVBudget(kv_bytes, block_size, engine.slot_bytes(),
+                               lambda slots: engine.row_bytes(slots, self.window_room))
+        windows = [w for w in engine.model.windows if w]
+        self.prefix = PrefixCache(self.budget, max(windows, default=0)) if prefix_cache else None
         self.heap = HeapTrim()
         self.computing: dict[bytes, int] = {}  # prefix blocks being prefilled now -> rows computing them
         self.inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()

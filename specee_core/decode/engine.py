@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from specee_core.model.config import ModelConfig, resolve_dtype
+from specee_core.model.kv_cache import window_slots
 from specee_core.model.loader import find_model_dir, load_model, load_tokenizer
 from specee_core.model.model import DecoderModel
 from specee_core.machine import choose_dtype
@@ -108,9 +109,20 @@ class SpecEEEngine:
         """KV bytes of one token slot of one row: every layer's keys and values, the draft head's layer,
         and a hidden state (what the prefix cache keeps beside the KV)."""
         c, m = self.config, self.model
-        kv = 2 * c.num_key_value_heads * c.head_dim * torch.empty((), dtype=m.kv_dtype).element_size()
         layers = m.num_layers + (1 if self.draft is not None else 0)
-        return layers * kv + c.hidden_size * torch.empty((), dtype=m.dtype).element_size()
+        return layers * self._kv_bytes() + c.hidden_size * torch.empty((), dtype=m.dtype).element_size()
+
+    def _kv_bytes(self) -> int:
+        """A layer's keys and values for one token."""
+        c = self.config
+        return 2 * c.num_key_value_heads * c.head_dim * torch.empty((), dtype=self.model.kv_dtype).element_size()
+
+    def row_bytes(self, slots: int, room: int) -> int:
+        """KV bytes a row of `slots` slots holds: slot_bytes() a slot, less the slots the sliding-window layers do not
+        keep (KVCache: their window plus room)."""
+        windows = self.model.windows
+        dropped = (slots - window_slots(windows, slots, room)) * sum(1 for w in windows if w)
+        return slots * self.slot_bytes() - dropped * self._kv_bytes()
 
     @property
     def core(self) -> EngineCore:

@@ -76,13 +76,15 @@ class HeapTrim:
 
 class KVBudget:
     """Blocks of KV memory: `capacity` in all, `used` granted. A grant is a count of blocks of
-    `block_bytes` each (one row's block_size slots in every cache of a lane)."""
+    `block_bytes` each (block_size slots of one row in every cache of a lane). row_bytes(slots): the bytes a row of
+    that many slots holds (default: slots * slot_bytes; less where sliding-window layers keep only their window)."""
 
-    def __init__(self, capacity_bytes: int, block_size: int, slot_bytes: int):
+    def __init__(self, capacity_bytes: int, block_size: int, slot_bytes: int, row_bytes=None):
         if block_size < 1:
             raise ValueError(f"kv_block_size must be >= 1, got {block_size}")
         self.block_size, self.slot_bytes = block_size, slot_bytes
         self.block_bytes = block_size * slot_bytes
+        self.row_bytes = row_bytes
         self.capacity = capacity_bytes // self.block_bytes  # blocks
         if self.capacity < 1:
             raise ValueError(f"a KV budget of {capacity_bytes} bytes holds no block of {self.block_bytes} bytes")
@@ -90,6 +92,8 @@ class KVBudget:
 
     def blocks(self, slots: int) -> int:
         """Blocks covering `slots` slots of one row."""
+        if self.row_bytes is not None:
+            return -(-self.row_bytes(slots) // self.block_bytes)
         return -(-slots // self.block_size)
 
     def free(self) -> int:
@@ -116,6 +120,7 @@ class PrefixBlock:
     k: torch.Tensor  # [L, Hkv, S_b, hd] keys of the block's tokens in every layer
     v: torch.Tensor  # [L, Hkv, S_b, hd]
     hidden: torch.Tensor  # [S_b, D] the last layer's hidden states (before the final norm)
+    windowed: bool = True  # whether the sliding-window layers' K/V are here (zeros where the row had dropped them)
 
 
 def block_hashes(tokens: list[int], block_size: int, limit: int) -> list[bytes]:
@@ -133,8 +138,9 @@ class PrefixCache:
     """Full prompt blocks kept for reuse across rows and requests, within the engine's KVBudget (one
     budget block per cached block: its slot bytes and hidden states are within a lane slot's)."""
 
-    def __init__(self, budget: KVBudget):
+    def __init__(self, budget: KVBudget, window: int = 0):
         self.budget = budget
+        self.window = window  # the model's longest sliding window: a prefix must end in blocks that hold it
         self.blocks: OrderedDict[bytes, PrefixBlock] = OrderedDict()  # least recently used first
         self.hits = self.queries = 0  # prompt tokens of placed rows found here / in all
 
@@ -155,6 +161,10 @@ class PrefixCache:
                 break
             self.blocks.move_to_end(key)
             found.append(blk)
+        if self.window:  # the windowed layers read the prefix's last `window` slots: its blocks there must hold them
+            last = -(-self.window // self.budget.block_size)
+            while found and not all(b.windowed for b in found[-last:]):
+                found.pop()
         return found
 
     def insert(self, tokens: list[int], read) -> None:

@@ -4,32 +4,80 @@ Slots, not positions: a row's keys for layer l live in slots [0, lengths[l, row]
 applied before a key is stored, so a slot need not equal the token's position. That is what
 lets early exit leave a layer's slot empty for a position ("gap" mode) or fill it later.
 
-Sliding windows (a local layer's query sees the last `window` slots, itself included) are masks over the full
-context: every slot of every layer is kept (and counted by the KV budget as any other), and a window is counted in
-slots, which are the positions in every lossless mode (a row's slots fill from 0 with its tokens in order).
+Sliding windows (a local layer's query sees the last `window` slots, itself included) are masks, counted in slots,
+which are the positions in every lossless mode (a row's slots fill from 0 with its tokens in order). A windowed
+layer keeps only the end of a row: its layers share a buffer of window_slots() slots a row (the longest window plus
+`room`, the most a forward writes at once), and when a write would run past it, the row's windowed slots move to the
+front, keeping the last `window` (shift[row] counts the slots dropped). Slots in the methods that take them from
+outside (truncate, keep, read_slots, write_prefix, row_lengths) are the row's own (logical); `lengths` and the slots
+the attention path works in (append, decode_slots, advance) are the buffers' (physical: logical - shift on
+windowed layers). KVBudget counts what the buffers hold (Engine.row_bytes).
 """
 from __future__ import annotations
 
 import torch
 
 
+def window_slots(windows: list[int | None], max_len: int, room: int) -> int:
+    """Slots a row of the windowed layers' buffer holds: the longest window plus room, at most max_len (0: no
+    windowed layer)."""
+    keep = max((w for w in windows if w), default=0)
+    return min(max_len, keep + room) if keep else 0
+
+
 class KVCache:
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
-        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
-        self._attach(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                 dtype: torch.dtype, device: torch.device | str, windows: list[int | None] | None = None,
+                 room: int = 256):
+        """windows: per layer its sliding window or None (every slot); room: slots a windowed layer holds beyond the
+        longest window (a forward that writes more grows its buffer)."""
+        self.windows = list(windows) if windows is not None else [None] * num_layers
+        if len(self.windows) != num_layers:
+            raise ValueError(f"{len(self.windows)} windows for {num_layers} layers")
+        self.keep_slots = max((w for w in self.windows if w), default=0)  # what a windowed layer must keep
+        self.room = room
+        win = window_slots(self.windows, max_len, room)
+        groups = []
+        for layers, slots in ((self._full_layers(), max_len), (self._windowed_layers(), win)):
+            if layers:
+                shape = (len(layers), batch, num_kv_heads, slots, head_dim)
+                groups.append((layers, torch.zeros(shape, dtype=dtype, device=device),
+                               torch.zeros(shape, dtype=dtype, device=device)))
+        self._attach(groups, max_len)
 
-    def _attach(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k, self.v = k, v  # [L, B, Hkv, S, hd]
-        num_layers, batch, _, self.max_len, _ = k.shape
-        self.device = k.device
-        self.lengths = torch.zeros(num_layers, batch, dtype=torch.int64)  # [L, B] on the host
+    def _full_layers(self) -> list[int]:
+        return [i for i, w in enumerate(self.windows) if not w]
+
+    def _windowed_layers(self) -> list[int]:
+        return [i for i, w in enumerate(self.windows) if w]
+
+    def _attach(self, groups: list[tuple[list[int], torch.Tensor, torch.Tensor]], max_len: int) -> None:
+        """groups: (layers, k, v [len(layers), B, Hkv, S, hd]) of the full layers (S = max_len) and of the windowed
+        ones (S = their buffer's slots)."""
+        self.groups = groups
+        num_layers, batch = len(self.windows), groups[0][1].shape[1]
+        self.max_len = max_len
+        # one tensor [L, B, Hkv, S, hd] for every layer where no layer is windowed (the fused stack takes it)
+        self.k, self.v = (None, None) if self.keep_slots else (groups[0][1], groups[0][2])
+        self.dtype, self.device = groups[0][1].dtype, groups[0][1].device
+        self.lengths = torch.zeros(num_layers, batch, dtype=torch.int64)  # [L, B] on the host, physical
+        self.shift = torch.zeros(batch, dtype=torch.int64)  # [B] slots dropped from a windowed layer's front
         # per layer: the length every row has, or None when rows differ (then slots are indexed per row)
         self.uniform: list[int | None] = [0] * num_layers
         # per-layer views, so the per-token hot path indexes a Python list, not a tensor
-        self._k, self._v, self._lens = list(k.unbind(0)), list(v.unbind(0)), list(self.lengths.unbind(0))
+        self._k: list = [None] * num_layers
+        self._v: list = [None] * num_layers
+        for layers, k, v in groups:
+            for j, i in enumerate(layers):
+                self._k[i], self._v[i] = k[j], v[j]
+        self._lens = list(self.lengths.unbind(0))
         self._last_mask: tuple = (None, None)  # ((T, start), mask) of the last chunk mask
         self._last_tree: tuple | None = None  # ((tree, start, S), mask) of the last tree chunk
+
+    @property
+    def window_len(self) -> int:
+        """Slots a row of the windowed layers' buffer holds now (0: none is windowed)."""
+        return self.groups[-1][1].shape[3] if self.keep_slots else 0
 
     def first_rows(self, n: int) -> KVCache:
         """An empty cache of n rows on this one's memory (a smaller batch reuses a larger allocation,
@@ -37,12 +85,23 @@ class KVCache:
         if n > self.batch:
             raise ValueError(f"cache has {self.batch} rows, {n} requested")
         view = KVCache.__new__(KVCache)
-        view._attach(self.k[:, :n], self.v[:, :n])
+        view.windows, view.keep_slots, view.room = self.windows, self.keep_slots, self.room
+        view._attach([(layers, k[:, :n], v[:, :n]) for layers, k, v in self.groups], self.max_len)
         return view
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s buffers (keys, values) [B, Hkv, S, hd]: S is max_len, or the windowed buffer's slots."""
+        return self._k[layer], self._v[layer]
+
+    def randomize(self, gen: torch.Generator) -> None:
+        """Every slot's keys and values drawn from a normal distribution (timings: a prompt's K/V without a
+        prefill)."""
+        for _, k, v in self.groups:
+            k.normal_(generator=gen), v.normal_(generator=gen)
 
     @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return self.groups[0][1].shape[1]
 
     def append(self, layer: int, rows: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
                n_valid: torch.Tensor | None = None, tree: torch.Tensor | None = None, window: int | None = None,
@@ -61,7 +120,9 @@ class KVCache:
         node's own position: its row's start plus its depth; W = T only).
         """
         n, _, t, _ = k.shape
-        k, v = k.to(self.k.dtype), v.to(self.k.dtype)  # the cache may hold a wider dtype (fp32 for CPU bf16)
+        k, v = k.to(self.dtype), v.to(self.dtype)  # the cache may hold a wider dtype (fp32 for CPU bf16)
+        if self.windows[layer]:
+            self._make_room(layer, rows, t)
         if tree is not None:
             return self._append_tree(layer, rows, k, v, tree, window)
         start = self.uniform[layer]
@@ -74,6 +135,8 @@ class KVCache:
         """For `tokens` new tokens of each of `rows` (host int64 [N]; None = all): (keys [B, Hkv, S, hd], values,
         starts [N] host int64), the layer's whole slot buffers and the first slot each row's tokens go to. A
         caller that writes them itself (a fused decode layer) then calls advance(layer, rows, tokens)."""
+        if self.windows[layer]:
+            self._make_room(layer, rows, tokens)
         starts = (self._lens[layer] if rows is None else self._lens[layer][rows]).clone()
         self._check_room(layer, int(starts.max()) + tokens)
         return self._k[layer], self._v[layer], starts
@@ -101,12 +164,59 @@ class KVCache:
 
     def row_lengths(self, rows: torch.Tensor | None) -> torch.Tensor | None:
         """Each of rows' (None = all) length when every layer holds the same for it (host int64 [N]), else None."""
-        lens = self.lengths if rows is None else self.lengths[:, rows]
+        lens = self.logical_lengths() if rows is None else self.logical_lengths()[:, rows]
         return lens[0].clone() if bool((lens == lens[:1]).all()) else None
 
+    def logical_lengths(self) -> torch.Tensor:
+        """[L, B] each layer's length of each row in the row's own slots (lengths plus what windowed layers dropped)."""
+        if not self.keep_slots:
+            return self.lengths
+        return self.lengths + self.shift[None, :] * self._windowed_mask()[:, None]
+
+    def _windowed_mask(self) -> torch.Tensor:
+        return torch.tensor([1 if w else 0 for w in self.windows], dtype=torch.int64)
+
     def _check_room(self, layer: int, end: int) -> None:
+        slots = self.window_len if self.windows[layer] else self.max_len
+        if end > slots:
+            raise ValueError(f"KV cache overflow at layer {layer}: need {end} slots, have {slots}")
+
+    def _make_room(self, layer: int, rows: torch.Tensor | None, t: int) -> None:
+        """Before windowed layer `layer` writes t slots to rows (None = all): a row that would run past the windowed
+        buffer has every windowed layer's slots moved to the front, keeping the last keep_slots of its shortest
+        one (what a window still sees); where that is not room enough (a chunk longer than `room`), the buffer
+        grows."""
+        rows_host = torch.arange(self.batch) if rows is None else rows.cpu()
+        lens = self.lengths[layer, rows_host]
+        end = int((lens + self.shift[rows_host]).max()) + t
         if end > self.max_len:
             raise ValueError(f"KV cache overflow at layer {layer}: need {end} slots, have {self.max_len}")
+        cap = self.window_len
+        over = rows_host[lens + t > cap]
+        if len(over) == 0:
+            return
+        self._compact(over.tolist())
+        need = int(self.lengths[layer, rows_host].max()) + t
+        if need > cap:
+            self._realloc(self.max_len, need)
+
+    def _compact(self, rows: list[int]) -> None:
+        """Move each row's windowed slots to the front of its buffer, keeping the last keep_slots of its shortest
+        windowed layer (the others keep as many more as they hold beyond it)."""
+        layers = self._windowed_layers()
+        _, k, v = self.groups[-1]
+        for r in rows:
+            held = self.lengths[layers, r]
+            drop = int(held.min()) - self.keep_slots
+            if drop <= 0:
+                continue
+            n = int(held.max()) - drop
+            k[:, r, :, :n] = k[:, r, :, drop : drop + n].clone()
+            v[:, r, :, :n] = v[:, r, :, drop : drop + n].clone()
+            self.lengths[layers, r] -= drop
+            self.shift[r] += drop
+        for i in layers:
+            self._set_uniform(i)
 
     def _append_uniform(self, layer: int, start: int, k, v, n_valid, window: int | None = None):
         """Every row at the same length: the write is a slice copy, and no mask is needed for one
@@ -139,7 +249,7 @@ class KVCache:
         attention would convert a bool mask on every call. The last one is kept: successive layers of a step
         mostly share it."""
         if self._last_mask[0] != (t, start, window):
-            mask = torch.full((t, start + t), float("-inf"), dtype=self.k.dtype, device=self.device)
+            mask = torch.full((t, start + t), float("-inf"), dtype=self.dtype, device=self.device)
             if window is None:
                 mask.triu_(diagonal=start + 1)
             else:
@@ -154,8 +264,8 @@ class KVCache:
         start = self.lengths[layer].clone() if rows is None else self.lengths[layer, rows_host]  # [N] host
         new_len = start + (t if n_valid is None else n_valid.cpu())
         self._check_room(layer, int(new_len.max()))
-        end_write = min(int(start.max()) + t, self.max_len)
         kc, vc = self._k[layer], self._v[layer]
+        end_write = min(int(start.max()) + t, kc.shape[2])
         row_idx = torch.arange(n, device=self.device) if rows is None else rows
         if t == 1:
             dev_start = start.to(self.device, non_blocking=True)
@@ -163,7 +273,7 @@ class KVCache:
             vc[row_idx, :, dev_start] = v[:, :, 0]
         else:  # advanced indices around a slice: the indexed view is [N, T, Hkv, hd]
             slots = start[:, None] + torch.arange(t)  # [N, T] host
-            if int(slots.max()) < self.max_len:
+            if int(slots.max()) < kc.shape[2]:
                 r, s, kt, vt = row_idx[:, None], slots.to(self.device), k.transpose(1, 2), v.transpose(1, 2)
             else:  # padding of a ragged chunk would run past the end: write the valid entries only
                 keep = slots < new_len[:, None]  # [N, T]
@@ -219,7 +329,7 @@ class KVCache:
             pos_k = torch.where(covered, lo.view(-1, 1, 1) + depth.gather(1, rel.clamp(0, w - 1).expand(n, 1, s)
                                                                            .view(n, s)).view(n, 1, s), key_slot)
             visible &= pos_k > pos_q[:, :, None] - window
-        mask = torch.zeros(visible.shape, dtype=self.k.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
         self._last_tree = (key, mask.unsqueeze(1))
         return self._last_tree[1]
 
@@ -231,17 +341,28 @@ class KVCache:
         row_idx = torch.arange(n) if rows is None else rows.cpu()
         moved = (nodes != torch.arange(a)) & (torch.arange(a) < count[:, None])  # a chain keeps its prefix in place
         if bool(moved.any()):
-            src = (start[:, None] + nodes.clamp(min=0)).to(self.device)
-            dst = (start[:, None] + torch.arange(a)).to(self.device)
             r = row_idx.to(self.device)[:, None]
-            for buf in (self.k, self.v):  # advanced indices around a slice: [N, A, L, Hkv, hd]
-                buf[:, r, :, dst] = buf[:, r, :, src].clone()
+            for layers, kb, vb in self.groups:
+                first = start - self.shift[row_idx] if self.windows[layers[0]] else start  # the buffer's slots
+                src = (first[:, None] + nodes.clamp(min=0)).to(self.device)
+                dst = (first[:, None] + torch.arange(a)).to(self.device)
+                for buf in (kb, vb):  # advanced indices around a slice: [N, A, L, Hkv, hd]
+                    buf[:, r, :, dst] = buf[:, r, :, src].clone()
         self.truncate(row_idx, start + count)
 
     def truncate(self, rows: torch.Tensor, lengths: torch.Tensor, first_layer: int = 0) -> None:
-        """Set the length of rows [N] (host) to lengths [N] in every layer from first_layer on (entries past
-        it are dropped)."""
-        self.lengths[first_layer:, rows] = lengths.expand(self.lengths.shape[0] - first_layer, -1)
+        """Set the length of rows [N] (host) to lengths [N] (the rows' own slots) in every layer from first_layer on
+        (entries past it are dropped). A row truncated to 0 in every layer starts over: nothing dropped."""
+        lengths = lengths.expand(len(rows))
+        if self.keep_slots:
+            if first_layer == 0:
+                self.shift[rows[lengths == 0]] = 0
+            phys = lengths[None, :] - self.shift[rows][None, :] * self._windowed_mask()[first_layer:, None]
+            if bool((phys < 0).any()):
+                raise ValueError("cannot truncate a row below the slots its windowed layers dropped")
+            self.lengths[first_layer:, rows] = phys
+        else:
+            self.lengths[first_layer:, rows] = lengths.expand(self.lengths.shape[0] - first_layer, -1)
         same = (self.lengths == self.lengths[:, :1]).all(1).tolist()  # [L] every row at one length
         self.uniform = [int(n) if u else None for n, u in zip(self.lengths[:, 0].tolist(), same)]
 
@@ -268,36 +389,82 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return sum(2 * k.numel() * k.element_size() for _, k, _ in self.groups)
 
     def slot_bytes(self) -> int:
         """Bytes of one row's slot in every layer, keys and values."""
-        return self.nbytes // (self.batch * self.max_len)
+        _, k, _ = self.groups[0]
+        return 2 * len(self.windows) * k.shape[2] * k.shape[4] * k.element_size()
 
     def resize(self, max_len: int) -> None:
-        """Reallocate to max_len slots per row, keeping every row's valid slots (max_len below a row's
-        length is an error). The object stays the same, so whoever holds it sees the new memory."""
-        if max_len < int(self.lengths.max()):
-            raise ValueError(f"cannot shrink the cache to {max_len} slots: a row holds {int(self.lengths.max())}")
-        keep = min(max_len, self.max_len)
-        lengths, uniform = self.lengths.clone(), list(self.uniform)
-        shape = (*self.k.shape[:3], max_len, self.k.shape[4])
-        k = self.k.new_zeros(shape)
-        v = self.v.new_zeros(shape)
-        k[:, :, :, :keep].copy_(self.k[:, :, :, :keep])
-        v[:, :, :, :keep].copy_(self.v[:, :, :, :keep])
-        self._attach(k, v)
+        """Reallocate to max_len slots per row (the windowed layers' buffer: window_slots() of it), keeping every
+        row's valid slots (max_len below a row's length is an error). The object stays the same, so whoever holds it
+        sees the new memory."""
+        longest = int(self.logical_lengths().max())
+        if max_len < longest:
+            raise ValueError(f"cannot shrink the cache to {max_len} slots: a row holds {longest}")
+        win = window_slots(self.windows, max_len, self.room)
+        if self.keep_slots and int(self.lengths[self._windowed_layers()].max()) > win:
+            self._compact(list(range(self.batch)))
+            win = max(win, int(self.lengths[self._windowed_layers()].max()))
+        self._realloc(max_len, win)
+
+    def _realloc(self, max_len: int, window_len: int) -> None:
+        """New buffers of max_len slots (window_len for the windowed layers), every row's slots copied."""
+        lengths, shift, uniform = self.lengths.clone(), self.shift.clone(), list(self.uniform)
+        groups = []
+        for layers, k, v in self.groups:
+            slots = window_len if self.windows[layers[0]] else max_len
+            keep = min(slots, k.shape[3])
+            shape = (*k.shape[:3], slots, k.shape[4])
+            nk, nv = k.new_zeros(shape), v.new_zeros(shape)
+            nk[:, :, :, :keep].copy_(k[:, :, :, :keep])
+            nv[:, :, :, :keep].copy_(v[:, :, :, :keep])
+            groups.append((layers, nk, nv))
+        self._attach(groups, max_len)
         self.lengths.copy_(lengths)
+        self.shift.copy_(shift)
         self.uniform = uniform
 
+    def holds(self, row: int, start: int) -> bool:
+        """Whether the windowed layers still hold row `row`'s slots from `start` on (read_slots reads them)."""
+        return not self.keep_slots or start >= int(self.shift[row])
+
     def read_slots(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of row `row`'s keys and values in slots [start, end) of every layer: [L, Hkv, end - start, hd] each."""
-        return self.k[:, row, :, start:end].clone(), self.v[:, row, :, start:end].clone()
+        """Copies of row `row`'s keys and values in slots [start, end) of every layer: [L, Hkv, end - start, hd] each
+        (zeros in the windowed layers where they dropped those slots: see holds)."""
+        if self.k is not None:
+            return self.k[:, row, :, start:end].clone(), self.v[:, row, :, start:end].clone()
+        _, k0, _ = self.groups[0]
+        shape = (len(self.windows), k0.shape[2], end - start, k0.shape[4])
+        out_k, out_v = k0.new_zeros(shape), k0.new_zeros(shape)
+        for layers, k, v in self.groups:
+            lo = start - (int(self.shift[row]) if self.windows[layers[0]] else 0)
+            if lo >= 0:
+                idx = torch.tensor(layers, device=self.device)
+                out_k[idx], out_v[idx] = k[:, row, :, lo : lo + end - start], v[:, row, :, lo : lo + end - start]
+        return out_k, out_v
 
     def write_prefix(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Row `row` starts over holding k, v [L, Hkv, T, hd] in slots [0, T) of every layer (a cached prefix)."""
+        """Row `row` starts over holding k, v [L, Hkv, T, hd] in slots [0, T) of every layer (a cached prefix); the
+        windowed layers take its last keep_slots where all of it would leave no room."""
         t = k.shape[2]
-        self._check_room(0, t)
-        self.k[:, row, :, :t].copy_(k)
-        self.v[:, row, :, :t].copy_(v)
+        if t > self.max_len:
+            raise ValueError(f"KV cache overflow: a prefix of {t} slots, have {self.max_len}")
+        if self.k is not None:
+            self.k[:, row, :, :t].copy_(k)
+            self.v[:, row, :, :t].copy_(v)
+            self.truncate(torch.tensor([row]), torch.tensor([t]))
+            return
+        shift = 0
+        for layers, kb, vb in self.groups:
+            idx = torch.tensor(layers, device=k.device)
+            if self.windows[layers[0]]:
+                shift = t - self.keep_slots if t > kb.shape[3] else 0
+            first = shift if self.windows[layers[0]] else 0
+            kb[:, row, :, : t - first].copy_(k[idx, :, first:])
+            vb[:, row, :, : t - first].copy_(v[idx, :, first:])
+        self.shift[row] = 0
+        self.truncate(torch.tensor([row]), torch.zeros(1, dtype=torch.int64))  # (resets the shift)
+        self.shift[row] = shift
         self.truncate(torch.tensor([row]), torch.tensor([t]))

@@ -329,9 +329,12 @@ class DecoderModel:
         """The decoder layers this model holds: config.num_hidden_layers, or 1 for a draft head's layer."""
         return len(self.w.layers)
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, room: int = 256) -> KVCache:
+        """A cache of max_len slots a row; the sliding-window layers keep their window plus `room` slots (the most a
+        forward writes at once: more grows them)."""
         c = self.config
-        return KVCache(self.num_layers, batch, c.num_key_value_heads, max_len, c.head_dim, self.kv_dtype, self.device)
+        return KVCache(self.num_layers, batch, c.num_key_value_heads, max_len, c.head_dim, self.kv_dtype, self.device,
+                       self.windows, room)
 
     # ---- the layer-by-layer API -------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -478,7 +481,8 @@ class DecoderModel:
         are not copied to the host then: a device's pass does not wait on it)."""
         n, t, _ = h.shape
         if (n_valid is not None or (t > 1 and (tree is None or tree.shape[-1] != t))
-                or type(cache) is not KVCache or not self._stackable or self.linears[0]._prefill(h)):
+                or type(cache) is not KVCache or cache.k is None or not self._stackable
+                or self.linears[0]._prefill(h)):
             return None
         rows = None if rows is None else rows.cpu()
         starts = cache.row_lengths(rows)

@@ -125,7 +125,7 @@ def time_steps(config, batch: int, variants: list[Variant], repeats: int = 3, co
         fmt, dtype = v.fmt, v.act
         model = random_model(config, fmt, dtype, gen, v.held_head)
         cache = model.new_cache(batch, context + max(tokens))
-        cache.k.normal_(generator=gen), cache.v.normal_(generator=gen)  # a prompt's K/V: random, no prefill to run
+        cache.randomize(gen)  # a prompt's K/V: random, no prefill to run
         cache.truncate(rows, base)
         x = {t: torch.randn(batch, t, config.hidden_size, generator=gen).to(dtype) for t in tokens}
         chain = {t: torch.tril(torch.ones(t, t, dtype=torch.bool)).expand(batch, t, t) for t in tokens}

@@ -717,7 +717,7 @@ def measure_costs(table: CostTable, model, draft, batch: int, max_tokens: int, p
     rows = torch.arange(batch)
     base = torch.full((batch,), prefix)
     kv_gen = torch.Generator(device=dev).manual_seed(0)
-    cache.k.normal_(generator=kv_gen), cache.v.normal_(generator=kv_gen)  # a prompt's K/V (random: no prefill to run)
+    cache.randomize(kv_gen)  # a prompt's K/V (random: no prefill to run)
     cache.truncate(rows, base)
 
     def verify(t: int) -> None:
