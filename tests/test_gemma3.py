@@ -111,3 +111,26 @@ def test_its_own_blocks_give_fp32s_greedy_tokens(engine, prompts):
     got = native.generate(prompts, max_new_tokens=N_TOKENS, mode="dense", ignore_eos=True)
     want = engine.generate(prompts, max_new_tokens=N_TOKENS, mode="dense", ignore_eos=True)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+def test_the_local_layers_keep_their_window_past_it(engine, hf, prompts):
+    """Prompt chunks of 64: the 15 local layers hold 512 + 64 + WINDOW_HEADROOM slots a row, and a 700-token prompt
+    and its decode run past that (their slots move to the front of the buffer, KVCache._compact): greedy tokens
+    still equal transformers', and a row of 4,096 slots takes 40% of the KV bytes it would hold in every layer."""
+    from specee_core.decode.core import WINDOW_HEADROOM
+    from specee_core.decode.engine import EngineOptions
+
+    small = SpecEEEngine(engine.model, engine.tokenizer, EngineOptions(prefill_chunk=64))
+    rows = [json.loads(line)["prompt"] for line in open(REPO / "prompts" / "instructions_heldout.jsonl")]
+    text, i = prompts[-1], 0
+    while len(small.encode_prompt(text)) < 700:
+        text, i = text + "\n\n" + rows[10 + i], i + 1
+    ids = small.encode_prompt(text)[:700]
+    assert len(ids) > 512 + 64 + WINDOW_HEADROOM
+    got = small.generate([small.tokenizer.decode(ids)], max_new_tokens=N_TOKENS, mode="dense", ignore_eos=True)[0]
+    x = torch.tensor([small.encode_prompt(small.tokenizer.decode(ids))])
+    want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=N_TOKENS, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)[0, x.shape[1]:].tolist()
+    assert got.token_ids == want
+    full = small.slot_bytes() * 4096
+    assert small.row_bytes(4096, 64 + WINDOW_HEADROOM) < 0.4 * full
