@@ -31,25 +31,25 @@ class KVCache:
                  room: int = 256):
         """windows: per layer its sliding window or None (every slot); room: slots a windowed layer holds beyond the
         longest window (a forward that writes more grows its buffer)."""
-        self.windows = list(windows) if windows is not None else [None] * num_layers
-        if len(self.windows) != num_layers:
-            raise ValueError(f"{len(self.windows)} windows for {num_layers} layers")
-        self.keep_slots = max((w for w in self.windows if w), default=0)  # what a windowed layer must keep
-        self.room = room
-        win = window_slots(self.windows, max_len, room)
+        windows = list(windows) if windows is not None else [None] * num_layers
+        if len(windows) != num_layers:
+            raise ValueError(f"{len(windows)} windows for {num_layers} layers")
+        self._configure(windows, room)
+        win = window_slots(windows, max_len, room)
+        full = [i for i, w in enumerate(windows) if not w]
         groups = []
-        for layers, slots in ((self._full_layers(), max_len), (self._windowed_layers(), win)):
+        for layers, slots in ((full, max_len), (self.windowed, win)):
             if layers:
                 shape = (len(layers), batch, num_kv_heads, slots, head_dim)
                 groups.append((layers, torch.zeros(shape, dtype=dtype, device=device),
                                torch.zeros(shape, dtype=dtype, device=device)))
         self._attach(groups, max_len)
 
-    def _full_layers(self) -> list[int]:
-        return [i for i, w in enumerate(self.windows) if not w]
-
-    def _windowed_layers(self) -> list[int]:
-        return [i for i, w in enumerate(self.windows) if w]
+    def _configure(self, windows: list[int | None], room: int) -> None:
+        self.windows, self.room = windows, room
+        self.windowed = [i for i, w in enumerate(windows) if w]  # the layers whose buffer keeps their window
+        self.keep_slots = max((w for w in windows if w), default=0)  # what a windowed layer must keep
+        self._windowed_mask = torch.tensor([1 if w else 0 for w in windows], dtype=torch.int64)  # [L]
 
     def _attach(self, groups: list[tuple[list[int], torch.Tensor, torch.Tensor]], max_len: int) -> None:
         """groups: (layers, k, v [len(layers), B, Hkv, S, hd]) of the full layers (S = max_len) and of the windowed
@@ -85,7 +85,7 @@ class KVCache:
         if n > self.batch:
             raise ValueError(f"cache has {self.batch} rows, {n} requested")
         view = KVCache.__new__(KVCache)
-        view.windows, view.keep_slots, view.room = self.windows, self.keep_slots, self.room
+        view._configure(self.windows, self.room)
         view._attach([(layers, k[:, :n], v[:, :n]) for layers, k, v in self.groups], self.max_len)
         return view
 
@@ -171,10 +171,7 @@ class KVCache:
         """[L, B] each layer's length of each row in the row's own slots (lengths plus what windowed layers dropped)."""
         if not self.keep_slots:
             return self.lengths
-        return self.lengths + self.shift[None, :] * self._windowed_mask()[:, None]
-
-    def _windowed_mask(self) -> torch.Tensor:
-        return torch.tensor([1 if w else 0 for w in self.windows], dtype=torch.int64)
+        return self.lengths + self.shift[None, :] * self._windowed_mask[:, None]
 
     def _check_room(self, layer: int, end: int) -> None:
         slots = self.window_len if self.windows[layer] else self.max_len
@@ -186,12 +183,15 @@ class KVCache:
         buffer has every windowed layer's slots moved to the front, keeping the last keep_slots of its shortest
         one (what a window still sees); where that is not room enough (a chunk longer than `room`), the buffer
         grows."""
+        cap = self.window_len
+        longest = self.uniform[layer]
+        if (longest if longest is not None else int(self._lens[layer].max())) + t <= cap:
+            return  # (every row has room: the step's common case, one look)
         rows_host = torch.arange(self.batch) if rows is None else rows.cpu()
         lens = self.lengths[layer, rows_host]
         end = int((lens + self.shift[rows_host]).max()) + t
         if end > self.max_len:
             raise ValueError(f"KV cache overflow at layer {layer}: need {end} slots, have {self.max_len}")
-        cap = self.window_len
         over = rows_host[lens + t > cap]
         if len(over) == 0:
             return
@@ -203,7 +203,7 @@ class KVCache:
     def _compact(self, rows: list[int]) -> None:
         """Move each row's windowed slots to the front of its buffer, keeping the last keep_slots of its shortest
         windowed layer (the others keep as many more as they hold beyond it)."""
-        layers = self._windowed_layers()
+        layers = self.windowed
         _, k, v = self.groups[-1]
         for r in rows:
             held = self.lengths[layers, r]
@@ -357,7 +357,7 @@ class KVCache:
         if self.keep_slots:
             if first_layer == 0:
                 self.shift[rows[lengths == 0]] = 0
-            phys = lengths[None, :] - self.shift[rows][None, :] * self._windowed_mask()[first_layer:, None]
+            phys = lengths[None, :] - self.shift[rows][None, :] * self._windowed_mask[first_layer:, None]
             if bool((phys < 0).any()):
                 raise ValueError("cannot truncate a row below the slots its windowed layers dropped")
             self.lengths[first_layer:, rows] = phys
@@ -404,9 +404,9 @@ class KVCache:
         if max_len < longest:
             raise ValueError(f"cannot shrink the cache to {max_len} slots: a row holds {longest}")
         win = window_slots(self.windows, max_len, self.room)
-        if self.keep_slots and int(self.lengths[self._windowed_layers()].max()) > win:
+        if self.keep_slots and int(self.lengths[self.windowed].max()) > win:
             self._compact(list(range(self.batch)))
-            win = max(win, int(self.lengths[self._windowed_layers()].max()))
+            win = max(win, int(self.lengths[self.windowed].max()))
         self._realloc(max_len, win)
 
     def _realloc(self, max_len: int, window_len: int) -> None:
@@ -464,7 +464,5 @@ class KVCache:
             first = shift if self.windows[layers[0]] else 0
             kb[:, row, :, : t - first].copy_(k[idx, :, first:])
             vb[:, row, :, : t - first].copy_(v[idx, :, first:])
-        self.shift[row] = 0
-        self.truncate(torch.tensor([row]), torch.zeros(1, dtype=torch.int64))  # (resets the shift)
         self.shift[row] = shift
         self.truncate(torch.tensor([row]), torch.tensor([t]))
