@@ -37,22 +37,16 @@ the builder and each replica refuse to start, unless allow_open=True (then they 
 import asyncio
 import json
 import logging
-import math
-import os
 import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray import serve
 from ray.serve import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -60,251 +54,25 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specee_core import PromptError, SpecEEEngine
 from specee_core.decode.core import Request as EngineRequest
 from specee_core.decode.core import Runner
-from specee_core.decode.engine import MODES
 from specee_core.machine import machine_facts
 from specee_core.step.sampling import SamplingParams
 from specee_core.step.stops import cut_at_stop
-from pipeline.openai_protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRequest, CompletionRequest, chat_chunk,
+from pipeline.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk,
                                       chat_logprobs, chat_response, completion_chunk, completion_logprobs,
                                       completion_response, error_body, new_id, parse_body, request_body,
                                       specee_summary, sse, usage, usage_chunk)
-from pipeline.sampling import choice_params
-from pipeline.serve_access import bearer_ok, check_exposure, read_keys_file, serve_http_host
+from pipeline.serve_access import bearer_ok, check_exposure, serve_http_host
+from pipeline.serve_args import ServeArgs, deployment_options, node_resources, replicas_per_node
+from pipeline.serve_http import EventStream, engine_error, hung_up, read_body, request_id, rss_mb
 from pipeline.serve_metrics import PROMETHEUS_TEXT, EngineMetrics
+from pipeline.serve_requests import Admission, Submitted, Ticket, Work, pick_mode, sampling_params
 from pipeline.stream_text import StreamText
 
 # under ray.serve: Serve's replica log handler (file and console, with the request id) takes these too
 log = logging.getLogger("ray.serve.specee")
 
-REPO = Path(__file__).resolve().parents[1]
-MAX_BODY_BYTES = 4 << 20  # far beyond any prompt that fits the context; bounds tokenizer work
 INLINE_PARSE_BYTES = 64 << 10  # bodies up to this are parsed on the event loop, larger ones on a thread
-API_KEYS_ENV = "SPECEE_API_KEYS"  # comma-separated; the api_keys argument when it is not given
-API_KEYS_FILE_ENV = "SPECEE_API_KEYS_FILE"  # the api_keys_file argument when it is not given
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-ROUTE_HEADROOM = 16  # requests Serve hands a replica beyond its admission: health, metrics, model list, 429s
-SERVE_MAX_REPLICAS = 100  # Serve's default max_replicas when autoscaling
-
-
-class ServeArgs(BaseModel):
-    """Arguments of the app builder: `serve run pipeline.serve:app key=value ...` (values arrive as
-    strings and are converted) or `args:` in serve_config.yaml."""
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-    model: str = Field(default_factory=lambda: os.environ.get("SPECEE_MODEL", "models/smollm2-135m-instruct"))
-    model_name: str | None = None  # the name clients send; default: the model directory's name
-    # auto (lossless: dense or speculative steps, whichever the plan measured here expects to be faster)
-    mode: Literal["auto", "dense", "specee", "spec"] = Field(
-        default_factory=lambda: os.environ.get("SPECEE_MODE") or "auto")
-    device: str = "cpu"
-    # auto: bf16 where the hardware computes it natively (CUDA, CPUs with avx512_bf16/AMX), else float32
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # auto: the checkpoint's own low-bit format (a GGUF's Q4_1) where its kernel is faster here, else the dtype
-    weights: Literal["auto", "fp32", "bf16", "q8", "q4"] = "auto"
-    engine_options: dict = Field(default_factory=dict)  # more SpecEEEngine.from_pretrained options
-    max_batch_size: int = Field(8, ge=1)  # rows decoding at once
-    prefill_chunk: int = Field(256, ge=1)  # prompt tokens prefilled per step (one lane)
-    max_tokens_limit: int | None = Field(None, ge=1)  # default: the context length - 1
-    stall_timeout_s: float = Field(600.0, gt=0)  # a decode step running longer fails the health check
-    num_cpus: float = Field(1.0, gt=0)  # per replica
-    num_gpus: float | None = Field(None, ge=0)  # per replica; default: 1 when device is cuda, else 0
-    # replicas: a fixed count, or "auto" (autoscaled on ongoing requests, bounded by the three below;
-    # giving any of those three autoscales too)
-    num_replicas: int | Literal["auto"] | None = None  # default: 1, or auto with the fields below
-    min_replicas: int | None = Field(None, ge=0)  # default 1 (Serve's)
-    max_replicas: int | None = Field(None, ge=1)  # default 100 (Serve's)
-    target_ongoing_requests: float | None = Field(None, gt=0)  # per replica; default: max_batch_size
-    # clients must send `Authorization: Bearer <one of these>` (401 otherwise); empty: no authentication
-    api_keys: list[str] = Field(default_factory=lambda: os.environ.get(API_KEYS_ENV, ""))
-    # more keys, one a line (blank lines and # comments skipped), read when the app is built
-    api_keys_file: str | None = Field(default_factory=lambda: os.environ.get(API_KEYS_FILE_ENV) or None)
-    # serve without API keys although Serve listens beyond loopback (refused otherwise); logs a warning
-    allow_open: bool = False
-    max_json_depth: int = Field(MAX_JSON_DEPTH, ge=4)  # nesting of arrays and objects in a body
-    max_prompts_per_request: int = Field(64, ge=1)  # a /v1/completions prompt list
-    max_request_tokens: int = Field(65536, ge=1)  # prompt tokens + max_tokens, summed over a request's prompts
-    max_stop_chars: int = Field(256, ge=1)  # per stop string (OpenAI's count limit of 4 applies too)
-    max_chars_per_token: int = Field(32, ge=1)  # a prompt longer than context x this is refused untokenized
-    max_queued_requests: int = Field(64, ge=0)  # waiting beyond max_batch_size running ones: 429 past this
-    max_schema_bytes: int = Field(65536, ge=64)  # a structured-output constraint (schema, pattern, choices) as JSON
-    grammar_timeout_s: float = Field(10.0, gt=0)  # compiling one constraint: a 400 past this
-
-    @field_validator("api_keys", mode="before")
-    @classmethod
-    def _keys(cls, v):
-        keys = v.split(",") if isinstance(v, str) else v
-        return [k.strip() for k in keys if k and k.strip()]
-
-    @field_validator("num_replicas", mode="before")
-    @classmethod
-    def _replicas(cls, v):
-        if v is None or v == "auto":
-            return v
-        if isinstance(v, str) and v.strip().isascii() and v.strip().isdigit():  # from the command line
-            v = int(v)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"num_replicas must be a whole number >= 1 or 'auto', got {v!r}")
-        return v
-
-    @model_validator(mode="after")
-    def _keys_file(self) -> "ServeArgs":
-        if self.api_keys_file:
-            self.api_keys = [*self.api_keys, *read_keys_file(self.api_keys_file)]
-        return self
-
-    @model_validator(mode="after")
-    def _replicas_and_resources(self) -> "ServeArgs":
-        scaling = {k: getattr(self, k) for k in ("min_replicas", "max_replicas", "target_ongoing_requests")
-                   if getattr(self, k) is not None}
-        if scaling and isinstance(self.num_replicas, int):
-            raise ValueError(f"{', '.join(scaling)} autoscale the replicas, but num_replicas={self.num_replicas} "
-                             f"fixes their count: set num_replicas=auto or leave it out")
-        if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas={self.min_replicas} is more than max_replicas={self.max_replicas}")
-        cuda = self.device.split(":")[0] == "cuda"
-        if self.num_gpus is None:
-            self.num_gpus = 1.0 if cuda else 0.0
-        elif self.num_gpus > 0 and not cuda:
-            raise ValueError(f"num_gpus={self.num_gpus:g} reserves GPUs for replicas that run on "
-                             f"device={self.device!r}: set device=cuda, or leave num_gpus out")
-        return self
-
-    @property
-    def autoscaling(self) -> bool:
-        """Whether the replicas are autoscaled (num_replicas auto, or any autoscaling field given)."""
-        return self.num_replicas == "auto" or any(
-            v is not None for v in (self.min_replicas, self.max_replicas, self.target_ongoing_requests))
-
-    @field_validator("model")
-    @classmethod
-    def _model_dir(cls, v: str) -> str:
-        # absolute, so replicas find it whatever their working directory is
-        p = Path(v).expanduser()
-        for cand in ([p] if p.is_absolute() else [Path.cwd() / p, REPO / p]):
-            if cand.is_dir():
-                return str(cand.resolve())
-        raise ValueError(f"model directory {v!r} not found (looked in {Path.cwd()} and {REPO})")
-
-    @field_validator("engine_options", mode="before")
-    @classmethod
-    def _json_options(cls, v):
-        return json.loads(v) if isinstance(v, str) else v  # from the command line: a JSON object
-
-
-def sampling_params(params: dict) -> SamplingParams:
-    """The engine's SamplingParams of a request's sampling() dict (ValueError for a value it refuses)."""
-    p = {k: v for k, v in params.items() if k != "max_disagreement"}
-    return SamplingParams(**{**p, "stop": list(p["stop"]), "stop_token_ids": list(p["stop_token_ids"])})
-
-
-@dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, params is a dict
-class Work:
-    """One request's engine work: a prompt per choice (each prompt n times in a row) and its sampling."""
-    prompts: tuple[str, ...]
-    params: dict  # OpenAIRequest.sampling(): SamplingParams fields and max_disagreement
-    mode: str
-    ids: tuple = ()  # the prompts' token ids (what the engine runs)
-
-    def engine_requests(self, on_token=None) -> list[EngineRequest]:
-        """The engine requests that run this work: one for all choices, or, when sampling with a seed,
-        one per choice seeded with seed + its index (as vLLM does): a row's draws are keyed by its seed, so
-        each choice is its own and the same whatever runs beside it (n, the other prompts, preemption)."""
-        params = sampling_params(self.params)
-        kw = {"max_disagreement": self.params.get("max_disagreement")}
-        ids = [list(i) for i in self.ids]
-        if params.seed is None or params.greedy or len(ids) == 1:
-            return [EngineRequest(ids, params, self.mode, on_token=on_token, **kw)]
-        return [EngineRequest([row], choice_params(params, k), self.mode,
-                              on_token=None if on_token is None else partial(_shifted, on_token, k), **kw)
-                for k, row in enumerate(ids)]
-
-
-def _shifted(on_token, k: int, i: int, *rest) -> None:
-    """on_token of the engine request that runs choice k alone: its prompt 0 is the work's choice k."""
-    on_token(k + i, *rest)
-
-
-class Submitted:
-    """A Work's engine requests, submitted together to the runner: one future of all their results in
-    the work's order; cancel() stops every one."""
-
-    def __init__(self, runner: Runner, requests: list[EngineRequest]):
-        self.requests = requests
-        futures = []
-        try:
-            for r in requests:
-                futures.append(asyncio.wrap_future(runner.submit(r)))
-        except BaseException:
-            self.cancel()
-            raise
-        self.future = asyncio.gather(*futures)
-
-    async def results(self) -> list:
-        return self.joined(await self.future)
-
-    @staticmethod
-    def joined(parts: list[list]) -> list:
-        """The requests' results (one list each) as the work's, in its order."""
-        return [r for part in parts for r in part]
-
-    def cancel(self) -> None:
-        for r in self.requests:
-            if not r.done:
-                r.cancel()
-
-    @property
-    def peak_batch(self) -> int:
-        return max(r.peak_batch for r in self.requests)
-
-
-def pick_mode(requested: str | None, *, has_predictors: bool) -> str:
-    """The decode mode to run: `requested` when given, else auto (lossless on every model: without a
-    draft head it drafts by prompt lookup). ValueError for a requested mode the model cannot run."""
-    if requested is None:
-        return "auto"
-    if requested not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {requested!r}")
-    if requested == "specee" and not has_predictors:
-        raise ValueError("mode 'specee' is not available: this model has no predictors")
-    return requested
-
-
-class Admission:
-    """Requests admitted into a replica: up to `running` (a batch) plus `queued` waiting; beyond
-    that a request gets 429 with Retry-After, from the mean request time seen so far."""
-
-    def __init__(self, running: int, queued: int):
-        self.capacity = running + queued
-        self.running = running
-        self.active = 0
-        self.mean_s = 1.0  # exponential average of admitted requests' seconds
-
-    def enter(self) -> "Ticket":
-        if self.active >= self.capacity:
-            waiting = self.active - self.running + 1
-            retry = min(60, max(1, math.ceil(self.mean_s * waiting / self.running)))
-            raise APIError(f"the server has {self.active} requests in hand (at most {self.capacity}): retry in "
-                           f"{retry} s", status=429, type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(retry)})
-        self.active += 1
-        return Ticket(self)
-
-    def leave(self, seconds: float) -> None:
-        self.active -= 1
-        self.mean_s += 0.1 * (seconds - self.mean_s)
-
-
-class Ticket:
-    """One admitted request; released exactly once (explicitly, or when a stream that never ran is
-    garbage-collected)."""
-
-    def __init__(self, admission: Admission):
-        self.admission, self.t0, self.done = admission, time.monotonic(), False
-
-    def release(self) -> None:
-        if not self.done:
-            self.done = True
-            self.admission.leave(time.monotonic() - self.t0)
 
 
 class _StreamCancelled(Exception):
@@ -345,95 +113,6 @@ async def _server_error(request: Request, e: Exception) -> JSONResponse:
         return JSONResponse(error_body("client closed the request", code="client_closed"), status_code=CLIENT_CLOSED)
     log.exception("unhandled error on %s (request %s)", request.url.path, request_id(request))
     return JSONResponse(error_body("internal server error", type="server_error"), status_code=500)
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events whose client may hang up. Under Serve, receive() reports the hang-up as a
-    TaskCancelledError rather than an http.disconnect message; taken as the disconnect it is, the
-    stream ends quietly (its generator logs the hang-up at info) instead of as a failed request."""
-
-    async def listen_for_disconnect(self, receive) -> None:
-        try:
-            await super().listen_for_disconnect(receive)
-        except Exception as e:  # noqa: BLE001 -- only a hang-up is swallowed
-            if not hung_up(e):
-                raise
-
-
-def rss_mb() -> float:
-    """This process's resident memory in MB (Linux /proc; 0 elsewhere)."""
-    from specee_core.machine import resident_memory
-
-    return round(resident_memory()[0] / 2**20, 1)
-
-
-def hung_up(e: BaseException) -> bool:
-    """Whether e is how a request ends when its client goes away: the request task cancelled."""
-    from ray.exceptions import TaskCancelledError
-
-    return isinstance(e, (asyncio.CancelledError, TaskCancelledError))
-
-
-def request_id(request: Request | None = None) -> str:
-    """Serve's id of the request being handled (also sent back as X-Request-Id)."""
-    try:
-        return serve.context._get_serve_request_context().request_id or "-"
-    except Exception:  # noqa: BLE001 -- outside a request (tests calling handlers directly)
-        return request.headers.get("x-request-id", "-") if request is not None else "-"
-
-
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
-    """The raw request body, refusing bodies over `limit` bytes without reading them whole."""
-    declared = request.headers.get("content-length", "")
-    # ASCII digits ("²" passes isdigit alone), and few enough for int() (it refuses over 4,300 digits)
-    if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
-        raise APIError(f"request body is {declared} bytes; the limit is {limit}", status=413, code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(f"request body is over the limit of {limit} bytes", status=413, code="body_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def engine_error(e: Exception) -> APIError:
-    """An exception from SpecEEEngine.generate as the client sees it."""
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, ValueError):  # PromptError included; inputs are checked before, so this is rare
-        return APIError(str(e))
-    log.error("engine call failed: %r", e, exc_info=e)
-    return APIError(f"generation failed: {type(e).__name__}", status=500, type="server_error")
-
-
-def replicas_per_node(args: ServeArgs, node_cpus: float, node_gpus: float) -> int:
-    """The most replicas of this app that can share one node's memory: its CPUs (or, on CUDA, one GPU's share)
-    over a replica's, capped by the replica count (fixed, or autoscaling's maximum). The default KV budget of each
-    is its share of the free memory, so together they never take more than one engine would."""
-    if isinstance(args.num_replicas, int):
-        most = args.num_replicas
-    else:
-        most = (args.max_replicas or SERVE_MAX_REPLICAS) if args.autoscaling else 1
-    if args.device.split(":")[0] == "cuda":  # device memory: the replicas that share one GPU
-        fit = math.floor(1 / args.num_gpus) if 0 < args.num_gpus < 1 else 1
-    else:
-        fit = math.floor(node_cpus / args.num_cpus) if node_cpus else most
-    return max(1, min(most, fit))
-
-
-def node_resources() -> tuple[float, float]:
-    """(CPUs, GPUs) of the Ray node this process runs on; (0, 0) outside Ray."""
-    import ray
-
-    if not ray.is_initialized():
-        return 0.0, 0.0
-    me = ray.get_runtime_context().get_node_id()
-    for node in ray.nodes():
-        if node.get("NodeID") == me:
-            res = node.get("Resources", {})
-            return float(res.get("CPU", 0)), float(res.get("GPU", 0))
-    return 0.0, 0.0
 
 
 # (functions the replica calls are defined above it: Serve pickles the class by value where it is decorated)
@@ -886,27 +565,6 @@ class SpecEEServer:
         weakref.finalize(gen, ticket.release)  # (or this) gives its place back
         return EventStream(gen, media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def deployment_options(args: ServeArgs) -> dict:
-    """SpecEEServer.options(...) for these args: each replica's CPUs and GPUs, how many requests Serve hands it,
-    and the replica count, fixed or autoscaled (Serve's defaults for what is not given, except
-    target_ongoing_requests: max_batch_size, a full batch per replica before another one starts)."""
-    actor = {"num_cpus": args.num_cpus}
-    if args.num_gpus:
-        actor["num_gpus"] = args.num_gpus
-    # above the app's own admission (running + queued): past that a request gets the app's 429 with Retry-After,
-    # never a wait unseen in Serve's queue and then the proxy's 503
-    options: dict = {"ray_actor_options": actor,
-                     "max_ongoing_requests": args.max_batch_size + args.max_queued_requests + ROUTE_HEADROOM}
-    if args.autoscaling:
-        scaling = {"min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
-                   "target_ongoing_requests": args.target_ongoing_requests or args.max_batch_size}
-        options["num_replicas"] = "auto"
-        options["autoscaling_config"] = {k: v for k, v in scaling.items() if v is not None}
-    elif args.num_replicas is not None:
-        options["num_replicas"] = args.num_replicas
-    return options
 
 
 def app(args: dict) -> Application:

@@ -128,7 +128,7 @@ def post(server: str, path: str, content: bytes | dict, **kw) -> httpx.Response:
 
 # ---- the replica class and its builder, without a cluster -------------------------------------
 def test_builder_args(dirs, monkeypatch):
-    from pipeline.serve import ServeArgs
+    from pipeline.serve_args import ServeArgs
 
     monkeypatch.setenv("SPECEE_MODEL", str(dirs[0]))
     a = ServeArgs.model_validate({"max_batch_size": "4", "num_cpus": "0.5", "engine_options": '{"context_len": 128}'})
@@ -141,7 +141,8 @@ def test_builder_args(dirs, monkeypatch):
 
 def test_deployment_options():
     """A GPU per replica when device is cuda; replica counts and autoscaling reach Serve's deployment."""
-    from pipeline.serve import ServeArgs, app, deployment_options
+    from pipeline.serve import app
+    from pipeline.serve_args import ServeArgs, deployment_options
 
     def options(**kw):
         return deployment_options(ServeArgs.model_validate({"model": str(BUNDLED), **kw}))
@@ -170,7 +171,7 @@ def test_deployment_options():
 def test_replicas_share_one_kv_budget_per_node():
     """The default KV budget is a share of the node's free memory: it is split over the replicas of the app that
     the node can hold (its CPUs over a replica's, or a GPU's share), capped by the replica count."""
-    from pipeline.serve import ServeArgs, replicas_per_node
+    from pipeline.serve_args import ServeArgs, replicas_per_node
 
     def per_node(cpus, gpus=0.0, **kw):
         return replicas_per_node(ServeArgs.model_validate({"model": str(BUNDLED), **kw}), cpus, gpus)
@@ -186,7 +187,7 @@ def test_replicas_share_one_kv_budget_per_node():
 
 def test_api_keys_file(tmp_path, monkeypatch):
     """Keys from api_keys_file (or SPECEE_API_KEYS_FILE) join api_keys; a file without keys is an error naming it."""
-    from pipeline.serve import ServeArgs
+    from pipeline.serve_args import ServeArgs
 
     monkeypatch.delenv("SPECEE_API_KEYS", raising=False)
     keys = tmp_path / "keys"
@@ -209,7 +210,8 @@ def test_builder_and_replica_refuse_an_open_host_without_keys(monkeypatch, caplo
     from ray.serve import context
     from ray.serve.config import HTTPOptions
 
-    from pipeline.serve import ServeArgs, SpecEEServer, app
+    from pipeline.serve import SpecEEServer, app
+    from pipeline.serve_args import ServeArgs
 
     class Client:  # Serve's controller client, as a replica or `serve deploy`'s builder finds it
         http_config = HTTPOptions(host="0.0.0.0")
@@ -245,7 +247,7 @@ def test_builder_and_replica_refuse_an_open_host_without_keys(monkeypatch, caplo
     ({"num_gpus": -1, "device": "cuda"}, "num_gpus\n  Input should be greater than or equal to 0"),
 ])
 def test_bad_deployment_args_name_the_argument(args, message):
-    from pipeline.serve import ServeArgs
+    from pipeline.serve_args import ServeArgs
 
     with pytest.raises(ValueError) as e:
         ServeArgs.model_validate({"model": str(BUNDLED), **args})
@@ -259,7 +261,7 @@ def test_serve_config_is_valid():
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
-    from pipeline.serve import ServeArgs, deployment_options
+    from pipeline.serve_args import ServeArgs, deployment_options
 
     config = ServeDeploySchema.model_validate(yaml.safe_load((REPO / "serve_config.yaml").read_text()))
     application = config.applications[0]
@@ -289,7 +291,7 @@ def test_read_body_takes_only_an_ascii_content_length():
     from starlette.requests import Request
 
     from pipeline.openai_protocol import APIError
-    from pipeline.serve import read_body
+    from pipeline.serve_http import read_body
 
     async def receive():
         return {"type": "http.request", "body": b"{}", "more_body": False}
@@ -310,13 +312,13 @@ def test_read_body_takes_only_an_ascii_content_length():
     ("spec", False, "spec"),  # without a draft head spec proposes by prompt lookup
 ])
 def test_pick_mode(requested, has_predictors, mode):
-    from pipeline.serve import pick_mode
+    from pipeline.serve_requests import pick_mode
 
     assert pick_mode(requested, has_predictors=has_predictors) == mode
 
 
 def test_pick_mode_refuses_what_the_model_cannot_run():
-    from pipeline.serve import pick_mode
+    from pipeline.serve_requests import pick_mode
 
     with pytest.raises(ValueError, match="no predictors"):
         pick_mode("specee", has_predictors=False)
