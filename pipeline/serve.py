@@ -52,8 +52,8 @@ from ray.serve import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specee_core import PromptError, SpecEEEngine
-from specee_core.decode.core import Request as EngineRequest
-from specee_core.decode.core import Runner
+from specee_core.decode.request import Request as EngineRequest
+from specee_core.decode.runner import Runner
 from specee_core.machine import machine_facts
 from specee_core.step.sampling import SamplingParams
 from specee_core.step.stops import cut_at_stop

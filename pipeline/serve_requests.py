@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass
 from functools import partial
 
-from specee_core.decode.core import Request as EngineRequest
-from specee_core.decode.core import Runner
+from specee_core.decode.request import Request as EngineRequest
+from specee_core.decode.runner import Runner
 from specee_core.decode.engine import MODES
 from specee_core.step.sampling import SamplingParams
 from pipeline.openai_protocol import APIError

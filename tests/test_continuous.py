@@ -10,7 +10,9 @@ import time
 import pytest
 import torch
 
-from specee_core.decode.core import CancelledRequest, EngineCore, Request, Runner
+from specee_core.decode.core import EngineCore
+from specee_core.decode.request import CancelledRequest, Request
+from specee_core.decode.runner import Runner
 from specee_core.step.sampling import SamplingParams
 from tests.conftest import CODE_PROMPTS
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from specee_core import PromptError
-from specee_core.decode.core import EngineCore, Request
+from specee_core.decode.core import EngineCore
+from specee_core.decode.request import Request
 from specee_core.step.sampling import SamplingParams
 from tests.conftest import CODE_PROMPTS
 

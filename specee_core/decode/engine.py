@@ -20,7 +20,9 @@ from specee_core.model.loader import find_model_dir, load_model, load_tokenizer
 from specee_core.model.model import DecoderModel
 from specee_core.machine import choose_dtype
 from specee_core.spec.plan import CostTable, Planner, SpecPlan, StepTimes, cost_key, could_pay, load_costs
-from specee_core.decode.core import EngineCore, Request, Runner
+from specee_core.decode.core import EngineCore
+from specee_core.decode.request import Request
+from specee_core.decode.runner import Runner
 from specee_core.decode.dense import DenseStepper
 from specee_core.decode.memory import default_kv_bytes
 from specee_core.step.sampling import SamplingParams
@@ -309,7 +311,7 @@ class SpecEEEngine:
                sampling_params: SamplingParams | list[SamplingParams] | None = None,
                on_token: Callable[[int, int], None] | None = None, priority: int = 0) -> Future:
         """generate without waiting (any thread): the prompts join the rows the engine core is decoding now,
-        on its own thread (specee_core.decode.core.Runner), and the Future's result is their
+        on its own thread (specee_core.decode.runner.Runner), and the Future's result is their
         GenerationResults in prompt order, or the first error of one. Calls made while others run share
         their decode steps; free rows go to the calls of the lowest priority first (then one row per call in
         turn). Bad prompts or options raise here, before anything is queued."""
