@@ -18,7 +18,7 @@ from jobs.cli import emit_json, parse_config
 from specee_core import SpecEEEngine
 from specee_core.model.config import resolve_dtype
 from specee_core.machine import machine_facts
-from specee_core.spec.plan import CostTable
+from specee_core.spec.costs import CostTable
 
 
 @dataclass

@@ -71,7 +71,8 @@ def drafting_plan(engine):
     """mode="auto" on engine with a table where drafting pays (verifying more tokens costs next to nothing) and no
     learning from wall time (StepTimes(decay=1): nor the measured check): which steps draft then depends on the
     acceptance seen, not on this machine's speed at the moment. The engine's own plan comes back after."""
-    from specee_core.spec.plan import T_GRID, CostTable, StepTimes
+    from specee_core.spec.costs import T_GRID, CostTable
+    from specee_core.spec.plan import StepTimes
 
     sizes = (1, 2, 4, 8, 16, 32, 64)
     flat = CostTable(key={"synthetic": True}, verify={b: [10.0 + 0.02 * t for t in T_GRID] for b in sizes},

@@ -9,9 +9,10 @@ import torch
 
 from specee_core import SamplingParams, SpecEEEngine
 from specee_core.machine import choose_dtype
-from specee_core.spec.plan import (FORCED_PRIOR, PROBE_AHEAD, PROBE_EVERY, T_GRID, TRIAL_STEPS, Acceptance, CostTable,
-                                   Outlook, Planner, RowView, StepPlan, StepTimes, batch_bucket, best_step,
-                                   chains_could_pay, could_pay, expected_tokens, monotone, tokens_var)
+from specee_core.spec.costs import T_GRID, CostTable, monotone
+from specee_core.spec.expected import FORCED_PRIOR, Acceptance, expected_tokens, tokens_var
+from specee_core.spec.plan import (PROBE_AHEAD, PROBE_EVERY, TRIAL_STEPS, Outlook, Planner, RowView, StepPlan,
+                                   StepTimes, best_step, chains_could_pay, could_pay)
 from tests.conftest import BUNDLED, make_hf_model
 
 CODE = ["import os\nimport sys\n\n\ndef main(argv=None):\n", "class Point:\n    def __init__(self, x, y):\n",
@@ -459,7 +460,7 @@ def test_costs_are_measured_once_and_cached_per_machine(monkeypatch, tmp_path):
     def no_measuring(*a, **kw):
         raise AssertionError("measured again although the cache holds the table")
 
-    monkeypatch.setattr("specee_core.spec.plan.measure_costs", no_measuring)
+    monkeypatch.setattr("specee_core.spec.plan.measure_costs", no_measuring)  # (what SpecPlan.ensure calls)
     again = SpecEEEngine.from_pretrained(BUNDLED, dtype="float32").prepare_plan([4])
     assert again.costs.to_json() == plan.costs.to_json()
     described = again.to_json([1, 4])
@@ -472,7 +473,7 @@ def test_a_cost_table_is_the_kernels_where_the_kernel_runs_the_layers(monkeypatc
     from kernels.cpu_ext import source_digest
     from specee_core.model import model as model_module, weight_plan
     from specee_core.model.config import ModelConfig
-    from specee_core.spec.plan import cost_key
+    from specee_core.spec.costs import cost_key
 
     config = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)

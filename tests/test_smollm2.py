@@ -156,7 +156,8 @@ def test_fp32_default_generate_equals_dense_at_batch_1_and_8(fp32_engine, prompt
     """The default mode (auto) is lossless on the real model: whatever this machine's measured plan
     chooses, and with a plan forced to draft deep on every step (a flat cost table), the tokens are
     dense's, for a ragged batch of 8 and one prompt alone."""
-    from specee_core.spec.plan import T_GRID, CostTable, StepTimes
+    from specee_core.spec.costs import T_GRID, CostTable
+    from specee_core.spec.plan import StepTimes
 
     dense = [d[:40] for d in dense]
     plan = fp32_engine.spec_plan()

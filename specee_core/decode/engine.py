@@ -19,7 +19,8 @@ from specee_core.model.kv_cache import window_slots
 from specee_core.model.loader import find_model_dir, load_model, load_tokenizer
 from specee_core.model.model import DecoderModel
 from specee_core.machine import choose_dtype
-from specee_core.spec.plan import CostTable, Planner, SpecPlan, StepTimes, cost_key, could_pay, load_costs
+from specee_core.spec.costs import CostTable, cost_key, load_costs
+from specee_core.spec.plan import Planner, SpecPlan, StepTimes, could_pay
 from specee_core.decode.core import EngineCore
 from specee_core.decode.request import Request
 from specee_core.decode.runner import Runner
