@@ -132,7 +132,7 @@ class ProcessorConfig:
 
     def _take_engine_kwargs(self) -> None:
         """engine_kwargs under the engine's names: vLLM's translated, FLAT ones moved to their fields."""
-        from specee_core.early_exit.step import EarlyExitOptions
+        from specee_core.early_exit.options import EarlyExitOptions
 
         early = {f.name for f in fields(EarlyExitOptions)}
         kept = {}

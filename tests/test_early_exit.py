@@ -121,7 +121,7 @@ def test_bad_options_are_rejected(ee_model_dir):
 
 def test_candidate_scorer_equals_kernel_reference(ee_model_dir):
     from kernels import fused_predictor_reference
-    from specee_core.early_exit.step import CandidateScorer
+    from specee_core.early_exit.walk import CandidateScorer
 
     engine = SpecEEEngine.from_pretrained(ee_model_dir, dtype="float32")
     m, pred = engine.model, engine.early_exit.predictors.layers[1]

@@ -155,7 +155,7 @@ class SpecEEEngine:
 
     def with_options(self, **early_exit_options) -> SpecEEEngine:
         """An engine sharing this one's weights with some early-exit options changed
-        (threshold, verify, kv_mode, ...: see specee_core.early_exit.step.EarlyExitOptions)."""
+        (threshold, verify, kv_mode, ...: see specee_core.early_exit.options.EarlyExitOptions)."""
         if self.early_exit is None:
             raise ValueError("this engine has no predictors: early-exit options do not apply")
         twin = SpecEEEngine(self.model, self.tokenizer, self.options, self.early_exit.with_options(**early_exit_options),
@@ -184,7 +184,7 @@ class SpecEEEngine:
         dtype), "q8" / "q4" (quantized at load; activations in fp32 unless dtype says otherwise), "q8a8" /
         "q4a8" (the same, the linears' activations quantized to int8 per block: llama.cpp's arithmetic), "gguf"
         (a GGUF file's matrices in its own formats: Q4_K, Q6_K, Q5_0 ... blocks as stored, fp32 activations).
-        options: EngineOptions fields and early-exit options (see specee_core.early_exit.step.EarlyExitOptions)."""
+        options: EngineOptions fields and early-exit options (see specee_core.early_exit.options.EarlyExitOptions)."""
         from specee_core.model.quant import ACT8, LOW_BIT, NATIVE, WEIGHT_FORMATS, dtype_name, holds_bf16
         from specee_core.model.weight_plan import choose_weights
 

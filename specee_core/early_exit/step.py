@@ -11,15 +11,16 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
 
-from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration, calibrate_command, check_tolerance
-from specee_core.early_exit.predictors import (DraftRecord, LayerPredictor, PredictorBank, candidate_probs,
-                                               exit_choice, exit_probability, predictor_features)
+from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration, calibrate_command
+from specee_core.early_exit.options import EarlyExitOptions
+from specee_core.early_exit.predictors import DraftRecord, PredictorBank
 from specee_core.early_exit.scheduler import OnlineWindow, PayOffGate, Schedule
+from specee_core.early_exit.walk import CandidateScorer, Decisions, Pending, Proposal, RowStats, Walk
 from specee_core.draft.head import DraftHead, DraftModel
 from specee_core.draft.lookup import lookup_tokens, lookup_veto
 from specee_core.draft.proposer import Proposer
@@ -28,62 +29,6 @@ from specee_core.step.stepper import StepOutput
 log = logging.getLogger(__name__)
 
 PREDICTORS_FILE, DRAFT_DIR, SCHEDULE_FILE = "predictors.safetensors", "draft", "schedule.json"
-
-
-@dataclass
-class EarlyExitOptions:
-    speculator: str = "auto"  # "draft" | "lookup" (prompt lookup, draft as fallback if present) | "auto"
-    # exit when sigmoid(predictor) > threshold; > 1 switches exits off. 0.9, not the paper's 0.5:
-    # on specee-tiny 0.5 agreed with dense on 60% of teacher-forced tokens, 0.9 on 84%
-    threshold: float = 0.9
-    # the quality contract (specee_core.early_exit.calibration): per-layer thresholds such that the share of
-    # exited tokens that differ from the full model's argmax stays <= max_disagreement with this
-    # confidence on held-out calibration data. None: the raw `threshold` above, uncalibrated.
-    max_disagreement: float | None = None
-    confidence: float = 0.95
-    # live audit: this share of steps runs exited rows on to full depth anyway (their output is
-    # unchanged) and counts per exit layer whether the full model agreed; 0 = never
-    audit_fraction: float = 0.0
-    # "local": the token the predictors learnt to trust (PredictorBank.exit_token: the argmax among the k
-    # candidates, or the draft's top one) | "full": LM-head argmax at the exit layer
-    verify: str = "local"
-    # skipped layers' KV: "propagate" (K/V from the exit hidden state) | "gap" (left empty) |
-    # "recompute" (the missing layers run for the exited position in the same chunk as the next token
-    # that runs them: exact KV; on weight-bound hardware a 2-token chunk costs about one token).
-    # recompute by measurement on specee-tiny, batch 1, threshold 0.9: 63% positional agreement with
-    # dense (42% identical sequences) at 63% of layers, propagate 26% (0%) at 66%, gap worse still
-    kv_mode: str = "recompute"
-    # "row": an exited row leaves the batch, later layers run over the rows still active (compacted),
-    # so a batch gets cheaper as rows exit (large batches on a GPU). "batch": exited rows keep flowing
-    # (their KV stays exact) and layers are skipped once every row has exited: on a weight-bound CPU
-    # a layer costs the same for 5 rows as for 8, and compaction's KV gathers cost more than they save.
-    # "auto": row on CUDA, batch elsewhere. Identical at batch 1.
-    skip: str = "auto"
-    window: int | None = None  # online window N; None = the schedule's
-    offsets: tuple[int, ...] | None = None  # online offsets; None = the schedule's
-    explore_every: int = 0  # every n-th step runs every predictor (unbiased stats for re-tuning); 0 = never
-    predictor_backend: str = "auto"  # "auto" (Triton on CUDA) | "triton" | "torch"
-    schedule: str | None = None  # path of a schedule JSON; None = schedule.json beside the model
-    # whether whole steps run dense when SpecEE's exits do not pay for its draft head and predictors here
-    # (scheduler.PayOffGate: the costs timed once per engine, then decided from the exits): "measured";
-    # "off": every step a SpecEE step; "auto": measured on CPUs (host timers see the work), off on CUDA
-    # (asynchronous: a host timer would time the launches)
-    gate: str = "auto"
-
-    def __post_init__(self) -> None:
-        checks = {"speculator": ("auto", "draft", "lookup"), "verify": ("local", "full"),
-                  "kv_mode": ("propagate", "gap", "recompute"), "predictor_backend": ("auto", "triton", "torch"),
-                  "skip": ("auto", "row", "batch"), "gate": ("auto", "measured", "off")}
-        for name, allowed in checks.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if not 0 <= self.threshold:
-            raise ValueError(f"threshold must be >= 0, got {self.threshold}")
-        if self.explore_every < 0:
-            raise ValueError(f"explore_every must be >= 0, got {self.explore_every}")
-        check_tolerance(self.max_disagreement, self.confidence)
-        if not 0.0 <= self.audit_fraction <= 1.0:
-            raise ValueError(f"audit_fraction must be in [0, 1], got {self.audit_fraction}")
 
 
 class EarlyExit:
@@ -195,125 +140,6 @@ def load_early_exit(model_dir: Path, model, tokenizer, draft: DraftModel | None 
     source = "lookup" if opts.speculator == "lookup" or draft is None else "draft"
     calibration = Calibration.load(model_dir / CALIBRATION_FILE) if (model_dir / CALIBRATION_FILE).is_file() else None
     return EarlyExit(model, draft, source, predictors, schedule, opts, calibration, model_dir)
-
-
-class CandidateScorer:
-    """The exit test of one decode step for rows with candidates cand [N, K].
-
-    On CUDA (or backend="triton") each call is one fused Triton launch (kernels.predictor).
-    Otherwise the candidate LM-head rows are gathered once per step with the final RMSNorm's
-    weight folded in, so a layer's candidate logits are a norm scalar and one batched dot
-    product; features and MLP are specee_core.early_exit.predictors' (as in kernels.fused_predictor_reference)."""
-
-    def __init__(self, model, cand: torch.Tensor, backend: str, draft_prob: torch.Tensor | None = None,
-                 exit_token: str = "local", record: torch.Tensor | None = None):
-        self.model, self.cand, self.draft_prob = model, cand, draft_prob  # draft_prob [N, K]: feature set "zpdq"
-        self.record = record  # [N, K]: feature set "zpdqh"
-        self.exit_token = exit_token  # what an exit emits (predictors.exit_choice): the bank's
-        dev = model.device
-        # the fused kernel reads a dense head; a low-bit head's rows are dequantized here instead
-        dense_head = isinstance(model.w.lm_head, torch.Tensor)
-        self.fused = dense_head and (backend == "triton" or (backend == "auto" and dev.type == "cuda"))
-        self._w = None  # the torch path's candidate rows, gathered on first use
-
-    def _logits(self, h: torch.Tensor, sel: torch.Tensor | None) -> torch.Tensor:
-        """Candidate logits z [n, K] of pre-norm hidden states h [n, D] of the rows sel: the candidates'
-        LM-head rows with the final norm's weight folded in (gathered once per step), a norm scalar and
-        one batched dot product."""
-        if self._w is None:
-            self._w = (self.model.head_rows(self.cand) * self.model.w.norm).float()  # [N, K, D]
-        hf = h.float()
-        r = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.model.config.rms_norm_eps)  # [n, 1]
-        w = self._w if sel is None else self._w[sel]
-        return torch.bmm(w, hf.unsqueeze(-1)).squeeze(-1) * r
-
-    def probs(self, h: torch.Tensor, sel: torch.Tensor | None) -> torch.Tensor:
-        """The candidate probabilities [n, K] of pre-norm hidden states h [n, D] of the rows sel: a
-        predictor's previous-layer input (its feature p - prev)."""
-        return candidate_probs(self._logits(h, sel))
-
-    def __call__(self, h: torch.Tensor, sel: torch.Tensor | None, prev: torch.Tensor,
-                 pred: LayerPredictor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """h [n, D] pre-norm hidden of the rows `sel` [n] (indices into N; None = all N rows),
-        prev [n, K] -> (p_exit [n], prob [n, K], the token an exit would emit [n])."""
-        m = self.model
-        cand = self.cand if sel is None else self.cand[sel]
-        q = self.draft_prob if self.draft_prob is None or sel is None else self.draft_prob[sel]
-        rec = self.record if self.record is None or sel is None else self.record[sel]
-        if self.fused:
-            from kernels import predictor_forward
-
-            # the kernel reads rows at stride D; the fp32 CPU norm returns a strided view
-            p_exit, p, local = predictor_forward(m.final_norm(h).contiguous(), cand, m.w.lm_head, prev, pred.w1,
-                                                 pred.b1, pred.w2, pred.b2, backend="triton", draft_prob=q,
-                                                 record=rec)
-            return p_exit, p, local if self.exit_token == "local" else exit_choice(p, cand, self.exit_token)
-        z = self._logits(h, sel)
-        x, p = predictor_features(z, prev, q, rec)
-        return exit_probability(x, pred), p, exit_choice(z, cand, self.exit_token)
-
-
-@dataclass
-class Pending:
-    """An exited position whose deeper layers still lack KV ("recompute"): its hidden state is
-    the input of layer index `next_layer`."""
-    position: int
-    next_layer: int
-    h: torch.Tensor  # [D]
-
-
-@dataclass
-class RowStats:
-    predictor_calls: int = 0
-    explore_histogram: list[int] = field(default_factory=list)
-    # live audit, per exit layer (index l - 1): exits run on to full depth, and those whose token
-    # the full model would not have chosen
-    audit_exits: list[int] = field(default_factory=list)
-    audit_disagree: list[int] = field(default_factory=list)
-
-    @classmethod
-    def empty(cls, num_layers: int) -> RowStats:
-        return cls(explore_histogram=[0] * num_layers, audit_exits=[0] * num_layers, audit_disagree=[0] * num_layers)
-
-
-# One decode step has N "step rows": step row j is batch row alive[j] (and cache row alive[j]).
-# While layers run, the rows still running are the rows of Walk.h, r -> step row Walk.running[r].
-
-
-@dataclass
-class Proposal:
-    """What a step starts from: the alive rows, the tokens they feed, the proposer's candidates."""
-    alive: list[int]  # the batch rows of the step's N rows
-    idx: torch.Tensor | None  # [N] alive on the device; None when every batch row is alive
-    tokens: torch.Tensor  # [N] the tokens fed this step
-    cand: torch.Tensor  # [N, K] candidate token ids
-    draft_prob: torch.Tensor | None  # [N, K] the draft head's probabilities of them, when the predictors read them
-    record: torch.Tensor | None  # [N, K] the draft's recent record (DraftRecord.features), when the predictors read it
-    lookup: torch.Tensor | None  # [N] prompt lookup's next token (-1: no match), when the calibration's veto needs it
-    explore: bool  # every predictor runs this step (unbiased exit statistics for re-tuning)
-    audit: bool  # exited rows run on to full depth and are compared with the full model's argmax
-
-
-@dataclass
-class Walk:
-    """The layer walk of one step: the rows still running layers and what the predictors have seen."""
-    h: torch.Tensor  # [n, 1, D] hidden states of the n running rows
-    rope: tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [n, 1, 1, D/H], of the running rows
-    running: list[int]  # row r of h is step row running[r] (ascending)
-    cache_rows: torch.Tensor | None  # [n] cache rows of the running rows; None: every cache row
-    pred_layers: list[frozenset[int]]  # per step row: the layers after which its predictor runs
-    scorer: CandidateScorer  # the exit test over the proposal's candidates
-    prev: torch.Tensor  # [N, K] candidate probabilities at the layer below each row's next predictor (zeros at layer 1)
-    done: list[bool]  # [N] exited, but still running layers (skip "batch")
-
-
-@dataclass
-class Decisions:
-    """What a step decided per step row."""
-    tokens: torch.Tensor  # [N]
-    layers: list[int]  # [N] the exit layer; L when every layer ran
-    hidden: torch.Tensor  # [N, D] the final-normed hidden state whose logits chose the token
-    choice: torch.Tensor  # [N] the exit's greedy choice (what the audit compares; = tokens when greedy)
 
 
 def _scheduled(layer: int, walk: Walk) -> list[int]:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from specee_core.spec.acceptance import Verdict, accept_greedy
-from specee_core.early_exit.step import CandidateScorer, EarlyExit
+from specee_core.early_exit.step import EarlyExit
+from specee_core.early_exit.walk import CandidateScorer
 from specee_core.early_exit.predictors import PredictorBank
 from specee_core.draft.tree import Draft
 
