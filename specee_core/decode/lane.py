@@ -3,7 +3,6 @@ sampling): one KV cache, one Batch and one stepper; its rows placed, prefilled i
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,16 +11,14 @@ from specee_core.decode.memory import KVBudget, PrefixBlock
 from specee_core.decode.request import Request, Row
 from specee_core.step.state import PREFILL, Batch, GenerationResult
 
-if TYPE_CHECKING:
-    from specee_core.decode.core import EngineCore
-
 _LANE_IDS = itertools.count()
 
 
 class Lane:
-    """Rows sharing decode steps over one KV cache that grows in blocks up to max_len slots per row."""
+    """Rows sharing decode steps over one KV cache that grows in blocks up to max_len slots per row. core: the
+    EngineCore the lane belongs to (its engine, budget, prefix cache, steppers and window room)."""
 
-    def __init__(self, core: EngineCore, key: tuple, request: Request, slots: int, max_len: int, capacity: int):
+    def __init__(self, core, key: tuple, request: Request, slots: int, max_len: int, capacity: int):
         engine = core.engine
         self.core, self.key, self.slots, self.max_len = core, key, slots, max_len
         m = engine.model
