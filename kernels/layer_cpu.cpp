@@ -72,7 +72,7 @@ inline __m256 exp256(__m256 x) {
 // y[i] = exp(x[i] - shift), 0 where x[i] - shift < floor; returns the sum of y. A softmax's floor: a weight
 // under e^-64 (1.6e-28 of the largest) is below fp32's resolution of the sum, and kept it makes denormal products
 // against V (e^-87 is the clamp's 1.2e-38) that cost a microcode assist each: a query whose score on one key is far
-// above the others' (an attention sink) ran 2x slower for it
+// above the others' (an attention sink) ran far slower for it
 inline float exp_shifted(const float* x, float shift, float* y, int64_t n,
                          float floor = -std::numeric_limits<float>::infinity()) {
   int64_t i = 0;

@@ -50,7 +50,7 @@ inline void unpack_q8(const int8_t* blk, __m256 q[4]) {
 }
 
 // the weights of the output row LOWBIT_PREFETCH_ROWS rows on (all its cache lines) into cache while this one
-// computes (8 measured best of 2, 4, 8, 16 on an AVX-512 Xeon, 1-4 activation rows): the
+// computes (8: the best of 2, 4, 8, 16 measured, kernels/README.md): the
 // hardware prefetchers alone leave a row-by-row stream short of the memory's bandwidth
 #ifndef LOWBIT_PREFETCH_ROWS
 #define LOWBIT_PREFETCH_ROWS 8

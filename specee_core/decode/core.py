@@ -201,8 +201,8 @@ class EngineCore:
         self.budget.give(lane.blocks(self.budget))
         lane.caches.clear()
         # its memory goes with the last reference: the stepper holds the caches too, and the lane sits in a cycle
-        # (its batch calls back into it), which only the cyclic collector frees; that freed a lane's 150 MB of
-        # caches in the middle of a later call's decode steps (a 90 ms pause at 32 rows)
+        # (its batch calls back into it), which only the cyclic collector frees, at a moment of its choosing: in
+        # the middle of a later call's decode steps, a pause as long as freeing the lane's caches
         lane.cache = lane.stepper = None
 
     def _resize(self, lane: Lane, need: int, shrink: bool = False) -> bool:

@@ -11,8 +11,8 @@ from specee_core.early_exit.calibration import check_tolerance
 @dataclass
 class EarlyExitOptions:
     speculator: str = "auto"  # "draft" | "lookup" (prompt lookup, draft as fallback if present) | "auto"
-    # exit when sigmoid(predictor) > threshold; > 1 switches exits off. 0.9, not the paper's 0.5:
-    # on specee-tiny 0.5 agreed with dense on 60% of teacher-forced tokens, 0.9 on 84%
+    # exit when sigmoid(predictor) > threshold; > 1 switches exits off. 0.9, not the paper's 0.5: a higher bar
+    # keeps exited tokens closer to dense's (max_disagreement below states the bound instead)
     threshold: float = 0.9
     # the quality contract (specee_core.early_exit.calibration): per-layer thresholds such that the share of
     # exited tokens that differ from the full model's argmax stays <= max_disagreement with this
@@ -27,9 +27,9 @@ class EarlyExitOptions:
     verify: str = "local"
     # skipped layers' KV: "propagate" (K/V from the exit hidden state) | "gap" (left empty) |
     # "recompute" (the missing layers run for the exited position in the same chunk as the next token
-    # that runs them: exact KV; on weight-bound hardware a 2-token chunk costs about one token).
-    # recompute by measurement on specee-tiny, batch 1, threshold 0.9: 63% positional agreement with
-    # dense (42% identical sequences) at 63% of layers, propagate 26% (0%) at 66%, gap worse still
+    # that runs them: exact KV; on weight-bound hardware a 2-token chunk costs about one token). recompute
+    # is the default: the other two leave later tokens attending to approximate or missing K/V, and agree
+    # with dense far less (docs/RESULTS.md)
     kv_mode: str = "recompute"
     # "row": an exited row leaves the batch, later layers run over the rows still active (compacted),
     # so a batch gets cheaper as rows exit (large batches on a GPU). "batch": exited rows keep flowing

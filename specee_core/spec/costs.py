@@ -41,8 +41,8 @@ class CostTable:
 
     def pair_ms(self) -> float:
         """What the draft head takes per (token, feature) pair it catches up on, before any catching up was
-        timed: a draft level's cost per row at the largest batch measured (at 64 rows on the AMD EPYC 34 us,
-        against 30-45 us per pair timed catching up)."""
+        timed: a draft level's cost per row at the largest batch measured (close to what a pair costs when
+        catching up is timed)."""
         if not self.draft:
             return 0.0
         b = max(self.draft)
@@ -171,8 +171,7 @@ def measure_costs(table: CostTable, model, draft, batch: int, max_tokens: int, p
     """Measure verify forwards of `batch` rows for T_GRID up to max_tokens (rounds interleaved over T so
     drift hits every T alike; the fastest of each, made non-decreasing in T) and one draft-head level,
     into table. The fastest, not the median: on a shared VM noise only ever adds time, and a slow stretch
-    that spoiled two of three samples once put 8 rows' dense step at 1.7x its true cost (20.6 ms against
-    12), which made drafting look cheap beside it. Seconds on a CPU."""
+    that spoils most samples of the dense step makes drafting look cheap beside it. Seconds on a CPU."""
     longest = T_GRID[len(table.verify.get(batch, ())) - 1] if batch in table.verify else 2
     tokens = tuple(t for t in T_GRID if t <= max(max_tokens, longest, 2))  # never less than measured before
     dev = model.device

@@ -38,7 +38,7 @@ TRY_EVERY_MAX = 256
 STEP_MARGIN = 1.1  # best_step: the lead over dense's estimated rate a drafted shape must show
 TRIAL_STEPS = 4  # StepTimes: drafted steps a try of drafting (while dense was ahead) is judged on, as their mean
 # ... and the lead over dense they must show to bring drafting back: a tie does not pay for switching (the draft
-# head first catches up on every row's dense stretch: ~100 ms, 4 dense steps, at 32 rows on the AMD EPYC)
+# head first catches up on every row's dense stretch, several dense steps' worth at many rows)
 TRIAL_MARGIN = 1.1
 SWITCH_SHARE = 0.02  # tries of drafting are spaced so what they cost is at most this share of dense's time
 
@@ -210,7 +210,7 @@ class StepTimes:
         against the other kind's current rate, not a rate kept from minutes before. A try's steps also carry
         the draft head's catching up on the rows' backlog (their prompts, their dense stretch), spread over the
         PROBE_EVERY steps drafting runs at least if the try succeeds: the cost of switching, which a try must pay
-        (at 16 rows on the AMD EPYC ~50 ms, 2 dense steps, each time). catch_up_pairs: the pairs it caught up on
+        (a few dense steps' worth at many rows, each time). catch_up_pairs: the pairs it caught up on
         (what the next switch's catching up is estimated from). What a try cost all told (switch_ms: its catching
         up, the time its steps took over what dense steps would have taken for their tokens, and the tail its rows'
         spread leaves) spaces the next (check)."""
@@ -271,9 +271,9 @@ class StepTimes:
             return plan
         in_trial = k in self.trial
         if in_trial and self.trial[k] >= TRIAL_STEPS:
-            # a try's TRIAL_STEPS steps, on average (one lucky step reset the interval before, and drafting that
-            # lost 10% on average was then tried every 16 steps and kept for several: 0.94x dense at 16 rows on the
-            # AMD EPYC): drafting is back for good (tries at PROBE_EVERY again) only with a lead of TRIAL_MARGIN
+            # a try is judged on its TRIAL_STEPS steps' mean, not on one step (one lucky step would bring back
+            # drafting that loses on average): drafting is back for good (tries at PROBE_EVERY again) only with a
+            # lead of TRIAL_MARGIN
             del self.trial[k]
             in_trial = False
             if spec >= TRIAL_MARGIN * dense:
@@ -287,11 +287,11 @@ class StepTimes:
                     return as_dense
                 self.try_every[k] = PROBE_EVERY
             # a lead under PROBE_MARGIN is held against a fresh dense step every PROBE_EVERY steps: dense's rate
-            # goes stale while only drafted steps run (this VM's speed moves by 1.8x in minutes; contexts grow),
-            # and a stale one keeps drafting that now loses. A probe costs at most the thin lead, once in 16. A
-            # larger lead is held against one every PROBE_AHEAD x 16 steps: a dense rate taken from a process's
-            # first steps at a size (their shapes' first runs) once made drafting at 8 rows look 1.25x ahead for
-            # good while it lost 11% end to end.
+            # goes stale while only drafted steps run (a machine's speed moves; contexts grow), and a stale one
+            # keeps drafting that now loses. A probe costs at most the thin lead, once in PROBE_EVERY. A larger
+            # lead is held against one every PROBE_AHEAD x PROBE_EVERY steps: a dense rate taken from a process's
+            # first steps at a size (their shapes' first runs) can make drafting look ahead for good while it
+            # loses end to end.
             self.since_probe[k] = self.since_probe.get(k, 0) + 1
             every = PROBE_EVERY if spec < PROBE_MARGIN * dense else PROBE_AHEAD * PROBE_EVERY
             if self.since_probe[k] >= every:
@@ -309,9 +309,9 @@ class StepTimes:
     def _try_gap(self, k: int) -> int:
         """Steps from a try of drafting at bucket k that fell short to the next: try_every (PROBE_EVERY, doubling with
         each try), and far enough that what the last try cost (catching the draft head up, its steps' deficit, its
-        tail) is at most SWITCH_SHARE of the dense steps between; at most TRY_EVERY_MAX. At 32 rows catching up alone
-        cost ~100 ms against 26 ms a dense step: every 190 steps, where doubling from 16 tried 3 times in a 64-token
-        call; the first try's cost spaces the second too (before, the second came 16 steps after the first)."""
+        tail) is at most SWITCH_SHARE of the dense steps between; at most TRY_EVERY_MAX. Where catching up costs several
+        dense steps, doubling alone would try again and again within one call; the first try's cost spaces the
+        second too."""
         spaced = self.switch_ms.get(k, 0.0) / (SWITCH_SHARE * max(self.dense_ms.get(k, 1.0), 1e-3))
         return min(max(self.try_every.get(k, PROBE_EVERY), math.ceil(spaced)), TRY_EVERY_MAX)
 
@@ -339,9 +339,9 @@ class StepTimes:
         time than the draft head's catching up and the tail that drafting leaves. Rows drafted to the end finish
         unevenly (a step commits 1 to depth + 1 tokens a row), and the last steps run for the rows furthest behind:
         at n rows the last is about sqrt(2 ln n) standard deviations of a row's tokens behind (those steps are
-        costed as dense steps of n rows). At 32 rows on the AMD EPYC a 64-token call could not earn those steps
-        and the catching up back at the table's 10% lead, and its tries lost 6%; at 8 rows drafting that led
-        dense's steps by a few percent lost 11% end to end. Where rows keep coming, the rows' horizon is what the
+        costed as dense steps of n rows). A short call at many rows cannot earn those steps and the catching up back
+        at a thin lead, and drafting that leads dense's steps by a few percent can lose end to end. Where rows keep
+        coming, the rows' horizon is what the
         ones running now have left: the tail is then counted though new rows would fill it."""
         k = batch_bucket(n)
         if outlook is None or k not in self.prospect:
