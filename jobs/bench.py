@@ -83,7 +83,6 @@ class BenchConfig:
     window_len: int = 128
     threads: int = 0
     speculator: str = "auto"  # early-exit options of the SpecEE variant
-    kv_mode: str = "recompute"
     verify: str = "local"
     threshold: float = 0.9  # raw, uncalibrated
     max_disagreement: float | None = None  # the SpecEE variant with thresholds calibrated to this tolerance
@@ -431,7 +430,7 @@ def run(cfg: BenchConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     has_predictors = (cfg.model / "predictors.safetensors").is_file()
-    ee_opts = dict(speculator=cfg.speculator, kv_mode=cfg.kv_mode, verify=cfg.verify, threshold=cfg.threshold,
+    ee_opts = dict(speculator=cfg.speculator, verify=cfg.verify, threshold=cfg.threshold,
                    max_disagreement=cfg.max_disagreement)
     engine = SpecEEEngine.from_pretrained(cfg.model, dtype=cfg.dtype, weights=cfg.weights,
                                           max_batch_size=max(int(b) for b in cfg.batch_sizes.split(",")),
@@ -468,7 +467,6 @@ def run(cfg: BenchConfig) -> dict:
         o = engine.early_exit.options
         result["specee_options"] = {"threshold": o.threshold, "max_disagreement": o.max_disagreement,
                                     "exit_thresholds": engine.early_exit.thresholds, "verify": o.verify,
-                                    "kv_mode": o.kv_mode,
                                     "speculator": engine.early_exit.source,
                                     "offline_layers": engine.early_exit.schedule.offline_layers}
     for bs in [int(b) for b in cfg.batch_sizes.split(",")]:

@@ -113,13 +113,13 @@ def test_specee_skips_layers_and_agrees_with_dense(engine):
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_recompute_keeps_the_kv_cache_exact(engine, batch):
-    """kv_mode='recompute': fed dense's tokens (teacher forcing), every token that ran all layers
+    """Skipped layers recomputed: fed dense's tokens (teacher forcing), every token that ran all layers
     equals dense's, because exited positions get their missing layers before anyone reads them."""
     from specee_core.step.sampling import SamplingParams
     from specee_eval.forced import Forcing
 
     eng = SpecEEEngine(engine.model, engine.tokenizer, engine.options,
-                       engine.early_exit.with_options(kv_mode="recompute", skip="row", gate="off"))
+                       engine.early_exit.with_options(skip="row", gate="off"))
     eng.options = type(engine.options)(max_batch_size=batch)
     dense = engine.generate(PROMPTS, max_new_tokens=32, ignore_eos=True, mode="dense")
     ids = [eng.encode_prompt(p) for p in PROMPTS]

@@ -11,11 +11,10 @@ from specee_core.early_exit.scheduler import Schedule, retune, select_offline_la
 PROMPTS = ["def f(x):\n    return x", "import os\n", "class A:\n    pass\n\nclass B(A):", "for i in range(10):"]
 
 
-@pytest.mark.parametrize("speculator,kv_mode,skip", [("draft", "propagate", "row"), ("draft", "gap", "batch"),
-                                                     ("lookup", "propagate", "batch"), ("lookup", "gap", "row"),
-                                                     ("draft", "recompute", "row"), ("lookup", "recompute", "batch")])
-def test_exits_off_equals_dense(ee_model_dir, speculator, kv_mode, skip):
-    engine = SpecEEEngine.from_pretrained(ee_model_dir, speculator=speculator, kv_mode=kv_mode, threshold=2.0, skip=skip, dtype="float32")
+@pytest.mark.parametrize("speculator,skip", [("draft", "row"), ("draft", "batch"), ("lookup", "row"),
+                                             ("lookup", "batch")])
+def test_exits_off_equals_dense(ee_model_dir, speculator, skip):
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, speculator=speculator, threshold=2.0, skip=skip, dtype="float32")
     dense = engine.generate(PROMPTS, max_new_tokens=12, mode="dense")
     batched = engine.generate(PROMPTS, max_new_tokens=12, mode="specee")
     single = [engine.generate([p], max_new_tokens=12, mode="specee")[0] for p in PROMPTS]
@@ -40,9 +39,8 @@ def specee_keeping_cache(engine, prompts, **params):
 
 @pytest.mark.parametrize("skip", ["row", "batch"])
 @pytest.mark.parametrize("verify", ["local", "full"])
-@pytest.mark.parametrize("kv_mode", ["propagate", "gap", "recompute"])
-def test_always_exit_runs_fewer_layers(ee_model_dir, verify, kv_mode, skip):
-    engine = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.0, verify=verify, kv_mode=kv_mode, skip=skip, dtype="float32")
+def test_always_exit_runs_fewer_layers(ee_model_dir, verify, skip):
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.0, verify=verify, skip=skip, dtype="float32")
     res, cache = specee_keeping_cache(engine, PROMPTS, max_new_tokens=10, ignore_eos=True)
     L = engine.config.num_hidden_layers
     assert all(r.exit_layers[0] == L for r in res)  # prefill's token: full depth, always
@@ -54,17 +52,13 @@ def test_always_exit_runs_fewer_layers(ee_model_dir, verify, kv_mode, skip):
         assert sum(r.stats["exit_histogram"]) == len(r.token_ids)
         assert r.stats["avg_layers"] == pytest.approx(sum(r.exit_layers) / len(r.exit_layers))
     full = cache.lengths[0, :4]
-    if kv_mode == "propagate":  # every layer keeps a full cache
-        assert (cache.lengths[:, :4] == full).all()
-    else:  # skipped layers stay behind
-        assert (cache.lengths[-1, :4] < full).all()
+    assert (cache.lengths[-1, :4] < full).all()  # the last exit's skipped layers wait for a next token
 
 
-@pytest.mark.parametrize("kv_mode", ["propagate", "recompute"])
-def test_bf16_specee_paths(ee_model_dir, kv_mode):
+def test_bf16_specee_paths(ee_model_dir):
     """The CPU bf16 path (oneDNN-packed weights, fp32 K/V): exits off equals dense token for token, and
-    always-exit steps run with their KV writes (propagated rows, recompute chunks) into the fp32 cache."""
-    engine = SpecEEEngine.from_pretrained(ee_model_dir, dtype="bfloat16", kv_mode=kv_mode, threshold=2.0)
+    always-exit steps run with their KV writes (the skipped layers' chunks) into the fp32 cache."""
+    engine = SpecEEEngine.from_pretrained(ee_model_dir, dtype="bfloat16", threshold=2.0)
     assert engine.model.kv_dtype == torch.float32
     dense = engine.generate(PROMPTS, max_new_tokens=10, mode="dense")
     off = engine.generate(PROMPTS, max_new_tokens=10, mode="specee")
@@ -76,8 +70,8 @@ def test_bf16_specee_paths(ee_model_dir, kv_mode):
 def test_batch_skip_keeps_exited_rows_flowing(ee_model_dir):
     """skip='batch': a row that exited keeps running layers (exact KV) until every row has exited;
     skip='row' compacts. Same tokens and exit layers for a row that exits alone."""
-    row = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.55, skip="row", kv_mode="gap", dtype="float32")
-    bat = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.55, skip="batch", kv_mode="gap", dtype="float32")
+    row = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.55, skip="row", dtype="float32")
+    bat = SpecEEEngine.from_pretrained(ee_model_dir, threshold=0.55, skip="batch", dtype="float32")
     a = row.generate(PROMPTS[:1], max_new_tokens=10, mode="specee", ignore_eos=True)[0]
     b = bat.generate(PROMPTS[:1], max_new_tokens=10, mode="specee", ignore_eos=True)[0]
     assert a.token_ids == b.token_ids and a.exit_layers == b.exit_layers  # batch of one: identical
@@ -113,8 +107,8 @@ def test_schedule_update_rule():
 
 
 def test_bad_options_are_rejected(ee_model_dir):
-    with pytest.raises(ValueError, match="kv_mode must be one of"):
-        SpecEEEngine.from_pretrained(ee_model_dir, kv_mode="copy", dtype="float32")
+    with pytest.raises(ValueError, match="skip must be one of"):
+        SpecEEEngine.from_pretrained(ee_model_dir, skip="copy", dtype="float32")
     with pytest.raises(TypeError, match="unknown engine options"):
         SpecEEEngine.from_pretrained(ee_model_dir, thresold=0.5, dtype="float32")
 
@@ -236,7 +230,7 @@ def test_draft_confidence_predictors_read_the_drafts_probabilities(tmp_path, ee_
 
     monkeypatch.setattr(Proposer, "candidates", alternating)
     engine = SpecEEEngine.from_pretrained(tmp_path, speculator="draft", threshold=0.5, explore_every=1,
-                                          kv_mode="recompute", dtype="float32")
+                                          dtype="float32")
     assert engine.early_exit.predictors.reads_draft_prob
     res = engine.generate(PROMPTS[:3], max_new_tokens=9, mode="specee", ignore_eos=True)
     assert all(c == [0, 1, 2] for c in calls) and len(calls) == 8

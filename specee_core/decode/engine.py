@@ -155,7 +155,7 @@ class SpecEEEngine:
 
     def with_options(self, **early_exit_options) -> SpecEEEngine:
         """An engine sharing this one's weights with some early-exit options changed
-        (threshold, verify, kv_mode, ...: see specee_core.early_exit.options.EarlyExitOptions)."""
+        (threshold, verify, skip, ...: see specee_core.early_exit.options.EarlyExitOptions)."""
         if self.early_exit is None:
             raise ValueError("this engine has no predictors: early-exit options do not apply")
         twin = SpecEEEngine(self.model, self.tokenizer, self.options, self.early_exit.with_options(**early_exit_options),

@@ -25,12 +25,6 @@ class EarlyExitOptions:
     # "local": the token the predictors learnt to trust (PredictorBank.exit_token: the argmax among the k
     # candidates, or the draft's top one) | "full": LM-head argmax at the exit layer
     verify: str = "local"
-    # skipped layers' KV: "propagate" (K/V from the exit hidden state) | "gap" (left empty) |
-    # "recompute" (the missing layers run for the exited position in the same chunk as the next token
-    # that runs them: exact KV; on weight-bound hardware a 2-token chunk costs about one token). recompute
-    # is the default: the other two leave later tokens attending to approximate or missing K/V, and agree
-    # with dense far less (docs/RESULTS.md)
-    kv_mode: str = "recompute"
     # "row": an exited row leaves the batch, later layers run over the rows still active (compacted),
     # so a batch gets cheaper as rows exit (large batches on a GPU). "batch": exited rows keep flowing
     # (their KV stays exact) and layers are skipped once every row has exited: on a weight-bound CPU
@@ -50,7 +44,7 @@ class EarlyExitOptions:
 
     def __post_init__(self) -> None:
         checks = {"speculator": ("auto", "draft", "lookup"), "verify": ("local", "full"),
-                  "kv_mode": ("propagate", "gap", "recompute"), "predictor_backend": ("auto", "triton", "torch"),
+                  "predictor_backend": ("auto", "triton", "torch"),
                   "skip": ("auto", "row", "batch"), "gate": ("auto", "measured", "off")}
         for name, allowed in checks.items():
             if getattr(self, name) not in allowed:

@@ -158,7 +158,7 @@ class EarlyExitStepper:
 
     A step reads as: propose (the proposer's K candidates), walk the layers, decide exits at
     the layers a row's predictor is scheduled for (exited rows leave the walk, their skipped
-    layers' KV handled per kv_mode), the normal LM head for the rows that ran every layer, and
+    layers' KV computed with the row's next full-depth token), the normal LM head for the rows that ran every layer, and
     commit (the stepper's own features and online windows; the engine commits the StepOutput).
 
     Per-row bookkeeping (which rows are running, exited, evaluated at a layer) is kept in Python
@@ -175,7 +175,7 @@ class EarlyExitStepper:
         self.thresholds = ee.thresholds
         self.pred_layers = ee.exit_layers()
         self.compact = opts.skip == "row" or (opts.skip == "auto" and m.device.type == "cuda")
-        self.pending: list[list[Pending]] = [[] for _ in range(n)]  # kv_mode="recompute"
+        self.pending: list[list[Pending]] = [[] for _ in range(n)]  # exited positions' skipped layers, to run
         # per row: its last token exited early, so the draft head was fed an exit layer's feature for
         # this step, not the full model's. Predictors that read the draft's confidence ("zpdq") were
         # trained and calibrated on full-model features only, and trust it: such a row does not exit
@@ -330,11 +330,10 @@ class EarlyExitStepper:
         return walk, out
 
     def _run_layer(self, i: int, prop: Proposal, walk: Walk) -> torch.Tensor:
-        """Layer i for the running rows (with "recompute", preceded by their pending positions)."""
-        if self.ee.options.kv_mode == "recompute":
-            return self._layer_with_pending(i, walk.h, walk.rope, [prop.alive[j] for j in walk.running],
-                                            walk.cache_rows)
-        return self.model.layer(i, walk.h, walk.rope, self.cache, walk.cache_rows)
+        """Layer i for the running rows, preceded by their pending positions (an exited position's skipped layers
+        run in the same chunk as the next token that runs them: exact KV, and on weight-bound hardware a 2-token
+        chunk costs about one token)."""
+        return self._layer_with_pending(i, walk.h, walk.rope, [prop.alive[j] for j in walk.running], walk.cache_rows)
 
     def _probs_below(self, layer: int, walk: Walk) -> None:
         """Before layer `layer` runs: the candidate probabilities of the layer below, for the rows whose
@@ -426,7 +425,7 @@ class EarlyExitStepper:
     def _leave(self, layer: int, exits: list[int], prop: Proposal, walk: Walk) -> None:
         """The rows `exits` of h exited at `layer`. Skip "row": they leave the walk now; "batch":
         they keep running until every running row has exited, then all leave. Rows that leave
-        get their skipped layers' KV per kv_mode, and h is compacted to the rest."""
+        keep their hidden state for their skipped layers' KV (Pending), and h is compacted to the rest."""
         if not self.compact:
             for r in exits:
                 walk.done[walk.running[r]] = True
@@ -445,20 +444,11 @@ class EarlyExitStepper:
         walk.cache_rows = torch.tensor([prop.alive[j] for j in walk.running], device=self.model.device)
 
     def _skipped_kv(self, layer: int, exits: list[int], prop: Proposal, walk: Walk) -> None:
-        """KV of layers `layer`.. for the leaving rows `exits` of h: "recompute" keeps the hidden
-        state to run them with the row's next full-depth token, "propagate" writes K/V computed
-        from it now, "gap" leaves them empty."""
-        m, dev, kv_mode = self.model, self.model.device, self.ee.options.kv_mode
-        if kv_mode == "recompute":
-            for r in exits:
-                b = prop.alive[walk.running[r]]
-                self.pending[b].append(Pending(int(self.batch.positions[b]), layer, walk.h[r, 0].clone()))
-        elif kv_mode == "propagate":
-            e_dev = torch.tensor(exits, device=dev)
-            crows = torch.tensor([prop.alive[walk.running[r]] for r in exits], device=dev)  # cache row = batch row
-            h, rope = walk.h[e_dev], (walk.rope[0][e_dev], walk.rope[1][e_dev])
-            for j in range(layer, m.num_layers):
-                m.write_kv(j, h, rope, self.cache, crows)
+        """KV of layers `layer`.. for the leaving rows `exits` of h: their hidden state is kept (Pending) to run
+        those layers with the row's next full-depth token."""
+        for r in exits:
+            b = prop.alive[walk.running[r]]
+            self.pending[b].append(Pending(int(self.batch.positions[b]), layer, walk.h[r, 0].clone()))
 
     def _audit(self, walk: Walk, prop: Proposal, out: Decisions) -> None:
         """An audited step: the rows that exited ran every layer anyway; count, per exit layer,

@@ -2,7 +2,7 @@
 
 Slots, not positions: a row's keys for layer l live in slots [0, lengths[l, row]). RoPE is
 applied before a key is stored, so a slot need not equal the token's position. That is what
-lets early exit leave a layer's slot empty for a position ("gap" mode) or fill it later.
+lets early exit fill a layer's slot for a position later, with the next token that runs the layer.
 
 Sliding windows (a local layer's query sees the last `window` slots, itself included) are masks, counted in slots,
 which are the positions in every lossless mode (a row's slots fill from 0 with its tokens in order). A windowed

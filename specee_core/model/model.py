@@ -409,7 +409,7 @@ class DecoderModel:
     def write_kv(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
                  rows: torch.Tensor | None = None, n_valid: torch.Tensor | None = None) -> None:
         """Store layer i's K/V computed from hidden h [N, T, D] without running the layer
-        (the "propagate" mode for layers an early exit skipped); n_valid [N]: see KVCache.append."""
+        (T3: the layers an exit inside verification skipped); n_valid [N]: see KVCache.append."""
         c = self.config
         n, t, _ = h.shape
         x = self.input_norms[i](h)

@@ -7,7 +7,7 @@ draft's top candidates for predictors whose exits emit those) stand in for the b
 the path they accept, with the token after it, is the row's hyper-token, and it may exit only when
 every member's predictor fires (its weakest member decides). When every row's block may exit, the
 remaining layers are skipped for the whole block; the kept nodes' KV of the skipped layers is then
-computed from the exit hidden state ("propagate"). Lossy, like T1+T2; greedy only.
+computed from the exit hidden state (DecoderModel.write_kv). Lossy, like T1+T2; greedy only.
 """
 from __future__ import annotations
 
