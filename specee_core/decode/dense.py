@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from specee_core.step.dense import dense_step
 from specee_core.step.state import Batch
 from specee_core.step.stepper import StepEngine, StepOutput
 
@@ -14,12 +15,7 @@ class DenseStepper:
         self.model, self.batch, self.cache = engine.model, batch, cache
 
     def step(self, alive: list[int], rows: torch.Tensor | None) -> StepOutput:
-        batch, m = self.batch, self.model
-        fed, positions = batch.fed(alive, rows)
-        h = m.forward(fed.unsqueeze(1), positions.unsqueeze(1).to(m.device), self.cache, rows)[:, 0]  # [N, D]
-        logits = m.logits(h)
-        toks = batch.choose(batch.processed(logits, alive), alive).tolist()
-        return StepOutput([[t] for t in toks], [[m.num_layers]] * len(alive), h, logprobs=batch.step_logprobs(logits, alive, toks))
+        return dense_step(self.model, self.batch, self.cache, alive, rows)
 
     def row_stats(self, b: int) -> dict:
         return {}

@@ -269,8 +269,8 @@ class EarlyExitStepper:
         return StepOutput([[t] for t in toks], [[l] for l in out.layers], normed=out.hidden, logprobs=lps)
 
     def _dense_step(self, alive: list[int], rows: torch.Tensor | None) -> tuple[StepOutput, float]:
-        """A step of the gate's: every layer for every row (with "recompute", the pending positions too),
-        no draft and no predictors; the proposer takes the step's pairs in with its next candidates.
+        """A step of the gate's: every layer for every row (the pending positions of earlier exits too: why it is not
+        the plain dense step), no draft and no predictors; the proposer takes the step's pairs in with its next candidates.
         Returns the step's output and the seconds spent in the layers."""
         idx, toks = self._fed(alive, rows)
         if self.record is not None:  # no proposals: the rows' records start over after the stretch

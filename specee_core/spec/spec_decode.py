@@ -22,6 +22,7 @@ from specee_core.spec.acceptance import Verdict, accept_greedy
 from specee_core.spec.plan import Planner, StepPlan
 from specee_core.draft.proposer import Proposer
 from specee_core.draft.tree import Draft, TreeShape
+from specee_core.step.dense import dense_step
 from specee_core.step.stepper import StepOutput
 from specee_core.spec.t3 import T3, Verified, verify_with_exits
 
@@ -211,19 +212,13 @@ class SpecStepper:
         """The roots alone through every layer, as dense decoding does (no tree mask, no KV compaction);
         the proposer still learns the verified features."""
         t0 = time.perf_counter()
-        m, batch = self.model, self.batch
-        fed, positions = batch.fed(alive, rows)
-        h = m.forward(fed[:, None], positions.to(m.device)[:, None], self.cache, rows)  # [N, 1, D]
-        hn = m.final_norm(h)
-        logits = m.lm_head(hn[:, 0])
-        toks = batch.choose(batch.processed(logits, alive), alive).tolist()
-        tokens = [[t] for t in toks]
-        self.proposer.push(alive, tokens, list(hn.unbind(0)))
+        out = dense_step(self.model, self.batch, self.cache, alive, rows)
+        self.proposer.push(alive, out.tokens, list(self.model.final_norm(out.hidden).split(1)))  # features [1, D]
         for b in alive:
             self.stats.per_row_steps[b] += 1
         self.stats.t_draft += t_draft
         self.stats.t_verify += time.perf_counter() - t0
-        return StepOutput(tokens, [[m.num_layers]] * len(alive), h[:, 0], logprobs=batch.step_logprobs(logits, alive, toks))
+        return out
 
     def propose(self, alive: list[int]) -> Draft:
         """Each row's draft: no deeper than it may still emit (minus the bonus token), no more nodes than
