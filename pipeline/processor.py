@@ -550,9 +550,6 @@ class Processor:
                 ray.kill(a)
         self.store = self.ledger = None
 
-    def config_json(self) -> dict:
-        return asdict(self.config)
-
 
 def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
                     postprocess: Callable[[dict], dict] | None = None, run_id: str | None = None) -> Processor:

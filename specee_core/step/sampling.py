@@ -324,7 +324,6 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], n_out: li
     out = logits.float()
     if out is logits:  # fp32 already: a copy, the caller's logits stay raw (logprobs read them)
         out = out.clone()
-    dev = out.device
     if transform:
         _transform(out, params, transform, n_out, stop_ids, counts, prompt_seen)
     if grammar:
