@@ -1,9 +1,12 @@
 """Shared fixtures: tiny random Llama checkpoints written by transformers' save_pretrained."""
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import shutil
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,25 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _one_parse_at_a_time():
+    """ast.parse under one lock for the test process. CPython 3.11.7 (the CI machine's) shares the AST converter's
+    recursion counter between threads (gh-106905, fixed in 3.11.8): two parses at once, one in a test (pytest's
+    assertion rewriting of a late import, a layout test, jobs.make_prompts) and one on another thread of the
+    process, raised "SystemError: AST constructor recursion depth mismatch" in two clean-clone runs."""
+    if not (3, 11) <= sys.version_info[:3] < (3, 11, 8):
+        return
+    lock, parse = threading.RLock(), ast.parse
+
+    def parse_alone(*args, **kwargs):
+        with lock:
+            return parse(*args, **kwargs)
+
+    ast.parse = parse_alone
+
+
+_one_parse_at_a_time()
 
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED = REPO / "models" / "specee-tiny"

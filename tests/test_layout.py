@@ -17,6 +17,17 @@ from pathlib import Path
 
 PACKAGE = "specee_core"
 REPO = Path(__file__).resolve().parent.parent
+_TREES: dict[Path, ast.Module] = {}  # this checkout's files, parsed once while collecting (see parse)
+
+
+def parse(path: Path) -> ast.Module:
+    """path's syntax tree. This checkout's files are parsed when pytest collects this module, on one thread:
+    CPython 3.11.7 shares the AST converter's recursion counter between threads (gh-106905, fixed in 3.11.8), and
+    a parse in the middle of the run, beside another thread's, once raised "AST constructor recursion depth
+    mismatch"."""
+    path = Path(path).resolve()
+    tree = _TREES.get(path)
+    return tree if tree is not None else ast.parse(path.read_text(), str(path))  # (another tree: a test's own files)
 
 
 def module_names(root: Path, package: str = PACKAGE) -> dict[str, Path]:
@@ -54,7 +65,7 @@ def import_graph(root: Path, package: str = PACKAGE) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse(path)):
             targets = []
             if isinstance(node, ast.Import):
                 targets = [_known(a.name, modules) for a in node.names]
@@ -132,6 +143,8 @@ def test_cycle_finder_sees_every_kind_of_import(tmp_path):
 # "" is specee_core/__init__.py (the public API on top).
 LAYERS = ("machine", "model", "step", "draft", "early_exit", "spec", "decode", "")
 SOURCES = ("specee_core", "pipeline", "jobs", "kernels", "specee_eval")
+_TREES.update((p.resolve(), ast.parse(p.read_text(), str(p)))  # while collecting (parse's docstring)
+              for src in SOURCES + ("tests",) for p in sorted((REPO / src).rglob("*.py")))
 
 
 def layer_of(module: str) -> str:
@@ -160,7 +173,7 @@ def test_the_layer_check_sees_an_upward_import():
 def imported_modules(path: Path) -> set[str]:
     """Absolute module names a file imports (anywhere in it)."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and not node.level:
@@ -178,7 +191,7 @@ def private_calls_across_modules(root: Path = REPO) -> list[str]:
     """Calls `x._name(...)` (x not self / cls) of a private method that classes of other modules define and
     the calling module does not."""
     files = [p for src in SOURCES for p in sorted((root / src).rglob("*.py"))]
-    trees = {p: ast.parse(p.read_text(), str(p)) for p in files}
+    trees = {p: parse(p) for p in files}
     owners: dict[str, set[Path]] = {}
     for p, tree in trees.items():
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
@@ -202,7 +215,7 @@ def test_no_module_calls_another_modules_private_methods():
 def test_the_rows_state_is_built_in_one_place():
     """Batch (the rows of a lane) is constructed by Batch.empty only."""
     calls = [f"{p.relative_to(REPO)}:{n.lineno}" for src in SOURCES + ("tests",) for p in sorted((REPO / src).rglob("*.py"))
-             for n in ast.walk(ast.parse(p.read_text(), str(p)))
+             for n in ast.walk(parse(p))
              if isinstance(n, ast.Call) and ast.unparse(n.func).split(".")[-1] == "Batch"]
     assert calls == []
 
