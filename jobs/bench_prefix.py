@@ -8,7 +8,7 @@ and whether the tokens of a longer generation are the same (fp32).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -56,18 +56,23 @@ def run(cfg: Config) -> dict:
                for i in range(cfg.prompts)]
     lens = [len(engine.encode_prompt(p)) for p in prompts]
     modes = cfg.modes.split(",")
-    if "auto" in modes:
-        engine.prepare_plan([cfg.batch_size])
+    def fresh(on: bool) -> SpecEEEngine:
+        """An engine on the same model with the prefix cache on or off, and a new core (an empty cache)."""
+        twin = SpecEEEngine(engine.model, engine.tokenizer, replace(engine.options, prefix_cache=on),
+                            engine.early_exit, engine.draft)
+        if "auto" in modes:
+            twin.prepare_plan([cfg.batch_size])
+        return twin
+
     times: dict[tuple[str, bool], list[float]] = {}
     tokens: dict[tuple[str, bool], list[list[int]]] = {}
     cached: dict[tuple[str, bool], int] = {}
     for r in range(cfg.rounds + 1):  # round 0 warms up
         for mode in modes:
             for on in (False, True):
-                engine.options.prefix_cache = on
-                engine._core = None  # a fresh core: an empty prefix cache
+                twin = fresh(on)
                 t0 = time.perf_counter()
-                res = engine.generate(prompts, max_new_tokens=1, mode=mode)
+                res = twin.generate(prompts, max_new_tokens=1, mode=mode)
                 dt = time.perf_counter() - t0
                 if r:
                     times.setdefault((mode, on), []).append(dt)
@@ -75,9 +80,7 @@ def run(cfg: Config) -> dict:
                 print(f"[bench_prefix] round {r} {mode} prefix_cache={on}: {dt:.2f} s", flush=True)
     for mode in modes:
         for on in (False, True):
-            engine.options.prefix_cache = on
-            engine._core = None
-            tokens[(mode, on)] = [x.token_ids for x in engine.generate(prompts, max_new_tokens=cfg.check_tokens,
+            tokens[(mode, on)] = [x.token_ids for x in fresh(on).generate(prompts, max_new_tokens=cfg.check_tokens,
                                                                           mode=mode)]
     results = []
     for mode in modes:

@@ -35,6 +35,29 @@ def parse_config(cls, doc: str | None, argv: list[str] | None = None, **override
     return cls(**vars(args))
 
 
+# the engine options the batch job's command line sets, under its flag names (the rest it sets itself)
+ENGINE_FLAGS = {"max_batch_size": "--batch-size", "context_len": "--context-len", "prefill_chunk": "--prefill-chunk",
+                "kv_block_size": "--kv-block-size", "kv_cache_gb": "--kv-cache-gb", "prefix_cache": "--prefix-cache"}
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """A flag per ENGINE_FLAGS option, its default and help from specee_core.options.EngineOptions."""
+    from specee_core.options import EngineOptions, help_text
+
+    hints = typing.get_type_hints(EngineOptions)
+    for name, flag in ENGINE_FLAGS.items():
+        default = EngineOptions.__dataclass_fields__[name].default
+        typ = _arg_type(hints[name], default)
+        kind = {"action": argparse.BooleanOptionalAction} if typ is bool else {"type": typ}
+        p.add_argument(flag, dest=name, default=default, help=help_text(name), **kind,
+                       **({} if typ is bool else {"metavar": name.split("_")[-1].upper()}))
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The ENGINE_FLAGS options parsed by add_engine_arguments, by their EngineOptions names."""
+    return {name: getattr(args, name) for name in ENGINE_FLAGS}
+
+
 def emit_json(obj: dict, path: str | Path | None = None) -> dict:
     """Print obj as indented JSON and, given a path, write the same text there; returns obj."""
     import json

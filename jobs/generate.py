@@ -19,6 +19,8 @@ import logging
 import os
 from pathlib import Path
 
+from jobs.cli import add_engine_arguments, engine_options
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"  # `make model` imports it
 DEFAULT_INPUT = REPO / "prompts" / "instructions_heldout.jsonl"
@@ -49,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-actors", type=int, default=None,
                    help="engine replicas (one GPU each on a GPU cluster); default: on a one-machine CPU cluster the "
                         "measured layout of its cores (actors x threads: pipeline.actor_plan, cached), else 2")
-    p.add_argument("--batch-size", type=int, default=16, help="rows per actor call and engine batch")
+    add_engine_arguments(p)  # --batch-size (rows per actor call and engine batch), --prefill-chunk, --kv-cache-gb ...
     p.add_argument("--max-concurrent-batches", type=int, default=1,
                    help="batches in flight per engine actor (Ray Data LLM's name): the next batch's rows decode beside "
                         "the last rows of the current one, so the engine stays full; 1: one engine call at a time "
@@ -115,10 +117,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                    "(default: RAY_ADDRESS, else a cluster started here with "
                                                    "`ray start`, else a new local instance; a local "
                                                    "instance listens on 127.0.0.1 only)")
-    p.add_argument("--kv-cache-gb", type=float, default=None,
-                   help="each engine's KV budget (its KV, the draft head's and the prefix cache), GiB; default: a "
-                        "share of the memory free at start, split over the actors")
-    p.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole (no shared blocks)")
     p.add_argument("--batch-timeout", type=float, default=900.0, metavar="S",
                    help="an engine call (one batch) running longer is a hang: its process is stopped and the batch "
                         "runs again, in the end row by row in a quarantined process (0: no limit; default 900)")
@@ -132,6 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_config(args: argparse.Namespace):
     from pipeline.batch import BatchConfig
     from pipeline.stage import StageConfig
+    from specee_core.options import default
 
     mode = args.mode
     early_exit = {"explore_every": args.explore_every} if mode == "specee" else {}
@@ -149,11 +148,13 @@ def build_config(args: argparse.Namespace):
     spec = {k: v for k, v in (("proposer", args.spec_proposer), ("depth", args.spec_depth),
                               ("width", args.spec_width), ("lookup", args.spec_lookup),
                               ("t3", args.spec_t3 or None)) if v is not None}
+    engine = engine_options(args)
     stage = StageConfig(model=args.model, mode=mode, device=args.device, dtype=args.dtype, weights=args.weights,
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                        top_k=args.top_k, stop=tuple(args.stop), seed=args.seed, batch_size=args.batch_size,
+                        top_k=args.top_k, stop=tuple(args.stop), seed=args.seed, batch_size=engine.pop("max_batch_size"),
                         torch_threads=args.torch_threads, chat=args.chat, engine_options=early_exit, spec=spec,
-                        kv_cache_gb=args.kv_cache_gb, prefix_cache=not args.no_prefix_cache,
+                        kv_cache_gb=engine.pop("kv_cache_gb"), prefix_cache=engine.pop("prefix_cache"),
+                        core_options={k: v for k, v in engine.items() if v != default(k)},
                         batch_timeout_s=args.batch_timeout or None, row_attempts=args.row_attempts,
                         max_concurrent_batches=args.max_concurrent_batches)
     return BatchConfig(input=args.input, output=args.output, stage=stage,

@@ -15,6 +15,7 @@ import ray
 
 from pipeline.prompts import MAX_PROMPT_CHARS
 from pipeline.stage import CORE_OPTIONS, StageConfig
+from specee_core.options import default
 
 # Ray Data LLM's engine_kwargs are vLLM's engine arguments. Those with an equivalent here, by name:
 VLLM_ENGINE_ARGS = {"max_model_len": "context_len", "max_num_batched_tokens": "prefill_chunk",
@@ -37,7 +38,7 @@ class ProcessorConfig:
     mode: str = "auto"  # auto (lossless, measured) | dense | spec | specee (lossy: early exit)
     # engine actors: n, or (min, max) for Ray Data's autoscaling actor pool
     concurrency: int | tuple[int, int] = 1
-    batch_size: int = 16  # rows per engine call, also the engine's max batch
+    batch_size: int = default("max_batch_size")  # rows per engine call, also the engine's max batch
     # engine calls in flight per actor (Ray Data LLM's name; pipeline.stage.StageConfig): the next batch's rows
     # decode beside the current one's last rows, not after them (default 1: see StageConfig)
     max_concurrent_batches: int = 1

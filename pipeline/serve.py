@@ -126,14 +126,10 @@ class SpecEEServer:
         # first, before the model loads (Serve retries a constructor that fails)
         host = serve_http_host()
         check_exposure(host, has_keys=bool(args.api_keys), allow_open=args.allow_open)
-        options = {"max_batch_size": args.max_batch_size, "prefill_chunk": args.prefill_chunk,
-                   # lanes with room for requests that join later: a request's rows decode beside the next ones'
-                   "min_lane_rows": args.max_batch_size, **args.engine_options}
-        if "kv_cache_gb" not in options and "engines_per_node" not in options:
-            # the default KV budget is a share of the node's free memory: one share for all the replicas it can hold
-            options["engines_per_node"] = replicas_per_node(args, *node_resources())
+        # the default KV budget is a share of the node's free memory: one share for all the replicas it can hold
+        options = args.engine(engines_per_node=replicas_per_node(args, *node_resources()))
         self.engine = SpecEEEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
-                                                   weights=args.weights, **options)
+                                                   weights=args.weights, **vars(options), **args.early_exit_options())
         self.model_name = args.model_name or Path(args.model).name
         try:
             self.mode = self._pick_mode(args.mode)

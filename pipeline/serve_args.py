@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pipeline.openai_protocol import MAX_JSON_DEPTH
 from pipeline.serve_access import read_keys_file
+from specee_core.options import OPTION_NAMES, EngineOptions, default
 
 REPO = Path(__file__).resolve().parents[1]
 API_KEYS_ENV = "SPECEE_API_KEYS"  # comma-separated; the api_keys argument when it is not given
@@ -34,9 +35,11 @@ class ServeArgs(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # auto: the checkpoint's own low-bit format (a GGUF's Q4_1) where its kernel is faster here, else the dtype
     weights: Literal["auto", "fp32", "bf16", "q8", "q4"] = "auto"
-    engine_options: dict = Field(default_factory=dict)  # more SpecEEEngine.from_pretrained options
-    max_batch_size: int = Field(8, ge=1)  # rows decoding at once
-    prefill_chunk: int = Field(256, ge=1)  # prompt tokens prefilled per step (one lane)
+    # more SpecEEEngine.from_pretrained options: EngineOptions' (context_len, kv_cache_gb, kv_block_size,
+    # prefix_cache, engines_per_node) and early-exit options (EarlyExitOptions)
+    engine_options: dict = Field(default_factory=dict)
+    max_batch_size: int = Field(default("max_batch_size"), ge=1)  # rows decoding at once
+    prefill_chunk: int = Field(default("prefill_chunk"), ge=1)  # prompt tokens prefilled per step (one lane)
     max_tokens_limit: int | None = Field(None, ge=1)  # default: the context length - 1
     stall_timeout_s: float = Field(600.0, gt=0)  # a decode step running longer fails the health check
     num_cpus: float = Field(1.0, gt=0)  # per replica
@@ -101,6 +104,37 @@ class ServeArgs(BaseModel):
             raise ValueError(f"num_gpus={self.num_gpus:g} reserves GPUs for replicas that run on "
                              f"device={self.device!r}: set device=cuda, or leave num_gpus out")
         return self
+
+    @model_validator(mode="after")
+    def _engine_options(self) -> "ServeArgs":
+        from specee_core.early_exit.options import EarlyExitOptions
+
+        own = {"max_batch_size", "prefill_chunk", "min_lane_rows"} & set(self.engine_options)
+        if own:
+            raise ValueError(f"engine_options {sorted(own)}: max_batch_size and prefill_chunk are arguments of their "
+                             f"own; a replica's lanes always have room for max_batch_size rows")
+        early = {f for f in EarlyExitOptions.__dataclass_fields__}
+        unknown = set(self.engine_options) - set(OPTION_NAMES) - early
+        if unknown:
+            raise ValueError(f"engine_options {sorted(unknown)}: not an engine option (EngineOptions: "
+                             f"{', '.join(OPTION_NAMES)}; or an early-exit option: {', '.join(sorted(early))})")
+        self.engine(engines_per_node=self.engine_options.get("engines_per_node", 1))  # bad values fail here, once
+        EarlyExitOptions(**{k: v for k, v in self.engine_options.items() if k in early})
+        return self
+
+    def engine(self, engines_per_node: int) -> EngineOptions:
+        """The options each replica builds its engine with (engines_per_node: the replicas sharing its node's
+        memory, unless engine_options sets it or a KV budget). Lanes open with room for max_batch_size rows:
+        a request's rows decode beside those of requests that arrive after it."""
+        opts = {k: v for k, v in self.engine_options.items() if k in OPTION_NAMES}
+        if "kv_cache_gb" not in opts:
+            opts.setdefault("engines_per_node", engines_per_node)
+        return EngineOptions(max_batch_size=self.max_batch_size, prefill_chunk=self.prefill_chunk,
+                             min_lane_rows=self.max_batch_size, **opts)
+
+    def early_exit_options(self) -> dict:
+        """The engine_options that are early-exit options (EarlyExitOptions)."""
+        return {k: v for k, v in self.engine_options.items() if k not in OPTION_NAMES}
 
     @property
     def autoscaling(self) -> bool:

@@ -19,6 +19,7 @@ from pipeline.inflight import EngineGate, PlanSteps
 from pipeline.prompts import ERROR_PROMPT_CHARS, ERROR_TEXT_CHARS, bounded, valid_text
 from pipeline.sampling import choice_params, choices, to_sampling
 from specee_core import EngineOptions, PromptError, SamplingParams, SpecEEEngine
+from specee_core.options import default
 from specee_core.model.config import resolve_dtype
 from specee_core.model.quant import WEIGHT_FORMATS
 from specee_core.decode.engine import MODES
@@ -106,7 +107,7 @@ class StageConfig:
     top_k: int = 0
     stop: tuple[str, ...] = ()
     seed: int | None = None
-    batch_size: int = 16  # rows per actor call, also the engine's max batch
+    batch_size: int = default("max_batch_size")  # rows per actor call, also the engine's max batch
     torch_threads: int | None = None  # None: the CPUs Ray gave the actor, at least 1
     chat: bool | None = None  # prompt = a user message through the chat template; None: when the model has one
     engine_options: dict = field(default_factory=dict)  # early-exit options (EarlyExitOptions), specee only
@@ -150,15 +151,22 @@ class StageConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
-            raise ValueError(f"kv_cache_gb must be > 0 (or None: a share of free memory), got {self.kv_cache_gb}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
         unknown = sorted(set(self.core_options) - set(CORE_OPTIONS))
         if unknown:
             raise ValueError(f"core_options takes {', '.join(CORE_OPTIONS)}; got {unknown}")
-        EngineOptions(**self.core_options)  # bad values fail here, not in every actor
+        self.engine()  # bad values fail here, not in every actor
         self.sampling()  # the defaults of every row that sets none: top_p, top_k, stop checked too
+
+    def engine(self) -> EngineOptions:
+        """The options each actor builds its engine with. With batches in flight a lane opens with room for every
+        engine row: the next batches' rows join it as the current ones finish (sized to the rows waiting, it would
+        keep a small batch's size for its life)."""
+        return EngineOptions(max_batch_size=self.batch_size, engines_per_node=self.engines_per_node,
+                             kv_cache_gb=self.kv_cache_gb, prefix_cache=self.prefix_cache,
+                             min_lane_rows=self.batch_size if self.max_concurrent_batches > 1 else 1,
+                             **self.core_options)
 
     def sampling(self) -> SamplingParams:
         """What a row runs with when it sets no sampling of its own (pipeline.sampling)."""
@@ -200,13 +208,8 @@ class GenerateRows:
             raise FileNotFoundError(f"{cfg.model}: no such model directory on node {socket.gethostname()} (every "
                                     f"node that runs an engine needs the model at this path: a shared filesystem, "
                                     f"or a copy at the same path)")
-        # with batches in flight a lane opens with room for every engine row: the next batches' rows join it as
-        # the current ones finish (sized to the rows waiting, it would keep a small batch's size for its life)
-        lane_rows = cfg.batch_size if cfg.max_concurrent_batches > 1 else 1
         self.engine = SpecEEEngine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype, weights=cfg.weights,
-                                                   max_batch_size=cfg.batch_size, min_lane_rows=lane_rows,
-                                                   engines_per_node=cfg.engines_per_node, kv_cache_gb=cfg.kv_cache_gb,
-                                                   prefix_cache=cfg.prefix_cache, **cfg.core_options, **early_exit)
+                                                   **vars(cfg.engine()), **early_exit)
         self.engine.stepper_factory(cfg.mode, dict(cfg.spec) or None)  # a mode it cannot run fails here, not per row
         if cfg.mode == "auto":  # measured (or read from the cache) now, not in the first batch
             self.engine.prepare_plan([cfg.batch_size], dict(cfg.spec) or None)

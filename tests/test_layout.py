@@ -141,7 +141,7 @@ def test_cycle_finder_sees_every_kind_of_import(tmp_path):
 
 # specee_core's layers, bottom first: a module imports from its own package and the layers below only.
 # "" is specee_core/__init__.py (the public API on top).
-LAYERS = ("machine", "model", "step", "draft", "early_exit", "spec", "decode", "")
+LAYERS = ("machine", "options", "model", "step", "draft", "early_exit", "spec", "decode", "")
 SOURCES = ("specee_core", "pipeline", "jobs", "kernels", "specee_eval")
 _TREES.update((p.resolve(), ast.parse(p.read_text(), str(p)))  # while collecting (parse's docstring)
               for src in SOURCES + ("tests",) for p in sorted((REPO / src).rglob("*.py")))

@@ -8,7 +8,6 @@ import functools
 import logging
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -19,6 +18,7 @@ from specee_core.model.kv_cache import window_slots
 from specee_core.model.loader import find_model_dir, load_model, load_tokenizer
 from specee_core.model.model import DecoderModel
 from specee_core.machine import choose_dtype
+from specee_core.options import EngineOptions
 from specee_core.spec.costs import CostTable, cost_key, load_costs
 from specee_core.spec.plan import Planner, SpecPlan, StepTimes, could_pay
 from specee_core.decode.core import EngineCore
@@ -33,37 +33,6 @@ from specee_core.step.stepper import StepperFactory
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "dense", "specee", "spec")
-
-
-@dataclass
-class EngineOptions:
-    max_batch_size: int = 32  # rows decoding at once in the engine core
-    context_len: int | None = None  # default: the model's max_position_embeddings
-    prefill_chunk: int = 512  # prompt tokens prefilled per lane per iteration (the rest wait a step)
-    # the KV budget (every cache the engine keeps: the model's, the draft head's, the prefix cache) in GiB;
-    # None: a share of the memory free at start (specee_core.decode.memory.default_kv_bytes) / engines_per_node
-    kv_cache_gb: float | None = None
-    engines_per_node: int = 1  # engines sharing this node's memory (actors, replicas): the default budget's divisor
-    kv_block_size: int = 16  # token slots per block of the budget and the prefix cache
-    prefix_cache: bool = True  # reuse full prompt blocks across rows and requests
-    # rows a new lane has at least: 1 sizes a lane to the prompts waiting when it opens (a generate call's: every
-    # row decoding, steps without gathers); max_batch_size leaves room for requests that arrive while it decodes
-    # (Serve, the batch job's batches in flight)
-    min_lane_rows: int = 1
-
-    def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
-            raise ValueError(f"kv_cache_gb must be > 0 (or None: a share of free memory), got {self.kv_cache_gb}")
-        if self.engines_per_node < 1:
-            raise ValueError(f"engines_per_node must be >= 1, got {self.engines_per_node}")
-        if self.kv_block_size < 1:
-            raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
-        if self.min_lane_rows < 1:
-            raise ValueError(f"min_lane_rows must be >= 1, got {self.min_lane_rows}")
 
 
 class SpecEEEngine:
