@@ -143,13 +143,15 @@ def test_deployment_options():
     """A GPU per replica when device is cuda; replica counts and autoscaling reach Serve's deployment."""
     from pipeline.serve import app
     from pipeline.serve_args import ServeArgs, deployment_options
+    from specee_core.options import default
 
     def options(**kw):
         return deployment_options(ServeArgs.model_validate({"model": str(BUNDLED), **kw}))
 
-    # CPU, one replica; Serve hands it more requests than the app admits (8 running + 64 queued), so the app's
-    # 429 with Retry-After is the overload answer
-    assert options() == {"ray_actor_options": {"num_cpus": 1.0}, "max_ongoing_requests": 8 + 64 + 16}
+    # CPU, one replica; Serve hands it more requests than the app admits (max_batch_size running + 64 queued), so
+    # the app's 429 with Retry-After is the overload answer
+    rows = default("max_batch_size")  # the engine's default, Serve's too
+    assert options() == {"ray_actor_options": {"num_cpus": 1.0}, "max_ongoing_requests": rows + 64 + 16}
     assert options(device="cuda", num_cpus="2")["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 1.0}
     assert options(device="cuda:1", num_gpus="0.5")["ray_actor_options"]["num_gpus"] == 0.5  # the user's
     assert "num_gpus" not in options(device="cuda", num_gpus=0)["ray_actor_options"]
@@ -163,8 +165,8 @@ def test_deployment_options():
     d = app({"model": str(BUNDLED), "device": "cuda", "num_replicas": "auto", "max_replicas": 4})._bound_deployment
     assert d.ray_actor_options == {"num_cpus": 1.0, "num_gpus": 1.0}
     cfg = d._deployment_config.autoscaling_config
-    assert (cfg.min_replicas, cfg.max_replicas, cfg.target_ongoing_requests) == (1, 4, 8)
-    assert d._deployment_config.max_ongoing_requests == 88
+    assert (cfg.min_replicas, cfg.max_replicas, cfg.target_ongoing_requests) == (1, 4, rows)
+    assert d._deployment_config.max_ongoing_requests == rows + 64 + 16
     assert app({"model": str(BUNDLED), "num_replicas": 2})._bound_deployment.num_replicas == 2
 
 
@@ -328,14 +330,17 @@ def test_pick_mode_refuses_what_the_model_cannot_run():
 
 # ---- the happy paths ---------------------------------------------------------------------------
 def test_models_and_health(server, client):
+    from specee_core.options import default
+
     assert [m.id for m in client.models.list().data] == ["tiny"]
     r = httpx.get(f"{server}/healthz", timeout=10)
     assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["mode"] == "auto"
     health = r.json()  # what runs and why: dtype, the machine, the measured plan
     assert health["dtype"] == "float32" and health["dtype_reason"] == "float32: asked for"
     assert health["weights"] == "fp32" and health["weights_reason"] == "fp32: the dtype asked for"
-    assert health["machine"]["cpu_capability"] and set(health["plan"]["by_batch"]) == {"1", "8"}
-    assert health["plan"]["costs"]["verify_ms"]["8"][0] > 0  # measured at start, up to max_batch_size
+    rows = str(default("max_batch_size"))  # the app's default max_batch_size
+    assert health["machine"]["cpu_capability"] and set(health["plan"]["by_batch"]) == {"1", rows}
+    assert health["plan"]["costs"]["verify_ms"][rows][0] > 0  # measured at start, up to max_batch_size
 
 
 def test_completion_matches_engine(client, engine):
