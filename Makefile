@@ -32,11 +32,11 @@ test-gemma3: $(VENV)/.installed
 	$(PY) -m pytest -q tests/test_gemma3.py
 
 bench: $(VENV)/.installed model
-	$(PY) -m jobs.bench
+	$(PY) -m tools.bench
 
 # The batch job's shape: one streaming pass vs one model load per wave vs the bare engine (about 8 min)
 bench-pipeline: $(VENV)/.installed model
-	$(PY) -m jobs.bench_pipeline --out docs/bench_pipeline.json
+	$(PY) -m tools.bench_pipeline --out docs/bench_pipeline.json
 
 # HumanEval: the README's "Results" table and Pareto plot, every mode on all 164 problems at batch 1
 # (about 100 min on 2 cores: 80 generating, 15 perplexity)
@@ -49,9 +49,9 @@ MODEL := models/specee-tiny
 corpus: $(VENV)/.installed
 	$(PY) -m jobs.build_corpus --out data/corpus
 tokenizer: $(VENV)/.installed
-	$(PY) -m jobs.train_tokenizer --corpus data/corpus --out $(MODEL) --vocab-size 8192
+	$(PY) -m tools.train_tokenizer --corpus data/corpus --out $(MODEL) --vocab-size 8192
 base: $(VENV)/.installed
-	$(PY) -m jobs.train_base --out $(MODEL) --time-budget-min 100 --ckpt-every-s 180
+	$(PY) -m tools.train_base --out $(MODEL) --time-budget-min 100 --ckpt-every-s 180
 draft: $(VENV)/.installed
 	$(PY) -m jobs.train_draft --model $(MODEL) --epochs 2
 predictors: $(VENV)/.installed

@@ -16,6 +16,12 @@ import platform
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +98,28 @@ def iter_texts(path: Path):
     with open(path, encoding="utf-8") as f:
         for line in f:
             yield json.loads(line)["text"]
+
+
+def tokenize_split(corpus: Path, split: str, tokenizer, cache: Path) -> np.ndarray:
+    """All documents of a split as one uint16 stream: <s> doc </s> <s> doc </s> ..."""
+    path = cache / f"{split}.npy"
+    if path.is_file():
+        return np.load(path)
+    eos = tokenizer.eos_token_id
+    texts = list(iter_texts(corpus / f"{split}.jsonl"))
+    ids = tokenizer(texts, add_special_tokens=True)["input_ids"]
+    stream = np.fromiter((t for doc in ids for t in (*doc, eos)), dtype=np.uint16)
+    cache.mkdir(parents=True, exist_ok=True)
+    np.save(path, stream)
+    return stream
+
+
+def fixed_windows(stream: np.ndarray, n: int, seq_len: int) -> torch.Tensor:
+    """n evenly spaced windows: a deterministic evaluation set."""
+    import torch
+
+    starts = np.linspace(0, len(stream) - seq_len - 2, n).astype(np.int64)
+    return torch.from_numpy(np.stack([stream[s : s + seq_len + 1] for s in starts]).astype(np.int64))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -58,6 +58,17 @@ def engine_options(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in ENGINE_FLAGS}
 
 
+def git_commit() -> str:
+    """The checkout's commit (short), "unknown" outside a git checkout: what a result JSON names."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parents[1],
+                              capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def emit_json(obj: dict, path: str | Path | None = None) -> dict:
     """Print obj as indented JSON and, given a path, write the same text there; returns obj."""
     import json

@@ -33,14 +33,13 @@ from __future__ import annotations
 import json
 import logging
 import platform
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from jobs.bench import git_commit
+from jobs.cli import git_commit
 from jobs.cli import parse_config
 from specee_core import SpecEEEngine
 from specee_core.decode.dense import DenseStepper

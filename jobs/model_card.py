@@ -17,8 +17,8 @@ from jobs.cli import parse_config
 
 REPRODUCE = """make corpus tokenizer base draft predictors schedule   # or, step by step:
 python -m jobs.build_corpus --out data/corpus
-python -m jobs.train_tokenizer --corpus data/corpus --out models/specee-tiny --vocab-size 8192
-python -m jobs.train_base --out models/specee-tiny --time-budget-min 100 --ckpt-every-s 180
+python -m tools.train_tokenizer --corpus data/corpus --out models/specee-tiny --vocab-size 8192
+python -m tools.train_base --out models/specee-tiny --time-budget-min 100 --ckpt-every-s 180
 python -m jobs.train_draft --model models/specee-tiny --epochs 2
 python -m jobs.train_predictors --model models/specee-tiny
 python -m jobs.profile_schedule --model models/specee-tiny
@@ -144,7 +144,7 @@ def render_imported(m: Path) -> str:
         f"{config.get('vocab_size')}, tied embeddings: {config.get('tie_word_embeddings')}; chat template from the GGUF", "",
         "## Training data", "",
         f"- Prompts: `{distill.get('prompts')}` for the draft head, `{preds.get('prompts')}` for the predictors "
-        f"(jobs.make_instructions: one user message per documented function "
+        f"(tools.make_instructions: one user message per documented function "
         f"of standard-library modules outside the held-out list). Held-out modules, never trained on: "
         f"{', '.join(distill.get('held_out_modules_excluded', []))}. `prompts/instructions_heldout.jsonl` (those "
         "modules) and HumanEval were never used for training.",

@@ -15,7 +15,6 @@ the same rule the Ray pipeline re-tunes with.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from jobs.bench import git_commit
+from jobs.cli import git_commit
 from jobs.cli import parse_config
 from jobs.make_distill_data import read_prompts, render_prompt
 from specee_core import SpecEEEngine

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from jobs.cli import parse_config
 from jobs.make_distill_data import is_heldout_id, manifest_path, read_jsonl
-from jobs.train_base import fixed_windows, tokenize_split
+from jobs.build_corpus import fixed_windows, tokenize_split
 from specee_core import load_model, load_tokenizer
 from specee_core.draft.head import DraftHead
 

@@ -12,7 +12,7 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from jobs.bench import git_commit  # noqa: E402
+from jobs.cli import git_commit  # noqa: E402
 from specee_core import SpecEEEngine  # noqa: E402
 
 torch.set_num_threads(2)

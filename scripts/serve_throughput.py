@@ -15,7 +15,7 @@ import time
 import httpx
 
 sys.path.insert(0, ".")
-from jobs.probe_serve_memory import start_server  # noqa: E402
+from tools.probe_serve_memory import start_server  # noqa: E402
 
 url = "http://127.0.0.1:8000"
 srv = start_server(url)

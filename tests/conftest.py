@@ -19,7 +19,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def _one_parse_at_a_time():
     """ast.parse under one lock for the test process. CPython 3.11.7 (the CI machine's) shares the AST converter's
     recursion counter between threads (gh-106905, fixed in 3.11.8): two parses at once, one in a test (pytest's
-    assertion rewriting of a late import, a layout test, jobs.make_prompts) and one on another thread of the
+    assertion rewriting of a late import, a layout test, tools.make_prompts) and one on another thread of the
     process, raised "SystemError: AST constructor recursion depth mismatch" in two clean-clone runs."""
     if not (3, 11) <= sys.version_info[:3] < (3, 11, 8):
         return

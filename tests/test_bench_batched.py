@@ -1,4 +1,4 @@
-"""jobs.bench_batched's plot, from the JSON a run wrote (no engine, no llama.cpp)."""
+"""tools.bench_batched's plot, from the JSON a run wrote (no engine, no llama.cpp)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import matplotlib.image
 
-from jobs.bench_batched import plot_batched
+from tools.bench_batched import plot_batched
 
 RUN = Path(__file__).resolve().parents[1] / "docs" / "bench_batched_builds_avx512_amd_fc721da.json"
 

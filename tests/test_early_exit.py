@@ -316,8 +316,8 @@ def test_collected_record_is_the_drafts_hits_on_the_rows_tokens(ee_model_dir):
 
 def _record_bank(k: int, layers: list[int]):
     """Predictors of feature set "zpdqh" that fire exactly when the row's last proposal was a hit (the
-    record's first entry, one hidden unit on the fifth feature block): jobs.gpu_check's."""
-    from jobs.gpu_check import hit_bank
+    record's first entry, one hidden unit on the fifth feature block): tools.gpu_check's."""
+    from tools.gpu_check import hit_bank
 
     return hit_bank(k, layers)
 

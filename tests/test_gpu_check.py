@@ -1,4 +1,4 @@
-"""jobs.gpu_check runs where a GPU is lent, once per session and against a clock: here its whole path runs on the
+"""tools.gpu_check runs where a GPU is lent, once per session and against a clock: here its whole path runs on the
 CPU with the bundled model (tiny settings), so a broken script shows in CI, not in the GPU's minutes."""
 from __future__ import annotations
 

@@ -142,7 +142,7 @@ def test_cycle_finder_sees_every_kind_of_import(tmp_path):
 # specee_core's layers, bottom first: a module imports from its own package and the layers below only.
 # "" is specee_core/__init__.py (the public API on top).
 LAYERS = ("machine", "options", "model", "step", "draft", "early_exit", "spec", "decode", "")
-SOURCES = ("specee_core", "pipeline", "jobs", "kernels", "specee_eval")
+SOURCES = ("specee_core", "pipeline", "jobs", "tools", "kernels", "specee_eval")
 _TREES.update((p.resolve(), ast.parse(p.read_text(), str(p)))  # while collecting (parse's docstring)
               for src in SOURCES + ("tests",) for p in sorted((REPO / src).rglob("*.py")))
 
@@ -184,6 +184,13 @@ def imported_modules(path: Path) -> set[str]:
 def test_kernels_import_nothing_of_specee_core():
     offenders = sorted(f"{p.name}: {m}" for p in (REPO / "kernels").rglob("*.py") for m in imported_modules(p)
                        if m.split(".")[0] == PACKAGE)
+    assert offenders == []
+
+
+def test_user_commands_import_no_developer_tool():
+    """jobs/ (what users run) stands without tools/ (benchmarks, probes, the bundled model's data and training)."""
+    offenders = sorted(f"{p.name}: {m}" for p in (REPO / "jobs").rglob("*.py") for m in imported_modules(p)
+                       if m.split(".")[0] == "tools")
     assert offenders == []
 
 

@@ -334,7 +334,7 @@ def test_config_validation(tmp_path):
 
 
 def test_sample_prompts_are_bundled_and_reproducible(tmp_path):
-    from jobs.make_prompts import PromptsConfig, build
+    from tools.make_prompts import PromptsConfig, build
 
     bundled = [json.loads(line) for line in (REPO / "prompts" / "sample_prompts.jsonl").read_text().splitlines()]
     assert len(bundled) == 300 and len({r["id"] for r in bundled}) == 300

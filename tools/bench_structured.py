@@ -4,7 +4,7 @@ the commit and the machine. Two shapes of run per batch size b: b prompts at onc
 finish: the schema's shorter, ragged replies empty it sooner than free text does), and a stream of b x --waves
 prompts through an engine of b rows (finished rows are replaced, as in a batch job: tokens/s over the call).
 
-    python -m jobs.bench_structured --out docs/bench_structured.json
+    python -m tools.bench_structured --out docs/bench_structured.json
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from jobs.bench import emit, git_commit
+from jobs.cli import emit_json, git_commit
 from specee_core import SamplingParams, SpecEEEngine
 from specee_core.machine import machine_facts
 
@@ -101,7 +101,7 @@ def main() -> None:
            "note": "decode tokens/s: tokens after each row's first over the call's seconds after its last first "
                    "token; the same prompts with and without the schema, interleaved; plain_same_lengths: free text "
                    "cut per row to its schema reply's length, so only the constraint differs"}
-    emit(out, args.out)
+    emit_json(out, args.out)
 
 
 def stream(args, b: int, mode: str, variants: dict, speeds: dict, valid: dict) -> None:

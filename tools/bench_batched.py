@@ -12,8 +12,8 @@ Per N, in one run, the peers alternating round by round:
 - prefill: N prompts of about --prompt-tokens tokens, prefix cache off, max_tokens 1: prompt tokens over the
   call's time to the last first token; llama.cpp: S_PP, its prompt-processing speed at N sequences.
 
-    python -m jobs.bench_batched --llama-bench /work/llamacpp-src/bb/bin/llama-batched-bench --out docs/bench_batched.json
-    python -m jobs.bench_batched --replot docs/bench_batched.json   # its plot again, from the JSON alone
+    python -m tools.bench_batched --llama-bench /work/llamacpp-src/bb/bin/llama-batched-bench --out docs/bench_batched.json
+    python -m tools.bench_batched --replot docs/bench_batched.json   # its plot again, from the JSON alone
 
 With --out, a plot beside the JSON (.png): decode tokens/s per batch size for each variant and llama.cpp build, and
 with modes auto and dense, auto / dense per round and their medians' ratio.
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from jobs.bench import emit, git_commit
+from jobs.cli import emit_json, git_commit
 from specee_core import SamplingParams, SpecEEEngine
 from specee_core.machine import machine_facts
 from specee_core.model.gguf import imported_gguf
@@ -167,7 +167,7 @@ def main() -> None:
                    "after each row's first over the seconds after the last first token (llama.cpp: S_TG at N "
                    "parallel sequences); prefill: N prompts of prompt-tokens tokens, prefix cache off, to the last "
                    "first token (llama.cpp: S_PP); ratios against llama.cpp's fastest build at each size"}
-    emit(out, args.out)
+    emit_json(out, args.out)
     if args.out:
         plot_batched(out, args.out.with_suffix(".png"))
 

@@ -1,7 +1,7 @@
 """Build the bundled sample prompts: the opening lines of functions and classes of the held-out
 standard-library modules (code the bundled model never saw in training).
 
-    python -m jobs.make_prompts --out prompts/sample_prompts.jsonl --count 300
+    python -m tools.make_prompts --out prompts/sample_prompts.jsonl --count 300
 
 Deterministic for a given Python version: candidates are every def/class of the held-out
 modules of the running Python's stdlib (jobs.build_corpus.HELD_OUT), cut to their first 3-8

@@ -3,7 +3,7 @@ with the engine core's prefix cache on and off (interleaved rounds), in dense an
 prefill time (generate with one new token: the prompts' prefill and the first token's choice), the ratio,
 and whether the tokens of a longer generation are the same (fp32).
 
-    python -m jobs.bench_prefix --out docs/bench_prefix_cache.json
+    python -m tools.bench_prefix --out docs/bench_prefix_cache.json
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def system_prompt(engine: SpecEEEngine, tokens: int) -> str:
 
 
 def run(cfg: Config) -> dict:
-    from jobs.bench import git_commit
+    from jobs.cli import git_commit
 
     engine = SpecEEEngine.from_pretrained(cfg.model, dtype="float32", weights="fp32", max_batch_size=cfg.batch_size)
     system = system_prompt(engine, cfg.system_tokens)
@@ -89,7 +89,7 @@ def run(cfg: Config) -> dict:
                         "speedup": round(off / on, 2), "cached_prompt_tokens": cached[(mode, True)],
                         "prompt_tokens": sum(lens), "same_tokens": tokens[(mode, False)] == tokens[(mode, True)],
                         "rounds_s": {"no_cache": times[(mode, False)], "cache": times[(mode, True)]}})
-    out = {"benchmark": "jobs.bench_prefix", "git_commit": git_commit(), "config": vars(cfg),
+    out = {"benchmark": "tools.bench_prefix", "git_commit": git_commit(), "config": vars(cfg),
            "machine": machine_facts(engine.device), "torch": torch.__version__,
            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "dtype": "float32",
            "prompt_tokens_each": {"min": min(lens), "max": max(lens)}, "results": results}

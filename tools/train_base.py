@@ -1,6 +1,6 @@
 """Train the bundled Llama-architecture model on the stdlib corpus.
 
-    python -m jobs.train_base --out models/specee-tiny --time-budget-min 80
+    python -m tools.train_base --out models/specee-tiny --time-budget-min 80
 
 Uses CUDA when present, CPU otherwise. Resumable: rerun the same command and it continues
 from --ckpt-dir/last.pt (model, optimizer, step, elapsed time). The learning rate follows a
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from jobs.cli import parse_config
-from jobs.build_corpus import iter_texts
+from jobs.build_corpus import fixed_windows, tokenize_split
 
 log = logging.getLogger(__name__)
 
@@ -61,31 +61,11 @@ class TrainConfig:
         if self.seq_len > self.max_position:
             raise ValueError(f"seq_len {self.seq_len} exceeds max_position {self.max_position}")
         if not (self.out / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"{self.out / 'tokenizer.json'} not found: run jobs.train_tokenizer first")
-
-
-def tokenize_split(corpus: Path, split: str, tokenizer, cache: Path) -> np.ndarray:
-    """All documents of a split as one uint16 stream: <s> doc </s> <s> doc </s> ..."""
-    path = cache / f"{split}.npy"
-    if path.is_file():
-        return np.load(path)
-    eos = tokenizer.eos_token_id
-    texts = list(iter_texts(corpus / f"{split}.jsonl"))
-    ids = tokenizer(texts, add_special_tokens=True)["input_ids"]
-    stream = np.fromiter((t for doc in ids for t in (*doc, eos)), dtype=np.uint16)
-    cache.mkdir(parents=True, exist_ok=True)
-    np.save(path, stream)
-    return stream
+            raise FileNotFoundError(f"{self.out / 'tokenizer.json'} not found: run tools.train_tokenizer first")
 
 
 def sample_batch(stream: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator) -> torch.Tensor:
     starts = rng.integers(0, len(stream) - seq_len - 1, size=batch)
-    return torch.from_numpy(np.stack([stream[s : s + seq_len + 1] for s in starts]).astype(np.int64))
-
-
-def fixed_windows(stream: np.ndarray, n: int, seq_len: int) -> torch.Tensor:
-    """n evenly spaced windows: a deterministic evaluation set."""
-    starts = np.linspace(0, len(stream) - seq_len - 2, n).astype(np.int64)
     return torch.from_numpy(np.stack([stream[s : s + seq_len + 1] for s in starts]).astype(np.int64))
 
 

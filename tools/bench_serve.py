@@ -10,7 +10,7 @@ turns round by round in one run:
 
 Prints (and with --out writes) JSON with the commit and the machine.
 
-    python -m jobs.bench_serve --out docs/bench_serve.json
+    python -m tools.bench_serve --out docs/bench_serve.json
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from jobs.bench import emit, git_commit
+from jobs.cli import emit_json, git_commit
 from specee_core.machine import machine_facts
 
 
@@ -115,7 +115,7 @@ def main() -> None:
         result = asyncio.run(measure(f"http://127.0.0.1:{port}", args))
     finally:
         serve.shutdown()
-    emit({"git_commit": git_commit(), "machine": machine_facts(),
+    emit_json({"git_commit": git_commit(), "machine": machine_facts(),
           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "model": args.model,
           "serve_args": "defaults", **{k: getattr(args, k) for k in ("concurrent", "tokens", "long", "long_tokens",
                                                                      "short_tokens", "rounds")}, **result}, args.out)

@@ -3,7 +3,7 @@ cache on (the heap trimmed as the core does, and not), and off. Each variant run
 heap); this process samples its resident set every second from /proc and reports the peak and the end beside the
 KV budget and what the prefix cache holds.
 
-    python -m jobs.bench_memory --model models/gemma3-270m --weights gguf --out docs/bench_memory_gemma3.json
+    python -m tools.bench_memory --model models/gemma3-270m --weights gguf --out docs/bench_memory_gemma3.json
 """
 from __future__ import annotations
 
@@ -71,14 +71,14 @@ def run_variant(cfg: Config) -> dict:
 def run(cfg: Config) -> dict:
     import torch
 
-    from jobs.bench import git_commit
+    from jobs.cli import git_commit
     from specee_core.machine import machine_facts
 
     results = []
     for variant in cfg.variants.split(","):
         if variant not in VARIANTS:
             raise ValueError(f"variant {variant!r}: expected one of {VARIANTS}")
-        args = [sys.executable, "-m", "jobs.bench_memory", "--variant", variant] + [
+        args = [sys.executable, "-m", "tools.bench_memory", "--variant", variant] + [
             f"--{k.replace('_', '-')}={v}" for k, v in vars(cfg).items() if k not in ("variant", "variants", "out")]
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
         t0, trace, peak = time.monotonic(), [], 0.0
@@ -98,7 +98,7 @@ def run(cfg: Config) -> dict:
         res["rss_gb_every_10s"] = [r for t, r in trace[::10]]
         print(f"[bench_memory] {variant}: peak {peak:.2f} GB, end {res['end_rss_gb']} GB", flush=True)
         results.append(res)
-    return {"benchmark": "jobs.bench_memory", "git_commit": git_commit(), "config": vars(cfg),
+    return {"benchmark": "tools.bench_memory", "git_commit": git_commit(), "config": vars(cfg),
             "machine": machine_facts("cpu"), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "results": results}
 

@@ -10,7 +10,7 @@ batch size N, the variants taking turns round by round in one process:
 Tokens/s is generated tokens over the whole generate call (prefill included); each variant's ratio to shared is
 the median over rounds of the round's ratio. Prints (and with --out writes) JSON with the commit and the machine.
 
-    python -m jobs.bench_sampling --out docs/bench_sampling.json
+    python -m tools.bench_sampling --out docs/bench_sampling.json
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from jobs.bench import emit, git_commit
-from jobs.bench_batched import chat_prompts
+from jobs.cli import emit_json, git_commit
+from tools.bench_batched import chat_prompts
 from specee_core import SamplingParams, SpecEEEngine
 from specee_core.machine import machine_facts
 
@@ -78,7 +78,7 @@ def main() -> None:
             "rounds": rounds,
             "vs_shared": {k: statistics.median(a / b for a, b in zip(v, shared)) for k, v in rounds.items()},
         }
-    emit(result, args.out)
+    emit_json(result, args.out)
 
 
 if __name__ == "__main__":

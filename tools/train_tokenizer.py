@@ -1,6 +1,6 @@
 """Train a byte-level BPE tokenizer on the corpus and save it in HF layout.
 
-    python -m jobs.train_tokenizer --corpus data/corpus --out models/specee-tiny --vocab-size 8192
+    python -m tools.train_tokenizer --corpus data/corpus --out models/specee-tiny --vocab-size 8192
 
 The saved tokenizer.json / tokenizer_config.json load offline through transformers'
 AutoTokenizer and through the engine. Encoding prepends BOS, as Llama tokenizers do.

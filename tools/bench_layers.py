@@ -1,9 +1,9 @@
 """A model's decoder layers on CPU, each decode layer as one C++ call (the fused layer and layer stack,
 kernels/layer_cpu.cpp) against the same layers op by op through torch, interleaved in one run.
 
-    python -m jobs.bench_layers                                   # SmolLM2-135M's shapes, bf16 and fp32, batch 8
-    python -m jobs.bench_layers --formats bf16,fp32,q4 --batches 1,8,16 --out docs/bench_layers.json
-    python -m jobs.bench_layers --model models/gemma3-270m --formats fp32,gguf --batches 1,16
+    python -m tools.bench_layers                                   # SmolLM2-135M's shapes, bf16 and fp32, batch 8
+    python -m tools.bench_layers --formats bf16,fp32,q4 --batches 1,8,16 --out docs/bench_layers.json
+    python -m tools.bench_layers --model models/gemma3-270m --formats fp32,gguf --batches 1,16
 
 One call is every decoder layer, the final norm and the LM head over `batch` rows after --context cached
 tokens each (rows at lengths context .. context + batch - 1, as different prompts are): a decode step (one
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from jobs.bench import emit, git_commit
+from jobs.cli import emit_json, git_commit
 from specee_core.machine import machine_facts
 from specee_core.model.config import ModelConfig
 from specee_core.model.model import LayerLinears
@@ -100,7 +100,7 @@ def main() -> None:
         results.update({k: round(statistics.median(v), 2) for k, v in samples.items()})
     ratios = {k.replace(f"_{other}", f"_{other}/fused"): round(v / results[k.replace(f"_{other}", "_fused")], 3)
               for other in ("op_by_op", "fused_loop") for k, v in results.items() if f"_{other}@" in k}
-    emit({"git_commit": git_commit(), "machine": machine_facts(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    emit_json({"git_commit": git_commit(), "machine": machine_facts(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
           "threads": torch.get_num_threads(), "config": {k: str(v) for k, v in vars(args).items()},
           "ms_median": results, "ratios": ratios,
           "note": "ms per call: every layer + final norm + LM head over batch rows, a step (x1) or a chain verified "

@@ -1,7 +1,7 @@
 """The engine on a CUDA GPU with SmolLM2: exactness against transformers and between modes, then every mode
 and weight format beside transformers' `generate`, batch 1 to 64.
 
-    python -m jobs.gpu_check --model models/smollm2-135m-instruct --out gpu_check.json
+    python -m tools.gpu_check --model models/smollm2-135m-instruct --out gpu_check.json
 
 Greedy, fp32 (no TF32), on held-out chat prompts: dense against transformers' generate token for token, and
 dense batched against each prompt alone; every lossless mode (spec: draft chain, draft tree, prompt lookup,
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     import transformers
 
-    from jobs.bench import git_commit
+    from jobs.cli import git_commit
     from specee_core import SpecEEEngine
 
     n, model = args.tokens, Path(args.model)

@@ -13,12 +13,12 @@
 - engine_all: the same call with every thread of the layout (actors x threads): what one engine could do with
           the job's cores and no batch boundaries (the reference where the layout has several actors).
 
-    python -m jobs.bench_pipeline --out docs/bench_pipeline.json
-    python -m jobs.bench_pipeline --limit 48 --max-new-tokens 16 --variants stream,bare   # quick
-    python -m jobs.bench_pipeline --variants stream --modes auto,dense   # the default job against dense
-    python -m jobs.bench_pipeline --variants stream --weights fp32,bf16,q4   # weight formats, dense
+    python -m tools.bench_pipeline --out docs/bench_pipeline.json
+    python -m tools.bench_pipeline --limit 48 --max-new-tokens 16 --variants stream,bare   # quick
+    python -m tools.bench_pipeline --variants stream --modes auto,dense   # the default job against dense
+    python -m tools.bench_pipeline --variants stream --weights fp32,bf16,q4   # weight formats, dense
     # batches in flight: the job against one engine call over the same 96 held-out prompts x 128 tokens
-    python -m jobs.bench_pipeline --input prompts/instructions_heldout.jsonl --limit 96 --max-new-tokens 128 \
+    python -m tools.bench_pipeline --input prompts/instructions_heldout.jsonl --limit 96 --max-new-tokens 128 \
         --modes auto --variants stream,engine,engine_all --max-concurrent-batches 1,2 --repeats 3
 
 tokens_per_s is generated tokens over wall seconds from the variant's start to its end, start-up
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     import ray
     import torch
 
-    from jobs.bench import git_commit
+    from jobs.cli import git_commit
     from jobs.cli import emit_json
     from pipeline.local_ray import init_ray
     from specee_core.machine import machine_facts
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
     reference = runs[variants[0]][0]["completions"]
     summary = {v: summarize_runs(rs, reference) for v, rs in runs.items()}
     out = {
-        "benchmark": "jobs.bench_pipeline", "git_commit": commit, "config": vars(args),
+        "benchmark": "tools.bench_pipeline", "git_commit": commit, "config": vars(args),
         # per (mode, weights): the job's engine actors here and the threads of each (the engine variant's threads)
         "layout": {f"{m}@{w}": layout for (m, w), layout in layouts.items()},
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),

@@ -1,8 +1,8 @@
 """Microbenchmark of the GGUF block-format linears (kernels/kquant_cpu.cpp's blocks_linear) against dense fp32
 F.linear and the Q4_1 kernel, at Gemma 3 270M's and SmolLM2-135M's layer shapes.
 
-    python -m jobs.bench_kquant                          # rows 1 and 8, torch's default threads
-    python -m jobs.bench_kquant --threads 1 --batches 1 --out docs/bench_kquant.json
+    python -m tools.bench_kquant                          # rows 1 and 8, torch's default threads
+    python -m tools.bench_kquant --threads 1 --batches 1 --out docs/bench_kquant.json
 
 A call is one model's set of linears (out, in), each in the format a Q4_K_M file gives it (Q4_K where the
 input dim holds super-blocks of 256, else Q5_0; Q6_K for the down projection as llama.cpp's Q4_K_M does on
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from jobs.bench_kernels import git_commit
+from jobs.cli import git_commit
 from kernels.cpu_ext import lowbit_cpu
 from kernels.ggml_blocks import dequantize_blocks_reference, random_blocks
 from specee_core.machine import cpu_model

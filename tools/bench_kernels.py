@@ -1,8 +1,8 @@
 """Microbenchmark of the fused SpecEE predictor: Triton kernel vs torch reference vs unfused ops.
 
-    python -m jobs.bench_kernels                                  # Llama2-7B shapes, batch 1 and 32
-    python -m jobs.bench_kernels --cuda-graph                     # GPU time without launch overhead
-    python -m jobs.bench_kernels --dim 512 --vocab 4000 --iters 20 --threads 1   # CPU smoke test
+    python -m tools.bench_kernels                                  # Llama2-7B shapes, batch 1 and 32
+    python -m tools.bench_kernels --cuda-graph                     # GPU time without launch overhead
+    python -m tools.bench_kernels --dim 512 --vocab 4000 --iters 20 --threads 1   # CPU smoke test
 
 Variants, all computing (p_exit, cand_prob, local_argmax) from the same inputs:
   triton           kernels.fused_predictor (one launch). On CPU only under TRITON_INTERPRET=1
@@ -20,15 +20,14 @@ import argparse
 import contextlib
 import json
 import platform
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from jobs.cli import git_commit
 from kernels import fused_predictor, fused_predictor_reference, triton_mode
 
 VARIANTS = ("triton", "torch_reference", "torch_ops")
@@ -133,15 +132,6 @@ def time_us(fn: Callable[[], object], cfg: BenchConfig) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / cfg.iters * 1e3
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parents[1],
-                             capture_output=True, text=True, timeout=10)
-    except OSError:
-        return None
-    return out.stdout.strip() or None
 
 
 def bench(cfg: BenchConfig) -> dict:

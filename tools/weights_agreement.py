@@ -14,8 +14,8 @@ against the same reference: its text after the prompt, tokenized with the model'
 reference's length (llama.cpp prints text, not ids; a token split differently in the re-tokenization counts
 as a divergence there).
 
-    python -m jobs.weights_agreement --formats bf16,q4+bf16,q4a8 --out docs/weights_agreement_smollm2.json
-    python -m jobs.weights_agreement --model models/gemma3-270m --reference fp32 --formats auto,gguf,bf16 \
+    python -m tools.weights_agreement --formats bf16,q4+bf16,q4a8 --out docs/weights_agreement_smollm2.json
+    python -m tools.weights_agreement --model models/gemma3-270m --reference fp32 --formats auto,gguf,bf16 \
         --n-humaneval 0 --llama-simple llama.cpp/build/bin/llama-simple --out docs/weights_agreement_gemma3.json
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from jobs.bench import emit, git_commit
+from jobs.cli import emit_json, git_commit
 from specee_core import SamplingParams, SpecEEEngine
 from specee_core.machine import machine_facts
 from specee_core.model.gguf import imported_gguf
@@ -134,7 +134,7 @@ def main() -> None:
     out = {"git_commit": git_commit(), "machine": machine_facts(torch.device("cpu")),
            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "config": {k: str(v) for k, v in vars(args).items()},
            "reference": f"{args.reference} with fp32 activations", "formats": results}
-    emit(out, args.out)
+    emit_json(out, args.out)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Microbenchmark of the CPU low-bit linears (kernels/lowbit_cpu.cpp) against dense F.linear.
 
-    python -m jobs.bench_lowbit                        # SmolLM2-135M's layer, rows 1..64, all cores
-    python -m jobs.bench_lowbit --threads 1 --batches 8 32
-    python -m jobs.bench_lowbit --batches 1 2 5 8 --layers 30 --against OLD.so   # a kernel change, A/B
+    python -m tools.bench_lowbit                        # SmolLM2-135M's layer, rows 1..64, all cores
+    python -m tools.bench_lowbit --threads 1 --batches 8 32
+    python -m tools.bench_lowbit --batches 1 2 5 8 --layers 30 --against OLD.so   # a kernel change, A/B
 
 One "call" is a decoder layer's set of linears at SmolLM2-135M's shapes (hidden 576, intermediate 1536):
 q [576 -> 576], k and v [576 -> 192], o [576 -> 576], gate+up fused [576 -> 3072], down [1536 -> 576],
@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from jobs.bench_kernels import git_commit
+from jobs.cli import git_commit
 from kernels.cpu_ext import lowbit_cpu
 from specee_core.model.quant import linear_reference, quantize
 

@@ -3,7 +3,7 @@ concurrent chat requests without max_tokens (so each may run to the end of the c
 temperature (each opens a lane of its own). Samples the machine's used memory (MemTotal - MemAvailable)
 and /healthz while they run, for at most --seconds, then hangs up and stops the server.
 
-    python -m jobs.probe_serve_memory --out docs/serve_memory_probe.json
+    python -m tools.probe_serve_memory --out docs/serve_memory_probe.json
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def start_server(url: str, timeout_s: float = 600) -> subprocess.Popen:
 
 
 def run(cfg: Config) -> dict:
-    from jobs.bench import git_commit
+    from jobs.cli import git_commit
     from specee_core.machine import machine_facts
 
     url = f"http://127.0.0.1:{cfg.port}"
@@ -106,7 +106,7 @@ def run(cfg: Config) -> dict:
             server.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
-    return {"probe": "jobs.probe_serve_memory", "git_commit": git_commit(), "machine": machine_facts(),
+    return {"probe": "tools.probe_serve_memory", "git_commit": git_commit(), "machine": machine_facts(),
             "config": vars(cfg), "used_gb_ready": round(ready / 2**30, 2),
             "peak_rise_gb": round((peak - ready) / 2**30, 2), "healthy_throughout": healthy, "samples": samples,
             "answers": answers, "kv_memory_ready": health.get("kv_memory"), "kv_memory_after": after.get("kv_memory")}

@@ -2,14 +2,14 @@
 side in one run (interleaved A-B-C-C-B-A so drift hits every variant alike), plus SpecEE's
 quality against dense greedy decoding. Prints one JSON document.
 
-    python -m jobs.bench                                             # SmolLM2, dtype auto: every variant
-    python -m jobs.bench --modes hf,dense,auto,spec_lookup_first --batch-sizes 1,8,16 --thresholds "" \
+    python -m tools.bench                                             # SmolLM2, dtype auto: every variant
+    python -m tools.bench --modes hf,dense,auto,spec_lookup_first --batch-sizes 1,8,16 --thresholds "" \
         --dtypes float32,bfloat16                                    # the defaults against fixed settings
-    python -m jobs.bench --modes hf,dense --batch-sizes 1,8          # the engine-core comparison
-    python -m jobs.bench --weights q4 --modes llamacpp,hf,dense,auto --dtypes bfloat16,float32,q4,q4/bfloat16 --thresholds ""
+    python -m tools.bench --modes hf,dense --batch-sizes 1,8          # the engine-core comparison
+    python -m tools.bench --weights q4 --modes llamacpp,hf,dense,auto --dtypes bfloat16,float32,q4,q4/bfloat16 --thresholds ""
                                                                      # low-bit weights against llama.cpp
-    python -m jobs.bench --dtype float32 --modes hf,dense            # fp32, where dense equals transformers
-    python -m jobs.bench --model models/specee-tiny --prompts-file "" --chat false
+    python -m tools.bench --dtype float32 --modes hf,dense            # fp32, where dense equals transformers
+    python -m tools.bench --model models/specee-tiny --prompts-file "" --chat false
 
 Variants: hf (transformers generate in the same dtype), hf_lookup (transformers prompt lookup
 decoding, prompt_lookup_num_tokens=10), and this engine's dense, auto (the default: lossless, each step
@@ -33,7 +33,6 @@ import json
 import logging
 import platform
 import statistics
-import subprocess
 from collections import Counter
 import time
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from jobs.cli import parse_config
+from jobs.cli import git_commit, parse_config
 from jobs.build_corpus import sample_snippets
 from specee_core import SpecEEEngine
 from specee_core.machine import machine_facts
@@ -116,22 +115,6 @@ def load_llamacpp(cfg: BenchConfig):
     if not path.is_file():
         raise FileNotFoundError(f"GGUF for the llamacpp variant not found: {path}")
     return Llama(model_path=str(path), n_ctx=2048, n_threads=torch.get_num_threads(), n_batch=512, verbose=False)
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def emit(result: dict, out: Path | None) -> None:
-    """Print a benchmark's JSON result and, with out, write it there."""
-    text = json.dumps(result, indent=2)
-    print(text)
-    if out:
-        Path(out).write_text(text + "\n")
 
 
 def load_prompts(cfg: BenchConfig, n: int, engine: SpecEEEngine, offset: int = 0) -> list[str]:
@@ -329,7 +312,7 @@ def agreement(dense: list[list[int]], other: list[list[int]]) -> dict:
 def heldout_accuracy(engine: SpecEEEngine, cfg: BenchConfig, threshold: float) -> dict:
     """Teacher-forced greedy next-token accuracy over held-out windows through the SpecEE step
     (threshold > 1: exits off, i.e. dense)."""
-    from jobs.train_base import fixed_windows, tokenize_split
+    from jobs.build_corpus import fixed_windows, tokenize_split
 
     # the token cache is per model: another tokenizer's ids would index past this vocabulary
     stream = tokenize_split(cfg.corpus, "heldout", engine.tokenizer, Path("runs/bench_tokens") / cfg.model.name)

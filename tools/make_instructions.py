@@ -1,8 +1,8 @@
 """Build instruction prompts offline from the running Python's standard library: a user message per
 documented function ("Write a Python function `name(args)` that ...", "Explain ...", ...).
 
-    python -m jobs.make_instructions --split train --count 2000 --out prompts/instructions_train.jsonl
-    python -m jobs.make_instructions --split heldout --count 300 --out prompts/instructions_heldout.jsonl
+    python -m tools.make_instructions --split train --count 2000 --out prompts/instructions_train.jsonl
+    python -m tools.make_instructions --split heldout --count 300 --out prompts/instructions_heldout.jsonl
 
 The train split comes from modules outside jobs.build_corpus.HELD_OUT, the heldout split from those
 modules only, so prompts used for benchmarks and evaluation never trained a draft head or predictor.
