@@ -91,17 +91,17 @@ def tiny_model_dir(tmp_path_factory):
 @contextlib.contextmanager
 def drafting_plan(engine):
     """mode="auto" on engine with a table where drafting pays (verifying more tokens costs next to nothing) and no
-    learning from wall time (StepTimes(decay=1): nor the measured check): which steps draft then depends on the
+    learning from wall time (StepPolicy(decay=1): nor the measured check): which steps draft then depends on the
     acceptance seen, not on this machine's speed at the moment. The engine's own plan comes back after."""
     from specee_core.spec.costs import T_GRID, CostTable
-    from specee_core.spec.plan import StepTimes
+    from specee_core.step.policy import StepPolicy
 
     sizes = (1, 2, 4, 8, 16, 32, 64)
     flat = CostTable(key={"synthetic": True}, verify={b: [10.0 + 0.02 * t for t in T_GRID] for b in sizes},
                      draft={b: 0.5 for b in sizes})
     plan = engine.spec_plan()
     measured, times = plan.costs, plan.times
-    plan.costs, plan.times = flat, StepTimes(decay=1.0)
+    plan.costs, plan.times = flat, StepPolicy(decay=1.0)
     try:
         yield plan
     finally:

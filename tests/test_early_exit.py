@@ -374,8 +374,12 @@ def test_exit_choice_and_the_banks_exit_token_round_trip(tmp_path):
     assert PredictorBank.load(tmp_path / "p.safetensors").exit_token == "draft"
 
 
+class Key:
+    """What a StepPolicy keeps SpecEE's timed costs under (in the engine: the EarlyExit of a set of options)."""
+
+
 def test_pay_off_gate_times_costs_once_then_decides_from_the_exits():
-    from specee_core.early_exit.scheduler import PayOffCosts, PayOffGate
+    from specee_core.step.policy import PayOffCosts, PayOffGate, StepPolicy
 
     def run(gate: PayOffGate, skipped: float, steps: int, spec_s: float = 1.2, dense_s: float = 1.0) -> str:
         kinds = []
@@ -388,32 +392,32 @@ def test_pay_off_gate_times_costs_once_then_decides_from_the_exits():
                 gate.record_specee(skipped, spec_s)
         return "".join(kinds)
 
-    box: dict = {}
+    policy, key = StepPolicy(), Key()
     # the first gate times the costs: a window, the dense probe; SpecEE 20% dearer, nothing skipped: it
     # does not pay, and dense stretches of 4, 8, 16 (capped) follow between windows
-    lose = run(PayOffGate(box, num_layers=10, window=3, probe=2, backoff=4, max_backoff=16), 0.0, 60)
+    lose = run(PayOffGate(policy, key, num_layers=10, window=3, probe=2, backoff=4, max_backoff=16), 0.0, 60)
     assert lose.startswith("sss" + "dd" + "dddd" + "sss" + "d" * 8 + "sss" + "d" * 16 + "sss" + "d" * 16)
-    costs = box["costs"]
+    costs = policy.pay_off[key]
     assert costs.layer_share == pytest.approx(0.8) and costs.overhead == pytest.approx(0.2)
     # later gates reuse the costs (no probe) and decide from the exits: 3 of 10 layers x 0.8 > 0.2 pays
-    assert run(PayOffGate(box, num_layers=10, window=3, backoff=4), 3.0, 20) == "s" * 20
-    assert run(PayOffGate(box, num_layers=10, window=3, backoff=4), 2.0, 10) == "sss" + "dddd" + "sss"
+    assert run(PayOffGate(policy, key, num_layers=10, window=3, backoff=4), 3.0, 20) == "s" * 20
+    assert run(PayOffGate(policy, key, num_layers=10, window=3, backoff=4), 2.0, 10) == "sss" + "dddd" + "sss"
     # the first window's exits made its steps cheaper: the timed overhead adds their savings back
-    box2: dict = {}
-    run(PayOffGate(box2, num_layers=10, window=2, probe=1, backoff=1), 5.0, 3, spec_s=0.8)
-    assert box2["costs"].overhead == pytest.approx(0.8 / 1.0 - 1 + 0.5 * 0.8)
+    policy2, key2 = StepPolicy(), Key()
+    run(PayOffGate(policy2, key2, num_layers=10, window=2, probe=1, backoff=1), 5.0, 3, spec_s=0.8)
+    assert policy2.pay_off[key2].overhead == pytest.approx(0.8 / 1.0 - 1 + 0.5 * 0.8)
     assert PayOffCosts(0.1, 0.5).pays(3.0, 10) and not PayOffCosts(0.2, 0.5).pays(3.0, 10)
     # untimed (audited) steps count their exits but time nothing: no costs, no probe, SpecEE goes on
-    g = PayOffGate({}, num_layers=10, window=2, probe=1, backoff=1)
+    g = PayOffGate(StepPolicy(), Key(), num_layers=10, window=2, probe=1, backoff=1)
     for _ in range(5):
         g.record_specee(1.0, None)
     assert g.mode == "specee" and g.dense_steps == 0 and g.costs is None
-    g = PayOffGate({}, num_layers=10, window=2, probe=1, backoff=3)  # ... but a window that skipped nothing
+    g = PayOffGate(StepPolicy(), Key(), num_layers=10, window=2, probe=1, backoff=3)  # ... but a window that skipped nothing
     for _ in range(2):
         g.record_specee(0.0, None)
     assert g.mode == "dense"
     with pytest.raises(ValueError, match="window, probe and backoff"):
-        PayOffGate({}, num_layers=10, window=0)
+        PayOffGate(StepPolicy(), Key(), num_layers=10, window=0)
 
 
 def test_gated_dense_steps_keep_tokens_and_the_draft_in_step(ee_model_dir, monkeypatch):
@@ -421,14 +425,14 @@ def test_gated_dense_steps_keep_tokens_and_the_draft_in_step(ee_model_dir, monke
     dense stretches between SpecEE windows (deterministically: the costs are given) and the tokens stay
     dense's; the draft head takes the dense steps' pairs in with its next proposal, so every proposal
     after a dense stretch equals the one an ungated run makes at the same position."""
-    from specee_core.early_exit.scheduler import PayOffCosts
+    from specee_core.step.policy import PayOffCosts
     from specee_core.draft.proposer import Proposer
 
     engine = SpecEEEngine.from_pretrained(ee_model_dir, speculator="draft", threshold=2.0, gate="measured",
                                           dtype="float32")
     gated_ee, ungated_ee = engine.early_exit, engine.early_exit.with_options(gate="off")
     assert gated_ee.gated and not ungated_ee.gated
-    gated_ee.pay_off["costs"] = PayOffCosts(overhead=0.5, layer_share=1.0)
+    engine.policy.pay_off[gated_ee] = PayOffCosts(overhead=0.5, layer_share=1.0)
     proposals = []  # (draft cache lengths after the proposal, candidates)
     real = Proposer.candidates
 
@@ -457,13 +461,14 @@ def test_gated_dense_steps_keep_tokens_and_the_draft_in_step(ee_model_dir, monke
 
 
 def test_pay_off_gate_starts_dense_where_the_calibration_says_exits_cannot_pay():
-    from specee_core.early_exit.scheduler import PayOffCosts, PayOffGate
+    from specee_core.step.policy import PayOffCosts, PayOffGate, StepPolicy
 
-    box = {"costs": PayOffCosts(overhead=0.2, layer_share=0.8)}
-    assert PayOffGate(box, num_layers=10, prior_skip=1.0).dense_next()  # 1 of 10 layers x 0.8 < 0.2
-    assert not PayOffGate(box, num_layers=10, prior_skip=3.0).dense_next()  # 3 of 10 x 0.8 > 0.2
-    assert not PayOffGate(box, num_layers=10, prior_skip=None).dense_next()  # no calibration: SpecEE first
-    g = PayOffGate({}, num_layers=10, window=2, backoff=2, max_backoff=8, prior_skip=0.0)  # nothing exits
+    policy, key = StepPolicy(), Key()
+    policy.pay_off[key] = PayOffCosts(overhead=0.2, layer_share=0.8)
+    assert PayOffGate(policy, key, num_layers=10, prior_skip=1.0).dense_next()  # 1 of 10 layers x 0.8 < 0.2
+    assert not PayOffGate(policy, key, num_layers=10, prior_skip=3.0).dense_next()  # 3 of 10 x 0.8 > 0.2
+    assert not PayOffGate(policy, key, num_layers=10, prior_skip=None).dense_next()  # no calibration: SpecEE first
+    g = PayOffGate(StepPolicy(), Key(), num_layers=10, window=2, backoff=2, max_backoff=8, prior_skip=0.0)  # nothing exits
     kinds = []  # no costs needed: 8 dense steps, then a window that checks its own exits
     for _ in range(12):
         kinds.append("d" if g.dense_next() else "s")

@@ -11,8 +11,8 @@ from specee_core import SamplingParams, SpecEEEngine
 from specee_core.machine import choose_dtype
 from specee_core.spec.costs import T_GRID, CostTable, monotone
 from specee_core.spec.expected import FORCED_PRIOR, Acceptance, expected_tokens, tokens_var
-from specee_core.spec.plan import (PROBE_AHEAD, PROBE_EVERY, TRIAL_STEPS, Outlook, Planner, RowView, StepPlan,
-                                   StepTimes, best_step, chains_could_pay, could_pay)
+from specee_core.spec.plan import Planner, RowView, best_step, chains_could_pay, could_pay
+from specee_core.step.policy import PROBE_AHEAD, PROBE_EVERY, TRIAL_STEPS, Outlook, StepPlan, StepPolicy
 from tests.conftest import BUNDLED, make_hf_model
 
 CODE = ["import os\nimport sys\n\n\ndef main(argv=None):\n", "class Point:\n    def __init__(self, x, y):\n",
@@ -93,7 +93,7 @@ def test_a_rows_forced_tokens_are_verified_where_its_draft_would_lose_and_learne
     p = best_step(STEEP, rows, max_depth=4, has_draft=True)
     assert p.kinds[0] == "forced" and p.depths[0] == 3 and p.kinds[1] in ("", "draft"), p
     assert best_step(STEEP, rows[1:], max_depth=4, has_draft=True).depth == 0
-    planner = Planner(STEEP, rows=1, max_depth=4, has_draft=True, times=StepTimes(decay=1.0))  # no wall-time check
+    planner = Planner(STEEP, rows=1, max_depth=4, has_draft=True, times=StepPolicy(decay=1.0))  # no wall-time check
     for _ in range(5):
         plan = planner.choose([0], [0], [4], [3])
         assert plan.kinds == ("forced",)
@@ -107,7 +107,7 @@ def test_a_rows_forced_tokens_are_verified_where_its_draft_would_lose_and_learne
 
 
 def test_acceptance_collapse_stops_drafting_within_a_few_steps_and_it_probes_again_later():
-    planner = Planner(STEEP, rows=1, max_depth=4, has_draft=True, times=StepTimes(decay=1.0))  # acceptance alone
+    planner = Planner(STEEP, rows=1, max_depth=4, has_draft=True, times=StepPolicy(decay=1.0))  # acceptance alone
     for _ in range(30):  # the draft head is right every time: it drafts, soon as deep as it may
         plan = planner.choose([0], [0], [4])
         assert plan.depth > 0 and plan.kinds == ("draft",)
@@ -192,7 +192,7 @@ def test_steps_of_different_sizes_in_one_bucket_are_compared_per_table_dense_ste
     """Dense steps of 32 rows take the table's 42 ms; a drafted step of 17 rows (the same bucket) makes 1.2 tokens
     a row in 1.4x the table's dense step at 17 rows: it loses. Per row and ms it made 0.032 against dense's 0.024,
     which kept drafting before; per table dense step it made 0.86 against 1.0."""
-    times = StepTimes()
+    times = StepPolicy()
     times.made("dense", 32, 32, 42.0, 42.0)
     times.made("spec", 17, int(17 * 1.2), 27.0 * 1.4, 27.0)
     drafted = StepPlan(1, ("draft",) * 32, (1,) * 32, 48.0, 60.0, 42.0)
@@ -204,7 +204,7 @@ def test_a_try_pays_for_the_draft_heads_catching_up(catch_up_ms, drafts):
     """After 4 dense steps (20 ms for 16 tokens), a try makes 1.3x dense's tokens in a dense step's time, but the
     draft head first caught up on 160 ms of backlog (the rows' prompts, their dense stretch): spread over the 16
     steps drafting would run at least, that is 10 ms a step, and the try falls behind; with no backlog it leads."""
-    times = StepTimes()
+    times = StepPolicy()
     for _ in range(TRIAL_STEPS):
         times.made("dense", 16, 16, 20.0, 20.0)
     drafted = StepPlan(1, ("draft",) * 16, (1,) * 16, 24.0, 20.0, 20.0)
@@ -217,7 +217,7 @@ def test_tries_are_spaced_by_what_catching_up_cost():
     """Each try of drafting at 32 rows costs the draft head 100 ms of catching up and loses; dense steps take 25 ms.
     Each next try waits until that cost is at most SWITCH_SHARE of the dense time between: 100 / (0.02 x 25) = 200
     steps; the first try's cost spaces the second too (it came 16 steps after the first before)."""
-    times = StepTimes()
+    times = StepPolicy()
     drafted = StepPlan(1, ("draft",) * 32, (1,) * 32, 48.0, 40.0, 25.0)
     tries = []
     for step in range(400):
@@ -236,7 +236,7 @@ def test_tries_are_spaced_by_all_they_cost_not_only_catching_up():
     would take 16 (4 ms lost) and leaves the rows ~2 tokens apart (1.25 steps of 10 ms at the end): 16.5 ms a try.
     Spaced by catching up alone (nothing) tries came every 16, 32, 64 steps; now each next waits until that is at
     most SWITCH_SHARE of the dense time between: 16.5 / (0.02 x 10) = 83 steps."""
-    times = StepTimes()
+    times = StepPolicy()
     drafted = StepPlan(1, ("draft",) * 8, (1,) * 8, 12.8, 10.0, 10.0, tokens_var(0.6, 1))
     tries = []
     for step in range(400):
@@ -295,10 +295,10 @@ def test_tokens_var_is_the_variance_of_a_chains_committed_tokens():
     assert p.token_var == pytest.approx(tokens_var(Acceptance().alpha, p.depth))
 
 
-def drafting_times(n: int, lead: float, measured: float | None = None) -> tuple[StepTimes, StepPlan]:
-    """StepTimes at n rows after the baseline, and a drafted plan the table puts `lead` ahead of dense (25 ms a
+def drafting_times(n: int, lead: float, measured: float | None = None) -> tuple[StepPolicy, StepPlan]:
+    """StepPolicy at n rows after the baseline, and a drafted plan the table puts `lead` ahead of dense (25 ms a
     step, 1.6 tokens a row per drafted step); measured: a try has led by 1.2x, then drafted steps by this."""
-    times = StepTimes()
+    times = StepPolicy()
     for _ in range(TRIAL_STEPS):
         times.made("dense", n, n, 25.0, 25.0)
     tokens = 1.6 * n
@@ -490,10 +490,10 @@ def tiny():
     return SpecEEEngine.from_pretrained(BUNDLED, dtype="float32")
 
 
-def dense_measured_ahead() -> StepTimes:
+def dense_measured_ahead() -> StepPolicy:
     """Step times by which dense steps make far more than drafted ones at every batch size, and no try of
     drafting is due for 256 steps: every step is a plain dense step of the speculative stepper."""
-    times = StepTimes()
+    times = StepPolicy()
     for b in SIZES:
         times.rate["spec", b], times.rate["dense", b] = 1e-6, 1.0
         times.try_every[b] = 256
@@ -510,7 +510,7 @@ def test_auto_is_the_default_and_equals_dense_in_fp32(tiny, costs, times, drafts
     plan = tiny.spec_plan()
     measured, kept = plan.costs, plan.times
     if costs is not None:  # real steps would not take the synthetic table's times: no learning from them
-        plan.costs, plan.times = costs, (times or (lambda: StepTimes(decay=1.0)))()
+        plan.costs, plan.times = costs, (times or (lambda: StepPolicy(decay=1.0)))()
     try:
         dense = tiny.generate(CODE, max_new_tokens=32, ignore_eos=True, mode="dense")
         auto = tiny.generate(CODE, max_new_tokens=32, ignore_eos=True)
@@ -537,7 +537,7 @@ def test_auto_keeps_the_distribution_when_sampling(tiny):
     with different seeds are from each other (a greedy or biased acceptance would sit near total variation 1)."""
     plan = tiny.spec_plan()
     measured, times = plan.costs, plan.times
-    plan.costs, plan.times = FLAT, StepTimes(decay=1.0)
+    plan.costs, plan.times = FLAT, StepPolicy(decay=1.0)
 
     def seeded(first: int) -> list[SamplingParams]:
         return [SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=first + i) for i in range(250)]

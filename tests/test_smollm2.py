@@ -157,7 +157,7 @@ def test_fp32_default_generate_equals_dense_at_batch_1_and_8(fp32_engine, prompt
     chooses, and with a plan forced to draft deep on every step (a flat cost table), the tokens are
     dense's, for a ragged batch of 8 and one prompt alone."""
     from specee_core.spec.costs import T_GRID, CostTable
-    from specee_core.spec.plan import StepTimes
+    from specee_core.step.policy import StepPolicy
 
     dense = [d[:40] for d in dense]
     plan = fp32_engine.spec_plan()
@@ -166,7 +166,7 @@ def test_fp32_default_generate_equals_dense_at_batch_1_and_8(fp32_engine, prompt
     for costs in (None, flat):
         measured, times = plan.costs, plan.times
         if costs is not None:
-            plan.costs, plan.times = costs, StepTimes(decay=1.0)
+            plan.costs, plan.times = costs, StepPolicy(decay=1.0)
         try:
             auto = fp32_engine.generate(prompts, max_new_tokens=40)
             single = [fp32_engine.generate([prompts[0]], max_new_tokens=40)[0]]

@@ -20,7 +20,8 @@ from specee_core.model.model import DecoderModel
 from specee_core.machine import choose_dtype
 from specee_core.options import EngineOptions
 from specee_core.spec.costs import CostTable, cost_key, load_costs
-from specee_core.spec.plan import Planner, SpecPlan, StepTimes, could_pay
+from specee_core.spec.plan import Planner, SpecPlan, could_pay
+from specee_core.step.policy import StepPolicy
 from specee_core.decode.core import EngineCore
 from specee_core.decode.request import Request
 from specee_core.decode.runner import Runner
@@ -45,7 +46,8 @@ class SpecEEEngine:
         self.draft = draft  # specee_core.draft.head.DraftModel, when draft/ is present: every mode's draft head
         self._plans: dict[tuple[int, bool], SpecPlan] = {}  # mode="auto": per (deepest chain, draft head)
         self._costs: CostTable | None = None  # the plans' measured cost table, loaded on first use
-        self._step_times = StepTimes()  # what steps really take against that table, learned while decoding
+        # what its steps really cost, learned while decoding: the drafting rule's and the early-exit gate's
+        self.policy = StepPolicy()
         self.dtype_reason = ""  # why the model's dtype was chosen (from_pretrained with dtype="auto")
         self.weights_reason = ""  # why its weight format was chosen (from_pretrained with weights="auto")
         c = model.config
@@ -397,7 +399,7 @@ class SpecEEEngine:
                 self._costs = load_costs(cost_key(self.model, self.model.dtype, self.device))
             self._plans[key] = SpecPlan(dtype=str(self.model.dtype).removeprefix("torch."),
                                         dtype_reason=self.dtype_reason, max_depth=opts.depth, has_draft=has_draft,
-                                        costs=self._costs, times=self._step_times)
+                                        costs=self._costs, times=self.policy)
         return self._plans[key]
 
     def prepare_plan(self, batch_sizes: list[int], spec: dict | None = None) -> SpecPlan:

@@ -37,7 +37,7 @@ class EarlyExitOptions:
     predictor_backend: str = "auto"  # "auto" (Triton on CUDA) | "triton" | "torch"
     schedule: str | None = None  # path of a schedule JSON; None = schedule.json beside the model
     # whether whole steps run dense when SpecEE's exits do not pay for its draft head and predictors here
-    # (scheduler.PayOffGate: the costs timed once per engine, then decided from the exits): "measured";
+    # (specee_core.step.policy.PayOffGate: the costs timed once per engine, then decided from the exits): "measured";
     # "off": every step a SpecEE step; "auto": measured on CPUs (host timers see the work), off on CUDA
     # (asynchronous: a host timer would time the launches)
     gate: str = "auto"

@@ -18,8 +18,9 @@ import torch
 
 from specee_core.early_exit.calibration import CALIBRATION_FILE, Calibration, calibrate_command
 from specee_core.early_exit.options import EarlyExitOptions
+from specee_core.step.policy import PayOffGate
 from specee_core.early_exit.predictors import DraftRecord, PredictorBank
-from specee_core.early_exit.scheduler import OnlineWindow, PayOffGate, Schedule
+from specee_core.early_exit.scheduler import OnlineWindow, Schedule
 from specee_core.early_exit.walk import CandidateScorer, Decisions, Pending, Proposal, RowStats, Walk
 from specee_core.draft.head import DraftHead, DraftModel
 from specee_core.draft.lookup import lookup_tokens, lookup_veto
@@ -55,7 +56,7 @@ class EarlyExit:
         # prompt lookup's (n-gram of at least this many tokens) is not taken (calibration.Calibration.lookup_veto)
         self.lookup_veto = None if options.max_disagreement is None else calibration.lookup_veto
         self.gated = options.gate == "measured" or (options.gate == "auto" and model.device.type != "cuda")
-        self.pay_off: dict = {}  # "costs": the PayOffCosts its gates timed (once; shared by every batch)
+        self._expected_skip: float | None = None
 
     def with_options(self, **changes) -> EarlyExit:
         """The same candidates, predictors and schedule with some options changed."""
@@ -83,11 +84,11 @@ class EarlyExit:
         cal = self.calibration
         if cal is None:
             return None
-        if "expected_skip" not in self.pay_off:
+        if self._expected_skip is None:
             L, layers = self.model.num_layers, self.exit_layers()
             exit_at = cal.exit_layers({l: t for l, t in self.thresholds.items() if l in layers}, L)
-            self.pay_off["expected_skip"] = float((L - exit_at).float().mean())
-        return self.pay_off["expected_skip"]
+            self._expected_skip = float((L - exit_at).float().mean())
+        return self._expected_skip
 
     def exit_layers(self) -> frozenset[int]:
         """The layers where a row may exit now: a threshold and not disabled by the schedule (the audit)."""
@@ -188,7 +189,8 @@ class EarlyExitStepper:
         self.t_draft = self.t_pred = self.t_total = 0.0
         self.step_no = 0
         self.dense_steps = 0  # steps the gate ran dense in this batch
-        self.gate = PayOffGate(ee.pay_off, m.num_layers, prior_skip=ee.expected_skip()) if ee.gated else None
+        # the engine's policy times SpecEE's costs once per EarlyExit (these options), then the gate decides from the exits
+        self.gate = PayOffGate(engine.policy, ee, m.num_layers, prior_skip=ee.expected_skip()) if ee.gated else None
         self.proposer = Proposer(ee.draft, n, cache.max_len, m.device)  # its own draft cache and lookup index
 
     def caches(self) -> list:

@@ -235,8 +235,3 @@ def _measure_draft(draft, model, batch: int, prefix: int, ids: torch.Tensor, rep
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def batch_bucket(b: int) -> int:
-    """The measured batch size that stands for b: the next power of two."""
-    return 1 << max(0, (b - 1).bit_length())
