@@ -21,15 +21,16 @@ import statistics
 import weakref
 from dataclasses import dataclass
 
-PROBE_EVERY = 16  # StepTimes.check: steps between a measured check of dense (or of drafting, once behind)
+PROBE_EVERY = 16  # StepPolicy.check: steps between a measured check of dense (or of drafting, once behind)
 PROBE_MARGIN = 1.25  # drafting's lead over dense's measured rate under which dense is measured anew ...
 PROBE_AHEAD = 4  # ... every PROBE_EVERY steps; above it, every PROBE_AHEAD x PROBE_EVERY
 TRY_EVERY_MAX = 256
-TRIAL_STEPS = 4  # StepTimes: drafted steps a try of drafting (while dense was ahead) is judged on, as their mean
+TRIAL_STEPS = 4  # StepPolicy: drafted steps a try of drafting (while dense was ahead) is judged on, as their mean
 # ... and the lead over dense they must show to bring drafting back: a tie does not pay for switching (the draft
 # head first catches up on every row's dense stretch, several dense steps' worth at many rows)
 TRIAL_MARGIN = 1.1
 SWITCH_SHARE = 0.02  # tries of drafting are spaced so what they cost is at most this share of dense's time
+
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -56,7 +57,6 @@ class StepPlan:
         return (self.expected_tokens / self.est_ms) / (n / self.dense_ms) if self.est_ms > 0 else 1.0
 
 
-
 @dataclass(frozen=True)
 class Outlook:
     """What switching a batch to drafting could still earn and what it costs first: horizon, the tokens its rows
@@ -66,10 +66,10 @@ class Outlook:
     catch_up_ms: float
 
 
-
 def batch_bucket(b: int) -> int:
     """The measured batch size that stands for b: the next power of two."""
     return 1 << max(0, (b - 1).bit_length())
+
 
 @dataclass(frozen=True)
 class PayOffCosts:
