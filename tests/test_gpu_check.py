@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from jobs import gpu_check
+from tools import gpu_check
 from tests.conftest import BUNDLED
 
 
