@@ -1,2 +1,3 @@
-"""Speculative decoding: acceptance, mode auto's measured costs and its choice of each step (costs, expected, plan),
+"""Speculative decoding: acceptance, mode auto's measured costs and its choice of a step's shape (costs, expected, plan; whether
+to draft at all: specee_core.step.policy),
 the propose-verify-commit decode step (drafts from specee_core.draft), and T3 (early exit inside verification)."""
