@@ -39,11 +39,11 @@ class EngineOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.context_len is not None and (isinstance(self.context_len, bool) or not isinstance(self.context_len, int)
-                                             or self.context_len < 2):
+        ctx = self.context_len
+        if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 2):
             raise ValueError(f"context_len must be an int >= 2 (or None: the model's), got {self.context_len!r}")
-        if self.kv_cache_gb is not None and (isinstance(self.kv_cache_gb, bool) or
-                                             not isinstance(self.kv_cache_gb, (int, float)) or not self.kv_cache_gb > 0):
+        gb = self.kv_cache_gb
+        if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb > 0):
             raise ValueError(f"kv_cache_gb must be > 0 (or None: a share of free memory), got {self.kv_cache_gb!r}")
         if not isinstance(self.prefix_cache, bool):
             raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
