@@ -42,15 +42,14 @@ ENGINE_FLAGS = {"max_batch_size": "--batch-size", "context_len": "--context-len"
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """A flag per ENGINE_FLAGS option, its default and help from specee_core.options.EngineOptions."""
-    from specee_core.options import EngineOptions, help_text
+    from specee_core.options import EngineOptions, default, help_text
 
     hints = typing.get_type_hints(EngineOptions)
     for name, flag in ENGINE_FLAGS.items():
-        default = EngineOptions.__dataclass_fields__[name].default
-        typ = _arg_type(hints[name], default)
-        kind = {"action": argparse.BooleanOptionalAction} if typ is bool else {"type": typ}
-        p.add_argument(flag, dest=name, default=default, help=help_text(name), **kind,
-                       **({} if typ is bool else {"metavar": name.split("_")[-1].upper()}))
+        typ = _arg_type(hints[name], default(name))
+        kind = ({"action": argparse.BooleanOptionalAction} if typ is bool
+                else {"type": typ, "metavar": name.split("_")[-1].upper()})
+        p.add_argument(flag, dest=name, default=default(name), help=help_text(name), **kind)
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -28,7 +28,7 @@ from specee_core.decode.runner import Runner
 from specee_core.decode.dense import DenseStepper
 from specee_core.decode.memory import default_kv_bytes
 from specee_core.step.sampling import SamplingParams
-from specee_core.step.state import GenerationResult, PromptError, TextRules, exit_stats
+from specee_core.step.state import GenerationResult, PromptError, TextRules
 from specee_core.step.stepper import StepperFactory
 
 log = logging.getLogger(__name__)
